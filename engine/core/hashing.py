@@ -1,0 +1,43 @@
+"""Chained block hashes for the prefix cache: hash(parent, token ids, extra keys).
+
+Deterministic across processes and machines (sha256 over a fixed byte layout), so a gateway
+hashing the same tokens finds the same blocks an engine reports in its KV events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+# The parent of a request's first block.
+ROOT_HASH = BlockHash(b"\x00" * 32)
+
+
+def hash_block_tokens(
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+) -> BlockHash:
+    digest = hashlib.sha256(parent)
+    digest.update(struct.pack(f"<I{len(token_ids)}Q", len(token_ids), *token_ids))
+    for key in extra_keys:
+        encoded = key.encode()
+        digest.update(struct.pack("<I", len(encoded)) + encoded)
+    return BlockHash(digest.digest())
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+    known: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`, reusing the first `len(known)` already known."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

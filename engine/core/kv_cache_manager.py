@@ -1,0 +1,127 @@
+"""KVCacheManager: each request's block table, prefix-cache hits, and slot allocation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvfleet.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvfleet.engine.core.hashing import ROOT_HASH, hash_full_blocks
+from kvfleet.engine.core.request import Request, RequestId
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, enable_events: bool = False
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_events)
+        self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache.
+        self.num_cached_blocks: dict[RequestId, int] = {}
+        # Prefix-cache statistics in tokens, vLLM semantics (first scheduling of a request only).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_blocks - 1
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: RequestId) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The leading blocks of `request` found (and verified) in the prefix cache, and the
+        number of tokens they hold. Never the whole request: the last token's logits are needed."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        parent = ROOT_HASH
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            block = self.block_pool.get_cached_block(block_hash)
+            start = i * self.block_size
+            tokens = tuple(request.all_token_ids[start : start + self.block_size])
+            if block is None or (block.parent_hash, block.token_ids, block.extra_keys) != (
+                parent,
+                tokens,
+                request.extra_keys,
+            ):
+                break
+            hits.append(block)
+            parent = block_hash
+        if request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new_tokens` more tokens of `request` (after its computed ones and the
+        prefix hits `new_computed_blocks`); None, changing nothing, when too few are free."""
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be at least 1, got {num_new_tokens}")
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Touching a free cached block takes it out of the free queue.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.allocate(num_new_blocks)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
+        if not req_blocks:
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its tail is evicted before its head."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free(reversed(blocks))
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        num_full = num_tokens // self.block_size
+        first = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        self._update_block_hashes(request)
+        hashes = request.block_hashes
+        for i in range(first, num_full):
+            start = i * self.block_size
+            self.block_pool.cache_block(
+                req_blocks[i],
+                hashes[i],
+                hashes[i - 1] if i > 0 else ROOT_HASH,
+                tuple(request.all_token_ids[start : start + self.block_size]),
+                request.extra_keys,
+            )
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def _update_block_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes = hash_full_blocks(
+                request.all_token_ids, self.block_size, request.extra_keys, request.block_hashes
+            )

@@ -1,0 +1,94 @@
+"""Request: one sequence's tokens, progress and state as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.engine.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason for a finished status."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence being generated. `num_computed_tokens` chases `num_tokens`: prefill, chunked
+    prefill and decode are the same mechanism."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    # Extra keys of the prefix-cache hash: requests that differ here never share blocks.
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache when first scheduled.
+    num_cached_tokens: int | None = None
+    # Hashes of the request's full blocks, in order; extended as tokens arrive.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # NOTE: all_token_ids is kept in step with the prompt and outputs by append_output_token.
+        self.all_token_ids: list[int] = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def extra_keys(self) -> tuple[str, ...]:
+        keys = []
+        if self.lora_name is not None:
+            keys.append(f"lora:{self.lora_name}")
+        if self.cache_salt is not None:
+            keys.append(f"salt:{self.cache_salt}")
+        return tuple(keys)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,259 @@
+"""Scheduler: which requests compute how many tokens each step, under one token budget.
+
+No prefill or decode phases: every request has `num_computed_tokens` chasing `num_tokens`, so a
+long prompt spreads over steps (chunked prefill) while running requests keep decoding. Running
+requests go first, in priority order; then waiting ones, by priority, then arrival. When blocks
+run out, the lowest-priority, newest running request is preempted (its blocks freed, recomputed
+later).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+
+from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.engine.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvfleet.engine.core.request import Request, RequestId, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ValueError(
+                "max_num_batched_tokens and max_num_seqs must be at least 1 and max_model_len "
+                f"at least 2, got {max_num_batched_tokens}, {max_num_seqs}, {max_model_len}"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must "
+                f"be at least max_model_len ({max_model_len}) so every prompt fits in one step"
+            )
+        if kv_cache_manager.blocks_needed(max_model_len) > kv_cache_manager.num_usable_blocks:
+            raise ValueError(
+                f"the KV cache ({kv_cache_manager.num_usable_blocks} blocks of "
+                f"{kv_cache_manager.block_size} tokens) cannot hold one sequence of max_model_len "
+                f"{max_model_len} tokens: lower max_model_len or give the cache more memory"
+            )
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[RequestId, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _queue_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._arrival_order: dict[RequestId, int] = {}
+        self._counter = itertools.count()
+        self._finished_since_last_step: set[RequestId] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens; this model's maximum context "
+                f"length is {self.max_model_len}, which leaves no room for an output token"
+            )
+        self.requests[request.request_id] = request
+        self._arrival_order[request.request_id] = next(self._counter)
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: Iterable[RequestId], status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string); unknown ids are ignored."""
+        assert status.is_finished
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[RequestId, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[RequestId] = set()
+
+        self.running.sort(key=self._queue_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # the lowest priority, newest
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            cached_reqs.append(
+                CachedRequestData(
+                    request.request_id,
+                    [b.block_id for b in new_blocks],
+                    request.num_computed_tokens,
+                )
+            )
+            budget -= num_new
+            i += 1
+
+        # NOTE: no admissions in a step that preempted: the freed blocks go to running requests.
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens)
+            if num_new == 0:
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
+            if new_blocks is None:
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    list(request.all_token_ids),
+                    request.num_prompt_tokens,
+                    request.sampling_params,
+                    self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_hit_tokens,
+                )
+            )
+            budget -= num_new
+
+        finished = self._finished_since_last_step | preempted
+        self._finished_since_last_step = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance each scheduled request by what was computed and sampled; apply token stops."""
+        index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        outputs = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            request.num_computed_tokens += num_tokens
+            i = index.get(req_id)
+            sampled = runner_output.sampled_token_ids[i] if i is not None else []
+            logprobs = runner_output.logprobs[i] if i is not None else None
+            new_token_ids: list[int] = []
+            status = None
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    break
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            if new_token_ids or status is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+                        finish_reason=status.finish_reason if status else None,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                    )
+                )
+        return outputs
+
+    def _num_tokens_to_schedule(
+        self, request: Request, budget: int, num_hit_tokens: int = 0
+    ) -> int:
+        num_new = request.num_tokens - max(request.num_computed_tokens, num_hit_tokens)
+        if num_new > budget and not self.enable_chunked_prefill:
+            return 0
+        return min(num_new, budget)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        del self._arrival_order[request.request_id]
+        self._finished_since_last_step.add(request.request_id)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    def _queue_key(self, request: Request) -> tuple[int, float, int]:
+        return request.priority, request.arrival_time, self._arrival_order[request.request_id]

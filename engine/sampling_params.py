@@ -1,0 +1,122 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops, validated on creation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Below this, a temperature means greedy (argmax): dividing by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling knobs with OpenAI/vLLM semantics. Bad values raise ValueError.
+
+    `top_k=None` and `max_tokens=None` mean "no limit" (up to the context length).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        self.stop_strings = _stop_strings(self.stop)
+        if not isinstance(self.stop_token_ids, Sequence) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        _check(_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}")
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            f"temperature must be non-negative, got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
+            f"top_k must be at least 1 (or None to disable), got {self.top_k!r}",
+        )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}"
+            )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be positive, got {self.repetition_penalty!r}",
+        )
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be at least 1, got {self.max_tokens!r}",
+        )
+        _check(
+            self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop strings must not be empty")
+    return tuple(stop)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
