@@ -1,0 +1,1 @@
+"""kvfleet.engine.attention: attention over the paged KV cache, behind one backend interface."""

@@ -1,0 +1,35 @@
+"""AttentionMetadata: where each token of a flattened varlen batch reads and writes the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block_id * block_size + offset)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block 0
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: query token offsets
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV length of each sequence after this step
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Host copies for backends that loop on the CPU (the torch reference).
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the layer's cache, then attends each query to its sequence."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

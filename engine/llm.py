@@ -1,0 +1,125 @@
+"""LLM: the offline API — generate for a batch of prompts, or chat, and return when all are done."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.tokenizer import Message
+
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+
+_CACHE_ARGS = {"block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_gib",
+               "enable_prefix_caching"}  # fmt: skip
+_SCHEDULER_ARGS = {"max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"}
+
+
+class LLM:
+    """`LLM(model="smollm2", dtype="float32", max_num_batched_tokens=64, ...)`.
+
+    Keyword arguments are EngineConfig fields, or CacheConfig and SchedulerConfig fields given
+    flat (block_size, num_blocks, enable_prefix_caching, max_num_batched_tokens, ...).
+    """
+
+    def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
+        cache = {k: engine_args.pop(k) for k in list(engine_args) if k in _CACHE_ARGS}
+        scheduler = {k: engine_args.pop(k) for k in list(engine_args) if k in _SCHEDULER_ARGS}
+        config = EngineConfig(
+            model=model,
+            cache=CacheConfig(**cache),
+            scheduler=SchedulerConfig(**scheduler),
+            **engine_args,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A bad prompt raises ValueError before any runs."""
+        batch = _as_batch(prompts)
+        params = _params_for(batch, sampling_params)
+        prepared = [self._prepare(p) for p in batch]
+        return self._run(prepared, params)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each rendered by the chat template."""
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this engine has none")
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(conv, add_generation_prompt),  # type: ignore[arg-type]
+                add_special_tokens=False,
+            )
+            for conv in conversations
+        ]
+        return self._run([(None, p) for p in prompts], _params_for(prompts, sampling_params))
+
+    def _prepare(self, prompt: PromptInput) -> tuple[str | None, str | list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return None, str(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, prompt if isinstance(prompt, str) else list(prompt)
+
+    def _run(
+        self, prompts: list[tuple[str | None, str | list[int]]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for i, ((_, prompt), p) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                engine.add_request(ids[i], prompt, p)
+            except ValueError as exc:
+                engine.abort_request(ids[:i])
+                raise ValueError(f"prompt {i}: {exc}") from exc
+        finished: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in ids]
+
+
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string, token ids, or a list of them, got {prompts!r}")
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _params_for(
+    batch: Sequence[object], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in batch]
+    if isinstance(params, SamplingParams):
+        return [params] * len(batch)
+    if len(params) != len(batch):
+        raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+    return list(params)

@@ -1,0 +1,218 @@
+"""LLMEngine: one engine instance — tokenizer, scheduler, KV cache, model runner — stepped by its owner.
+
+Wiring happens here and only here. `add_request` validates (ValueError on bad input, nothing
+added); `step` schedules, runs the model once, and returns the requests that progressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvfleet.engine.attention.torch_backend import TorchAttention
+from kvfleet.engine.config import EngineConfig, ModelConfig
+from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.engine.core.request import Request, RequestId, RequestStatus
+from kvfleet.engine.core.scheduler import Scheduler
+from kvfleet.engine.loader.model_loader import load_model
+from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.output_processor import OutputProcessor
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.runner import ModelRunner, kv_cache_bytes_per_block
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _pick_device(config.device)
+        torch.manual_seed(config.seed)
+        self.source = resolve_model_source(config.model, config.load_format)
+        self.model_config = self.source.read_config()
+        self.dtype = _pick_dtype(config.dtype, self.model_config, self.device)
+        self.max_model_len = _max_model_len(config, self.model_config)
+        self.tokenizer = (
+            Tokenizer.load(self.source, config.tokenizer)
+            if self.source.format != "dummy" or config.tokenizer
+            else None
+        )
+        if config.attention_backend != "torch":
+            raise ValueError(f"unknown attention backend {config.attention_backend!r}")
+        model = load_model(
+            self.source, self.model_config, self.dtype, self.device, _torch_attention, config.seed
+        )
+        num_blocks = self._num_blocks()
+        block_size = config.cache.block_size
+        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events
+        )
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[RequestId]] = {}
+        logger.info(
+            "engine ready: %s (%s) on %s in %s; %d KV blocks of %d tokens; max_model_len %d",
+            self.source.name, self.source.format, self.device, self.dtype,
+            num_blocks, block_size, self.max_model_len,
+        )  # fmt: skip
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; ValueError (nothing queued) for a bad prompt or a duplicate id."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stop_token_ids = (*params.stop_token_ids, *self._extra_eos_ids(params))
+        child_ids = [RequestId(request_id if params.n == 1 else f"{request_id}#{i}") for i in range(params.n)]
+        children = []
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 or stop_token_ids != params.stop_token_ids:
+                child_params = dataclasses.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    stop_token_ids=stop_token_ids,
+                )
+            children.append(
+                Request(child_id, token_ids, child_params, self.eos_token_id, arrival,
+                        priority=priority, cache_salt=cache_salt)
+            )  # fmt: skip
+        added: list[Request] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except ValueError:
+            self.scheduler.finish_requests([c.request_id for c in added], RequestStatus.FINISHED_ABORTED)
+            raise
+        self._children[request_id] = child_ids
+        self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        child_ids = [c for rid in request_ids for c in self._children.pop(rid, [])]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(child_ids, time.monotonic())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        now = time.monotonic()
+        for new in scheduler_output.scheduled_new_reqs:
+            self.output_processor.mark_scheduled(new.req_id, now)
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for output in outputs:
+            if output.finished:
+                self._children.pop(output.request_id, None)
+        return outputs
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (dummy weights): send token ids")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("a prompt must be a string or a list of token ids (integers)")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
+        return None, list(prompt)
+
+    def _extra_eos_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """End-of-sequence ids besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+        if params.ignore_eos:
+            return ()
+        return tuple(
+            t for t in self.model_config.eos_token_ids
+            if t != self.eos_token_id and t not in params.stop_token_ids
+        )  # fmt: skip
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        if self.device.type == "cuda":
+            _, total = torch.cuda.mem_get_info(self.device)
+            # Activations of the largest step; profiled properly with the GPU fast path.
+            reserve = _GIB + 64 * self.config.scheduler.max_num_batched_tokens * self.model_config.hidden_size
+            budget = total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - reserve
+        else:
+            budget = cache.cpu_kv_cache_gib * _GIB
+        num_blocks = int(budget // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"no memory is left for the KV cache (budget {budget / _GIB:.2f} GiB)")
+        return num_blocks
+
+
+def _torch_attention(config: ModelConfig) -> TorchAttention:
+    return TorchAttention(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window
+    )
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+def _pick_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)  # type: ignore[no-any-return]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's {limit} positions"
+        )
+    return config.max_model_len

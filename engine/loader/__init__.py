@@ -1,0 +1,1 @@
+"""kvfleet.engine.loader: find a model, read its config, and fill a model's weights."""

@@ -1,0 +1,1 @@
+"""kvfleet.engine.models: model architectures (torch modules) served by the engine."""

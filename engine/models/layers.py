@@ -1,0 +1,102 @@
+"""Layers shared by the Llama family: RMSNorm with fused residual add, rotary embeddings, SiLU·mul.
+
+Each matches Hugging Face transformers' numerics (float32 statistics, cast back to the model dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalize `x + residual`; returns (normalized, the new residual)."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        # [num_tokens, hidden]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * d] -> [num_tokens, d]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+def rope_inv_freq(
+    rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None
+) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in float32, with linear or llama3 scaling."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+    if rope_type == "llama3":
+        assert scaling is not None
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are scaled down by `factor`, short ones kept, the middle blended.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), cos/sin cached per position in float32."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]
+        # [max_position, head_dim / 2] each. NOTE: plain attributes computed on the CPU, not
+        # buffers, so a model built on the meta device keeps them; moved on first use.
+        self.cos_cache = freqs.cos()
+        self.sin_cache = freqs.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens]; q [num_tokens, Hq, D], k [num_tokens, Hkv, D]."""
+        if self.cos_cache.device != positions.device:
+            self.cos_cache = self.cos_cache.to(positions.device)
+            self.sin_cache = self.sin_cache.to(positions.device)
+        cos = self.cos_cache[positions].repeat(1, 2)[:, None, :].to(q.dtype)
+        sin = self.sin_cache[positions].repeat(1, 2)[:, None, :].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,193 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2) over a flattened varlen batch.
+
+One module serves them all: they differ in config only (QKV bias, tied embeddings, rope scaling,
+sliding window). Q/K/V and gate/up are fused into one matmul each; `load_weights` takes
+Hugging Face tensor names and fills the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from kvfleet.engine.attention.metadata import AttentionBackend, AttentionMetadata
+from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+AttentionFactory = Callable[[ModelConfig], AttentionBackend]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, metadata)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size, inner = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(size, 2 * inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFactory):
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, attention(config))
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every one must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
+            param = params[name]
+            dest = param.data if shard is None else param.data.narrow(0, *shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{name}:{shard}")
+        missing = sorted(
+            name for name, part in _expected_parts(self, params) if f"{name}:{part}" not in loaded
+        )
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_SHARDED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, tuple[int, int] | None] | None:
+    """A Hugging Face tensor name -> (our parameter, (row offset, rows) or None); None to skip."""
+    if "rotary_emb.inv_freq" in hf_name:
+        return None
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    name = hf_name.removeprefix("model.")
+    for hf_part, (ours, index) in _SHARDED.items():
+        marker = f".{hf_part}."
+        if marker in name:
+            return name.replace(marker, f".{ours}."), _shard_rows(ours, index, config)
+    return name, None
+
+
+def _shard_rows(fused: str, index: int, config: ModelConfig) -> tuple[int, int]:
+    if fused == "gate_up_proj":
+        return index * config.intermediate_size, config.intermediate_size
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    offsets = (0, q_size, q_size + kv_size)
+    return offsets[index], (q_size, kv_size, kv_size)[index]
+
+
+def _expected_parts(
+    model: LlamaForCausalLM, params: dict[str, nn.Parameter]
+) -> Iterable[tuple[str, tuple[int, int] | None]]:
+    for name in params:
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+        if fused is None:
+            yield name, None
+        else:
+            for index in range(3 if fused == "qkv_proj" else 2):
+                yield name, _shard_rows(fused, index, model.config)

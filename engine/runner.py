@@ -1,0 +1,193 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over the paged KV cache and samples.
+
+It keeps a small state per request (token ids, block table, generator) updated from the
+scheduler's diffs, flattens the step into varlen tensors, and computes logits only for the
+requests that reach their last known token this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
+from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvfleet.engine.core.request import RequestId
+from kvfleet.engine.models.llama import LlamaForCausalLM
+from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from kvfleet.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: RequestId
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled]: the token rows whose logits are sampled
+    sampled_req_ids: list[RequestId]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_key_value_heads * config.head_dim * element
+    return per_token * block_size * config.num_hidden_layers
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+        self.kv_caches = [
+            torch.zeros(
+                2, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
+                dtype=dtype, device=device,
+            )  # fmt: skip
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.requests: dict[RequestId, CachedRequestState] = {}
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [], [])
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
+        sampled = self.sampler(logits, self._sampling_metadata(states))
+        return self._outputs(scheduler_output, inputs.sampled_req_ids, states, sampled)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
+                list(new.block_ids), new.num_computed_tokens, generator,
+            )  # fmt: skip
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampled_req_ids: list[RequestId] = []
+        bs = self.block_size
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            input_ids += state.token_ids[start:end]
+            positions += range(start, end)
+            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            query_lens.append(num_tokens)
+            seq_lens.append(end)
+            block_tables.append(state.block_ids)
+            if end == len(state.token_ids):  # the last known token: sample the next one
+                logits_indices.append(len(input_ids) - 1)
+                sampled_req_ids.append(req_id)
+        max_blocks = max(len(t) for t in block_tables)
+        padded_tables = [t + [NULL_BLOCK_ID] * (max_blocks - len(t)) for t in block_tables]
+        cu_seqlens_q = [0]
+        for n in query_lens:
+            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        metadata = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded_tables, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return ModelInputs(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            metadata=metadata,
+            logits_indices=tensor(logits_indices, torch.int64),
+            sampled_req_ids=sampled_req_ids,
+        )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.token_ids[s.num_prompt_tokens :] for s in states],
+            {i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            self.config.vocab_size,
+            self.device,
+        )
+
+    def _outputs(
+        self,
+        out: SchedulerOutput,
+        sampled_req_ids: list[RequestId],
+        states: list[CachedRequestState],
+        sampled: SamplerOutput,
+    ) -> ModelRunnerOutput:
+        # NOTE: one device-to-host copy per tensor for the whole batch.
+        tokens = sampled.sampled_token_ids.tolist()
+        logprobs: dict[RequestId, list[TokenLogprobs]] = {}
+        if sampled.logprobs is not None:
+            assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
+            ids, values = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
+            ranks = sampled.sampled_ranks.tolist()
+            for row, state in enumerate(states):
+                k = state.sampling_params.logprobs
+                if k is not None:
+                    logprobs[state.req_id] = [
+                        TokenLogprobs(ids[row][0], values[row][0], ranks[row],
+                                      ids[row][1 : 1 + k], values[row][1 : 1 + k])
+                    ]  # fmt: skip
+        by_req = dict(zip(sampled_req_ids, tokens, strict=True))
+        for state in states:
+            state.token_ids.append(by_req[state.req_id])
+        req_ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[[by_req[r]] if r in by_req else [] for r in req_ids],
+            logprobs=[logprobs.get(r) for r in req_ids],
+        )

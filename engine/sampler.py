@@ -1,0 +1,165 @@
+"""The batched sampler: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+One pass over the whole batch's logits on the device. The only per-request Python work is for
+requests with their own seed, whose random draws come from their own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """The batch's sampling knobs as device tensors, one row per sampled request."""
+
+    temperature: torch.Tensor  # [B] float32; 1.0 in greedy rows (unused there)
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    presence_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    prompt_token_ids: torch.Tensor | None  # [B, max_prompt] int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None  # [B, max_output] int64, padded with vocab_size
+    generators: dict[int, torch.Generator]  # row -> the request's own generator
+    max_num_logprobs: int | None  # None: no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        has_penalties = any(p.has_penalties for p in params)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
+            greedy=column(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=column([p.top_k or vocab_size for p in params], torch.int64)
+            if any(p.top_k is not None for p in params)
+            else None,
+            top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
+            min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+            presence_penalty=column([p.presence_penalty for p in params]) if has_penalties else None,
+            frequency_penalty=column([p.frequency_penalty for p in params]) if has_penalties else None,
+            repetition_penalty=column([p.repetition_penalty for p in params])
+            if has_penalties
+            else None,
+            prompt_token_ids=_pad(prompt_token_ids, vocab_size, device) if has_penalties else None,
+            output_token_ids=_pad(output_token_ids, vocab_size, device) if has_penalties else None,
+            generators=generators,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # When logprobs were asked for: [B, 1 + k] ids and logprobs (the sampled token first), ranks [B].
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits [B, vocab] float32 -> one token per row."""
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        if meta.presence_penalty is not None:
+            logits = apply_penalties(logits, meta)
+        greedy_tokens = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            sampled = greedy_tokens
+        else:
+            probs = filtered_probs(logits, meta)
+            sampled = torch.where(meta.greedy, greedy_tokens, exponential_race(probs, meta.generators))
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        return _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """vLLM/OpenAI semantics: repetition over prompt and output tokens (divide positive logits,
+    multiply negative ones); frequency by output count; presence by output occurrence."""
+    assert meta.output_token_ids is not None and meta.prompt_token_ids is not None
+    assert meta.frequency_penalty is not None and meta.repetition_penalty is not None
+    num_rows, vocab_size = logits.shape
+    # One extra column absorbs the padding id (vocab_size).
+    output_counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
+    output_counts.scatter_add_(
+        1, meta.output_token_ids, torch.ones_like(meta.output_token_ids, dtype=torch.float32)
+    )
+    output_counts = output_counts[:, :vocab_size]
+    seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, meta.prompt_token_ids, True)
+    seen = seen[:, :vocab_size] | (output_counts > 0)
+    repetition = meta.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - meta.frequency_penalty[:, None] * output_counts
+    return logits - meta.presence_penalty[:, None] * (output_counts > 0)  # type: ignore[index]
+
+
+def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Softmax of logits / temperature after top-k, top-p and min-p filtering."""
+    logits = logits / meta.temperature[:, None]
+    if meta.top_k is not None or meta.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if meta.top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+            drop |= ranks >= meta.top_k[:, None]
+        if meta.top_p is not None:
+            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= meta.top_p[:, None]
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    if meta.min_p is not None:
+        threshold = meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample each row of `probs` as argmax(p / E) with E ~ Exp(1): one draw per vocab entry,
+    from the row's own generator where it has one (reproducible whatever the batch)."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
+    sampled_logprob = raw_logprobs.gather(1, sampled[:, None])
+    ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
+    top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], sampled[:, None][:, :0])
+    return SamplerOutput(
+        sampled_token_ids=sampled,
+        logprob_token_ids=torch.cat([sampled[:, None], top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
+        sampled_ranks=ranks,
+    )
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)

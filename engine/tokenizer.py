@@ -1,0 +1,95 @@
+"""Tokenizer: a Hugging Face tokenizer from a model folder or a GGUF file, with chat templates.
+
+Converting a GGUF vocabulary into a fast tokenizer takes seconds, so the converted tokenizer is
+kept under $KVFLEET_HOME/tokenizers, keyed by the file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfleet.engine import model_cache
+from kvfleet.engine.loader.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+Message = Mapping[str, Any]
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @classmethod
+    def load(cls, source: ModelSource, override: str | None = None) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        if override is not None:
+            return cls(AutoTokenizer.from_pretrained(override))
+        if source.format == "gguf":
+            return cls(_load_gguf_tokenizer(source.path))
+        return cls(AutoTokenizer.from_pretrained(str(source.folder)))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation rendered as text by the model's chat template."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
+        normalized = [_normalize_message(m) for m in messages]
+        text: str = self.hf.apply_chat_template(
+            normalized, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return text
+
+
+def _normalize_message(message: Message) -> dict[str, str]:
+    """{"role", "content"} with content as a string (OpenAI text parts are joined)."""
+    if not isinstance(message, Mapping) or "role" not in message:
+        raise ValueError(f"a chat message must be an object with a role, got {message!r}")
+    role, content = message["role"], message.get("content", "")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise ValueError(f"unknown chat role {role!r}")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported, got {part!r}")
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ValueError(f"message content must be a string or text parts, got {content!r}")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _load_gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = model_cache.kvfleet_home() / "tokenizers" / key[:24]
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    logger.info("converting the tokenizer of %s (once) ...", path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(str(cached))
+    except OSError as exc:  # a read-only home only costs the conversion next time
+        logger.warning("could not keep the converted tokenizer in %s: %s", cached, exc)
+    return tokenizer
