@@ -190,6 +190,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # token ids in and out only
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -40,9 +40,10 @@ class LLMEngine:
         self.model_config = self.source.read_config()
         self.dtype = _pick_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = _max_model_len(config, self.model_config)
+        wants_tokenizer = self.source.format != "dummy" or config.tokenizer is not None
         self.tokenizer = (
             Tokenizer.load(self.source, config.tokenizer)
-            if self.source.format != "dummy" or config.tokenizer
+            if wants_tokenizer and not config.skip_tokenizer_init
             else None
         )
         if config.attention_backend != "torch":
@@ -93,7 +94,9 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stop_token_ids = (*params.stop_token_ids, *self._extra_eos_ids(params))
-        child_ids = [RequestId(request_id if params.n == 1 else f"{request_id}#{i}") for i in range(params.n)]
+        child_ids = [
+            RequestId(request_id if params.n == 1 else f"{request_id}#{i}") for i in range(params.n)
+        ]
         children = []
         for i, child_id in enumerate(child_ids):
             child_params = params
@@ -114,7 +117,9 @@ class LLMEngine:
                 self.scheduler.add_request(child)
                 added.append(child)
         except ValueError:
-            self.scheduler.finish_requests([c.request_id for c in added], RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(
+                [c.request_id for c in added], RequestStatus.FINISHED_ABORTED
+            )
             raise
         self._children[request_id] = child_ids
         self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
@@ -144,7 +149,7 @@ class LLMEngine:
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (dummy weights): send token ids")
+                raise ValueError("this engine has no tokenizer: send token ids")
             if not prompt:
                 raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
@@ -175,8 +180,15 @@ class LLMEngine:
         if self.device.type == "cuda":
             _, total = torch.cuda.mem_get_info(self.device)
             # Activations of the largest step; profiled properly with the GPU fast path.
-            reserve = _GIB + 64 * self.config.scheduler.max_num_batched_tokens * self.model_config.hidden_size
-            budget = total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - reserve
+            reserve = (
+                _GIB
+                + 64 * self.config.scheduler.max_num_batched_tokens * self.model_config.hidden_size
+            )
+            budget = (
+                total * cache.gpu_memory_utilization
+                - torch.cuda.memory_allocated(self.device)
+                - reserve
+            )
         else:
             budget = cache.cpu_kv_cache_gib * _GIB
         num_blocks = int(budget // per_block)
@@ -187,7 +199,10 @@ class LLMEngine:
 
 def _torch_attention(config: ModelConfig) -> TorchAttention:
     return TorchAttention(
-        config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.sliding_window,
     )
 
 

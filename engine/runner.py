@@ -64,8 +64,13 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches = [
             torch.zeros(
-                2, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
-                dtype=dtype, device=device,
+                2,
+                num_blocks,
+                block_size,
+                config.num_key_value_heads,
+                config.head_dim,
+                dtype=dtype,
+                device=device,
             )  # fmt: skip
             for _ in range(config.num_hidden_layers)
         ]

@@ -48,7 +48,9 @@ class SamplingMetadata:
         has_penalties = any(p.has_penalties for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
+            temperature=column(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+            ),
             greedy=column(greedy, torch.bool),
             all_greedy=all(greedy),
             top_k=column([p.top_k or vocab_size for p in params], torch.int64)
@@ -56,8 +58,12 @@ class SamplingMetadata:
             else None,
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
             min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-            presence_penalty=column([p.presence_penalty for p in params]) if has_penalties else None,
-            frequency_penalty=column([p.frequency_penalty for p in params]) if has_penalties else None,
+            presence_penalty=column([p.presence_penalty for p in params])
+            if has_penalties
+            else None,
+            frequency_penalty=column([p.frequency_penalty for p in params])
+            if has_penalties
+            else None,
             repetition_penalty=column([p.repetition_penalty for p in params])
             if has_penalties
             else None,
@@ -88,7 +94,9 @@ class Sampler:
             sampled = greedy_tokens
         else:
             probs = filtered_probs(logits, meta)
-            sampled = torch.where(meta.greedy, greedy_tokens, exponential_race(probs, meta.generators))
+            sampled = torch.where(
+                meta.greedy, greedy_tokens, exponential_race(probs, meta.generators)
+            )
         if raw_logprobs is None:
             return SamplerOutput(sampled)
         return _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
@@ -150,7 +158,9 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
     sampled_logprob = raw_logprobs.gather(1, sampled[:, None])
     ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
-    top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], sampled[:, None][:, :0])
+    top_logprobs, top_ids = (
+        raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], sampled[:, None][:, :0])
+    )
     return SamplerOutput(
         sampled_token_ids=sampled,
         logprob_token_ids=torch.cat([sampled[:, None], top_ids], dim=1),

@@ -75,9 +75,7 @@ def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str,
         array = np.array(array, dtype=np.float32, copy=True)
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = (
-                config.num_attention_heads
-                if "q_proj" in hf_name
-                else config.num_key_value_heads
+                config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
             )
             array = reverse_permute_qk(array, heads)
         yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
@@ -97,9 +95,7 @@ def reverse_permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's permute: rows (head, pair, half) back to (head, half, pair)."""
     half = weight.shape[0] // num_heads // 2
     return (
-        weight.reshape(num_heads, half, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
     )
 
 

@@ -20,7 +20,9 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = sorted(folder.glob("*.safetensors"))
     missing = [f.name for f in files if not f.is_file()]
     if not files or missing:
-        raise ValueError(f"{folder}: safetensors files missing ({', '.join(missing) or 'none found'})")
+        raise ValueError(
+            f"{folder}: safetensors files missing ({', '.join(missing) or 'none found'})"
+        )
     return files
 
 

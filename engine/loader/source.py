@@ -63,7 +63,11 @@ def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
             raise ValueError(f"{path}: a model file must be a .gguf (or use load_format='dummy')")
         return ModelSource("gguf", path, model)
     ggufs = sorted(path.glob("*.gguf"))
-    if load_format != "gguf" and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    if (
+        load_format != "gguf"
+        and (path / "config.json").is_file()
+        and any(path.glob("*.safetensors"))
+    ):
         return ModelSource("hf", path, model)
     if len(ggufs) == 1:
         return ModelSource("gguf", ggufs[0], model)
@@ -83,4 +87,6 @@ def _download_from_hub(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as exc:
-        raise ValueError(f"could not download {repo_id!r} from the Hugging Face hub: {exc}") from exc
+        raise ValueError(
+            f"could not download {repo_id!r} from the Hugging Face hub: {exc}"
+        ) from exc

@@ -38,9 +38,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def rope_inv_freq(
-    rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None
-) -> torch.Tensor:
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2] in float32, with linear or llama3 scaling."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -58,7 +56,9 @@ def rope_inv_freq(
         wavelen = 2 * math.pi / inv_freq
         # Long wavelengths are scaled down by `factor`, short ones kept, the middle blended.
         scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, blended, scaled)
