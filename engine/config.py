@@ -1,4 +1,4 @@
-"""Engine configuration: the model's shape, the KV cache, the scheduler, and the engine as a whole."""
+"""Engine configuration: the model's shape, the KV cache, the scheduler, the engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LLMEngine: one engine instance — tokenizer, scheduler, KV cache, model runner — stepped by its owner.
+"""LLMEngine: tokenizer, scheduler, KV cache and model runner, stepped by its owner.
 
 Wiring happens here and only here. `add_request` validates (ValueError on bad input, nothing
 added); `step` schedules, runs the model once, and returns the requests that progressed.
@@ -153,15 +153,15 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Sequence) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        items: list[object] = list(prompt) if isinstance(prompt, Sequence) else [None]
+        token_ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+        if len(token_ids) != len(items):
             raise ValueError("a prompt must be a string or a list of token ids (integers)")
         vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
-        return None, list(prompt)
+        return None, token_ids
 
     def _extra_eos_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """End-of-sequence ids besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""

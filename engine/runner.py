@@ -71,7 +71,7 @@ class ModelRunner:
                 config.head_dim,
                 dtype=dtype,
                 device=device,
-            )  # fmt: skip
+            )
             for _ in range(config.num_hidden_layers)
         ]
         self.requests: dict[RequestId, CachedRequestState] = {}
@@ -177,7 +177,8 @@ class ModelRunner:
         tokens = sampled.sampled_token_ids.tolist()
         logprobs: dict[RequestId, list[TokenLogprobs]] = {}
         if sampled.logprobs is not None:
-            assert sampled.logprob_token_ids is not None and sampled.sampled_ranks is not None
+            assert sampled.logprob_token_ids is not None
+            assert sampled.sampled_ranks is not None
             ids, values = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
             ranks = sampled.sampled_ranks.tolist()
             for row, state in enumerate(states):

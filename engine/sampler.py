@@ -6,6 +6,7 @@ requests with their own seed, whose random draws come from their own generator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
-        def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.is_greedy for p in params]
@@ -77,7 +78,7 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
-    # When logprobs were asked for: [B, 1 + k] ids and logprobs (the sampled token first), ranks [B].
+    # With logprobs: [B, 1 + k] ids and logprobs (the sampled token first), and ranks [B].
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None
@@ -105,8 +106,10 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """vLLM/OpenAI semantics: repetition over prompt and output tokens (divide positive logits,
     multiply negative ones); frequency by output count; presence by output occurrence."""
-    assert meta.output_token_ids is not None and meta.prompt_token_ids is not None
-    assert meta.frequency_penalty is not None and meta.repetition_penalty is not None
+    assert meta.output_token_ids is not None
+    assert meta.prompt_token_ids is not None
+    assert meta.frequency_penalty is not None
+    assert meta.repetition_penalty is not None
     num_rows, vocab_size = logits.shape
     # One extra column absorbs the padding id (vocab_size).
     output_counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)

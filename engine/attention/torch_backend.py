@@ -1,4 +1,4 @@
-"""The torch attention backend: the reference (CPU and CUDA) that faster backends are tested against.
+"""The torch attention backend: the reference (CPU and CUDA) for faster backends.
 
 Reads K/V from the paged cache through each sequence's block table, so prefix hits and chunked
 prefill are exercised exactly as a paged kernel sees them.

@@ -69,8 +69,11 @@ def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str,
             array = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
             kind = GGMLQuantizationType(tensor.tensor_type).name
-            raise ValueError(f"{path}: tensor {tensor.name} has type {kind}, which kvfleet cannot "
-                             f"dequantize (tested: {', '.join(TESTED_TYPES)})") from None  # fmt: skip
+            tested = ", ".join(TESTED_TYPES)
+            raise ValueError(
+                f"{path}: tensor {tensor.name} has type {kind}, which kvfleet cannot dequantize "
+                f"(tested: {tested})"
+            ) from None
         # NOTE: a copy: the reader memory-maps the file read-only.
         array = np.array(array, dtype=np.float32, copy=True)
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -1,4 +1,4 @@
-"""load_model: build a model on its device in its dtype, then fill it from the source or randomly."""
+"""load_model: build a model on its device in its dtype, then fill its weights."""
 
 from __future__ import annotations
 

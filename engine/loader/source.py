@@ -1,4 +1,4 @@
-"""ModelSource: what a `model` argument names — an alias, a GGUF file, a folder, a hub id, a config."""
+"""ModelSource: what a `model` argument names: alias, GGUF file, folder, hub id or config."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
         path = cached.path
     elif not path.exists():
         if model.count("/") != 1 or model.startswith((".", "/")):
+            aliases = ", ".join(model_cache.BUILTIN_MODELS)
             raise ValueError(
-                f"model {model!r} is not a built-in alias ({', '.join(model_cache.BUILTIN_MODELS)}), "
+                f"model {model!r} is not a built-in alias ({aliases}), "
                 "an existing file or folder, or a Hugging Face hub id (org/name)"
             )
         path = _download_from_hub(model)

@@ -42,11 +42,11 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | No
     """Inverse frequencies [rotary_dim / 2] in float32, with linear or llama3 scaling."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
-    rope_type = (scaling or {}).get("rope_type", "default")
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])  # type: ignore[index]
-    if rope_type == "llama3":
-        assert scaling is not None
+    if scaling is None or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    if scaling["rope_type"] == "llama3":
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling["low_freq_factor"])
         high_freq_factor = float(scaling["high_freq_factor"])

@@ -48,7 +48,8 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.view(num_tokens, self.q_size))
+        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -59,7 +60,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inner, size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens(input_ids)
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)

@@ -31,7 +31,7 @@ CHATS = [
      {"role": "user", "content": "Why is the sky blue?"}],
     [{"role": "user", "content": f"Summarize this text:\n{LONG_DOCUMENT}"}],
     [{"role": "user", "content": "Write a haiku about GPUs."},
-     {"role": "assistant", "content": "Silicon rivers / flowing with warm arithmetic / night hums in the racks"},
+     {"role": "assistant", "content": "Silicon rivers / warm arithmetic / night hums"},
      {"role": "user", "content": "Now one about caches."}],
 ]  # fmt: skip
 TEXTS = [
