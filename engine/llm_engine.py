@@ -16,6 +16,7 @@ import torch
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.engine.core.outputs import SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.loader.model_loader import load_model
@@ -67,6 +68,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[RequestId]] = {}
+        # What the last step scheduled (metrics and tests read it).
+        self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
             "engine ready: %s (%s) on %s in %s; %d KV blocks of %d tokens; max_model_len %d",
             self.source.name, self.source.format, self.device, self.dtype,
@@ -134,6 +137,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_scheduler_output = scheduler_output
         now = time.monotonic()
         for new in scheduler_output.scheduled_new_reqs:
             self.output_processor.mark_scheduled(new.req_id, now)

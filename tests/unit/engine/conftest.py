@@ -18,7 +18,7 @@ BASE = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-5,
     "bos_token_id": 1,
     "eos_token_id": 2,

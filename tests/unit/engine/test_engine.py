@@ -1,0 +1,170 @@
+"""LLMEngine behaviour on a small random model: prefix caching, preemption, bad input, n, seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+HfModelDir = Callable[[str], tuple[Any, Path]]
+
+
+@pytest.fixture
+def make_engine(hf_model_dir: HfModelDir) -> Callable[..., LLMEngine]:
+    _, folder = hf_model_dir("llama2-tied")
+
+    def make_engine(num_blocks: int = 256, budget: int = 128, **kwargs: Any) -> LLMEngine:
+        caching = kwargs.pop("enable_prefix_caching", True)
+        return LLMEngine(
+            EngineConfig(
+                model=str(folder),
+                dtype="float32",
+                skip_tokenizer_init=True,
+                max_model_len=kwargs.pop("max_model_len", 512),
+                cache=CacheConfig(
+                    block_size=16, num_blocks=num_blocks, enable_prefix_caching=caching
+                ),
+                scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+                **kwargs,
+            )
+        )
+
+    return make_engine
+
+
+def run(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    raise AssertionError("the engine did not finish its requests")
+
+
+def tokens(n: int, offset: int) -> list[int]:
+    return [3 + (offset + 7 * i) % 380 for i in range(n)]
+
+
+def test_shared_prefix_computes_only_new_tokens(make_engine: Callable[..., LLMEngine]) -> None:
+    prefix = tokens(500, 0)
+    a_prompt, b_prompt = [*prefix, *tokens(9, 1)], [*prefix, *tokens(20, 2)]
+    engine = make_engine(budget=1024, max_model_len=1024)
+    engine.add_request("a", a_prompt, GREEDY)
+    engine.step()
+    a_blocks = engine.kv_cache_manager.get_block_ids("a")
+    a_out = run(engine)["a"]
+
+    engine.add_request("b", b_prompt, GREEDY)
+    engine.step()
+    step = engine.last_scheduler_output
+    assert step is not None
+    (new,) = step.scheduled_new_reqs
+    # 31 full blocks of 16 hold 496 prefix tokens; the rest of b is computed.
+    assert new.num_computed_tokens == 496
+    assert step.num_scheduled_tokens["b"] == len(b_prompt) - 496
+    assert engine.kv_cache_manager.get_block_ids("b")[:31] == a_blocks[:31]
+    b_out = run(engine)["b"]
+    assert b_out.num_cached_tokens == 496
+
+    cold = make_engine(budget=1024, max_model_len=1024, enable_prefix_caching=False)
+    cold.add_request("a", a_prompt, GREEDY)
+    cold.add_request("b", b_prompt, GREEDY)
+    cold_out = run(cold)
+    assert cold_out["a"].outputs[0].token_ids == a_out.outputs[0].token_ids
+    assert cold_out["b"].outputs[0].token_ids == b_out.outputs[0].token_ids
+    assert cold_out["b"].num_cached_tokens == 0
+
+
+def test_small_kv_pool_preempts_and_every_request_completes(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = {f"r{i}": tokens(30 + 5 * i, i) for i in range(6)}
+    alone = {}
+    for rid, prompt in prompts.items():
+        engine = make_engine(max_model_len=128)
+        engine.add_request(rid, prompt, params)
+        alone[rid] = run(engine)[rid].outputs[0].token_ids
+
+    # 12 usable blocks of 16 tokens: room for two or three of the six at a time.
+    tight = make_engine(num_blocks=13, max_model_len=128, budget=64)
+    for rid, prompt in prompts.items():
+        tight.add_request(rid, prompt, params)
+    together = run(tight)
+    assert tight.scheduler.num_preemptions > 0
+    assert {rid: out.outputs[0].token_ids for rid, out in together.items()} == alone
+    assert tight.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], {}, "a prompt must be|the prompt is empty"),
+        (tokens(600, 0), {}, "maximum context length is 512"),
+        ([1, 2, 999], {}, "token id 999 is out of range"),
+        ([1, 2, True], {}, "a prompt must be a string or a list of token ids"),
+        ("hello", {}, "this engine has no tokenizer"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens must be at least 1"),
+        ([1, 2], {"temperature": -1}, "temperature must be non-negative"),
+        ([1, 2], {"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ([1, 2], {"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
+        ([1, 2], {"stop": {"bad": 1}}, "stop must be a string or a list of strings"),
+    ],
+)
+def test_bad_input_is_refused_and_others_keep_running(
+    make_engine: Callable[..., LLMEngine], prompt: Any, params: dict[str, Any], message: str
+) -> None:
+    engine = make_engine()
+    engine.add_request("good-1", tokens(20, 1), GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    engine.add_request("good-2", tokens(20, 2), GREEDY)
+    finished = run(engine)
+    assert sorted(finished) == ["good-1", "good-2"]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in finished.values())
+
+
+def test_offline_batch_with_a_bad_prompt_runs_nothing(hf_model_dir: HfModelDir) -> None:
+    _, folder = hf_model_dir("llama2-tied")
+    llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_blocks=64,
+              max_model_len=256)  # fmt: skip
+    with pytest.raises(ValueError, match="prompt 1: token id 500 is out of range"):
+        llm.generate([[5, 6, 7], [500]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate([[5, 6, 7]], GREEDY)
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_n_and_seeds(make_engine: Callable[..., LLMEngine]) -> None:
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=42, ignore_eos=True)
+    engine = make_engine()
+    engine.add_request("x", tokens(10, 3), sampled)
+    first = run(engine)["x"]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 3  # distinct samples
+
+    # The same seeds give the same samples, whatever else shares the batch.
+    engine.add_request("noise", tokens(30, 4), SamplingParams(temperature=1.0, max_tokens=20))
+    engine.add_request("x2", tokens(10, 3), sampled)
+    again = run(engine)["x2"]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
+
+
+def test_request_timings(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine()
+    engine.add_request("t", tokens(10, 5), GREEDY)
+    metrics = run(engine)["t"].metrics
+    assert metrics.queue_time is not None and metrics.queue_time >= 0
+    assert metrics.time_to_first_token is not None and metrics.time_to_first_token > 0
+    assert metrics.decode_time is not None and metrics.decode_time > 0
+    assert metrics.finished_time is not None and metrics.finished_time >= metrics.last_token_time  # type: ignore[operator]
