@@ -1,0 +1,134 @@
+"""GGUF loading: all tested quant types, name mapping and the Q/K un-permutation, against
+transformers' own GGUF loader on a small random model written here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import quantize
+
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.loader.gguf import gguf_to_hf_name, read_gguf_config, reverse_permute_qk
+from kvfleet.engine.sampling_params import SamplingParams
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 320
+# Each of the eight tested types appears in every layer, in a different place per layer.
+LAYER_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.F16, Q.BF16, Q.Q8_0]
+LAYER_TENSORS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+def raw_k_quant(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks (gguf cannot quantize to them) with small, finite scales."""
+    block_bytes = {Q.Q4_K: 144, Q.Q6_K: 210}[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
+    if kind == Q.Q4_K:  # d and dmin lead the block
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    else:  # d ends the block
+        blocks[..., 208:210] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def encode(weights: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray:
+    if kind in (Q.Q4_K, Q.Q6_K):
+        return raw_k_quant(*weights.shape, kind, rng)
+    if kind == Q.F32:
+        return weights
+    if kind == Q.F16:
+        return weights.astype(np.float16)
+    return quantize(weights, kind)
+
+
+def write_model(path: Path, tied: bool) -> None:
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+
+    def add(name: str, shape: tuple[int, ...], kind: Q, scale: float = 0.05) -> None:
+        weights = (rng.standard_normal(shape) * scale).astype(np.float32)
+        writer.add_tensor(name, encode(weights, kind, rng), raw_dtype=kind)
+
+    add("token_embd.weight", (VOCAB, HIDDEN), Q.Q8_0, 1.0)
+    kv = KV_HEADS * HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN),
+              "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}  # fmt: skip
+    for layer in range(LAYERS):
+        for i, tensor in enumerate(LAYER_TENSORS):
+            kind = LAYER_TYPES[(i + 3 * layer) % len(LAYER_TYPES)]
+            add(f"blk.{layer}.{tensor}.weight", shapes[tensor], kind)
+        writer.add_tensor(
+            f"blk.{layer}.attn_norm.weight",
+            1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32),
+        )
+        writer.add_tensor(
+            f"blk.{layer}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32)
+        )
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    if not tied:
+        add("output.weight", (VOCAB, HIDDEN), Q.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantized_gguf_matches_transformers(tmp_path: Path, tied: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, tied)
+    config = read_gguf_config(path)
+    assert (config.hidden_size, config.num_key_value_heads, config.tie_word_embeddings) == (
+        HIDDEN, KV_HEADS, tied,
+    )  # fmt: skip
+
+    prompt = [5 + (11 * i) % 300 for i in range(40)]
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_blocks=64,
+              max_num_batched_tokens=16, block_size=8)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    (output,) = llm.generate(prompt, params)
+    completion = output.outputs[0]
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt + completion.token_ids])).logits[0].log_softmax(-1)
+    for step, logprobs in enumerate(completion.logprobs or []):
+        row = reference[len(prompt) - 1 + step]
+        assert logprobs.token_id == int(row.argmax())
+        theirs = row[torch.tensor(logprobs.top_token_ids)]
+        assert torch.allclose(torch.tensor(logprobs.top_logprobs), theirs, atol=1e-4)
+
+
+def test_reverse_permute_undoes_llama_cpp() -> None:
+    weight = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)  # 2 heads of head_dim 4
+    # llama.cpp's convert_hf_to_gguf permute, written out.
+    permuted = weight.reshape(2, 2, 2, 3).swapaxes(1, 2).reshape(8, 3)
+    assert np.array_equal(reverse_permute_qk(permuted, 2), weight)
+
+
+def test_names_and_bad_files(tmp_path: Path) -> None:
+    assert gguf_to_hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert gguf_to_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
+    with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ssm_x.weight'"):
+        gguf_to_hf_name("blk.0.ssm_x.weight")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        read_gguf_config(junk)
