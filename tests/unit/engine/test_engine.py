@@ -164,7 +164,11 @@ def test_request_timings(make_engine: Callable[..., LLMEngine]) -> None:
     engine = make_engine()
     engine.add_request("t", tokens(10, 5), GREEDY)
     metrics = run(engine)["t"].metrics
-    assert metrics.queue_time is not None and metrics.queue_time >= 0
-    assert metrics.time_to_first_token is not None and metrics.time_to_first_token > 0
-    assert metrics.decode_time is not None and metrics.decode_time > 0
-    assert metrics.finished_time is not None and metrics.finished_time >= metrics.last_token_time  # type: ignore[operator]
+    assert metrics.queue_time is not None
+    assert metrics.queue_time >= 0
+    assert metrics.time_to_first_token is not None
+    assert metrics.time_to_first_token > 0
+    assert metrics.decode_time is not None
+    assert metrics.decode_time > 0
+    assert metrics.finished_time is not None
+    assert metrics.finished_time >= metrics.last_token_time

@@ -126,7 +126,7 @@ def test_names_and_bad_files(tmp_path: Path) -> None:
     assert gguf_to_hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
     assert gguf_to_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
     assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
-    with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ssm_x.weight'"):
+    with pytest.raises(ValueError, match=r"unknown GGUF tensor 'blk\.0\.ssm_x\.weight'"):
         gguf_to_hf_name("blk.0.ssm_x.weight")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")

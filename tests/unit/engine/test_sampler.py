@@ -116,7 +116,9 @@ def test_logprobs_and_ranks() -> None:
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(top_k=1, logprobs=0)]
     out = Sampler()(logits, meta(params))
     reference = LOGITS.log_softmax(-1)
-    assert out.logprobs is not None and out.logprob_token_ids is not None
+    assert out.logprobs is not None
+    assert out.logprob_token_ids is not None
     assert out.logprob_token_ids[0].tolist() == [0, 0, 1, 2]
     assert out.logprobs[0].tolist() == pytest.approx(reference[[0, 0, 1, 2]].tolist())
-    assert out.sampled_ranks is not None and out.sampled_ranks.tolist() == [1, 1]
+    assert out.sampled_ranks is not None
+    assert out.sampled_ranks.tolist() == [1, 1]
