@@ -73,23 +73,23 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self._run([(None, p) for p in prompts], _params_for(prompts, sampling_params))
+        return self._run(list(prompts), _params_for(prompts, sampling_params))
 
-    def _prepare(self, prompt: PromptInput) -> tuple[str | None, str | list[int]]:
+    def _prepare(self, prompt: PromptInput) -> str | list[int]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return None, list(prompt["prompt_token_ids"])
+                return list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return None, str(prompt["prompt"])
+                return str(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, prompt if isinstance(prompt, str) else list(prompt)
+        return prompt if isinstance(prompt, str) else list(prompt)
 
     def _run(
-        self, prompts: list[tuple[str | None, str | list[int]]], params: list[SamplingParams]
+        self, prompts: list[str | list[int]], params: list[SamplingParams]
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for i, ((_, prompt), p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
                 engine.add_request(ids[i], prompt, p)
             except ValueError as exc:
