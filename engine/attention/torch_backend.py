@@ -25,6 +25,7 @@ class TorchAttention:
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
     ) -> None:
+        # NOTE: kv heads are shared by num_heads // num_kv_heads query heads (GQA).
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -40,36 +41,78 @@ class TorchAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        block_size = kv_cache.shape[2]
-        group = self.num_heads // self.num_kv_heads
         out = torch.empty_like(q)
-        start = 0
-        for i, (query_len, seq_len) in enumerate(
-            zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
-        ):
-            num_blocks = -(-seq_len // block_size)
-            blocks = metadata.block_tables[i, :num_blocks].long()
-            # [seq_len, Hkv, D] gathered from the sequence's blocks
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-            # [H, len, D]
-            qi = q[start : start + query_len].transpose(0, 1)
-            ki = keys.transpose(0, 1).repeat_interleave(group, dim=0)
-            vi = values.transpose(0, 1).repeat_interleave(group, dim=0)
-            mask = self._mask(query_len, seq_len, q.device)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale)
-            out[start : start + query_len] = oi.transpose(0, 1)
-            start += query_len
+        query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+        # Decode rows (one query token) run as one padded batch; prompt chunks one by one.
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=q.device)
+            token_index = metadata.cu_seqlens_q[rows].long()
+            out[token_index] = self._decode(q[token_index], kv_cache, metadata, rows, decode_rows)
+        starts = metadata.cu_seqlens_q.tolist()
+        for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if query_len > 1:
+                start = starts[i]
+                out[start : start + query_len] = self._prefill(
+                    q[start : start + query_len], kv_cache, metadata.block_tables[i], seq_len
+                )
         return out
 
-    def _mask(self, query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
-        """[query_len, seq_len] bool, True where attending is allowed; None when all is."""
-        if query_len == 1 and (self.sliding_window is None or seq_len <= self.sliding_window):
-            return None
+    def _decode(
+        self,
+        q: torch.Tensor,  # [num_decodes, Hq, D]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: torch.Tensor,
+        decode_rows: list[int],
+    ) -> torch.Tensor:
+        max_len = max(metadata.seq_lens_cpu[i] for i in decode_rows)
+        keys, values = _gather(kv_cache, metadata.block_tables[rows], max_len)
+        # [num_decodes, 1, max_len]: each query sees its own sequence (and window) only.
+        key_pos = torch.arange(max_len, device=q.device)[None, :]
+        seq_lens = metadata.seq_lens[rows].long()[:, None]
+        allowed = key_pos < seq_lens
+        if self.sliding_window is not None:
+            allowed &= key_pos >= seq_lens - self.sliding_window
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [B, Hq, 1, D]
+            keys.transpose(1, 2),  # [B, Hkv, max_len, D]
+            values.transpose(1, 2),
+            attn_mask=allowed[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[:, :, 0, :]
+
+    def _prefill(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        """q [query_len, Hq, D] of one sequence whose KV length is `seq_len`."""
+        keys, values = _gather(kv_cache, block_table[None], seq_len)
+        query_len = q.shape[0]
         # Query j sits at absolute position seq_len - query_len + j.
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
-        key_pos = torch.arange(seq_len, device=device)[None, :]
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
         allowed = key_pos <= query_pos
         if self.sliding_window is not None:
             allowed &= key_pos > query_pos - self.sliding_window
-        return allowed
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [Hq, query_len, D]
+            keys[0].transpose(0, 1),  # [Hkv, seq_len, D]
+            values[0].transpose(0, 1),
+            attn_mask=allowed,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+def _gather(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [num_seqs, length, Hkv, D] read through block tables [num_seqs, *]."""
+    block_size = kv_cache.shape[2]
+    tables = block_tables[:, : -(-length // block_size)].long()
+    keys = kv_cache[0][tables].flatten(1, 2)[:, :length]
+    values = kv_cache[1][tables].flatten(1, 2)[:, :length]
+    return keys, values
