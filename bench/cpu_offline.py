@@ -107,9 +107,11 @@ def main() -> None:
 
     from kvfleet.engine import model_cache
 
-    gguf = model_cache.ModelCache(model_cache.kvfleet_home()).fetch(
-        model_cache.BUILTIN_MODELS["smollm2"], progress=False
-    )[0].path
+    gguf = (
+        model_cache.ModelCache(model_cache.kvfleet_home())
+        .fetch(model_cache.BUILTIN_MODELS["smollm2"], progress=False)[0]
+        .path
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     prompts = make_prompts(tokenizer, args.num_prompts)
     hf_model = AutoModelForCausalLM.from_pretrained(

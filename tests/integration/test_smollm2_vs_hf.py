@@ -6,6 +6,7 @@ batch under a 64-token step budget, so long prompts are prefilled in chunks whil
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +64,6 @@ def hf(gguf_path: Path) -> tuple[Any, Any]:
     return tokenizer, model
 
 
-def hf_greedy(model: Any, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with transformers' forward and its own KV cache, never stopping at EOS.
-
-    NOTE: not `generate` with eos_token_id=None: that switches on other logits processing and
-    changes transformers' own greedy output.
-    """
-    tokens: list[int] = []
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(num_tokens):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(
-                torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True
-            )
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def prompts(hf: tuple[Any, Any]) -> list[list[int]]:
     tokenizer, _ = hf
@@ -109,7 +93,7 @@ def test_our_tokenizer_matches_transformers(hf: tuple[Any, Any]) -> None:
 
 
 def test_greedy_matches_transformers_in_one_chunked_batch(
-    hf: tuple[Any, Any], prompts: list[list[int]]
+    hf: tuple[Any, Any], prompts: list[list[int]], hf_greedy: Callable[..., list[int]]
 ) -> None:
     tokenizer, model = hf
     assert max(len(p) for p in prompts) > 3 * BUDGET  # a prompt needs several chunks

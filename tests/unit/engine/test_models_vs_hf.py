@@ -10,22 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
-from .conftest import CONFIGS
-
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
 def test_logprobs_match_transformers(
-    name: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
+    hf_config_name: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
 ) -> None:
-    hf_model, folder = hf_model_dir(name)
+    hf_model, folder = hf_model_dir(hf_config_name)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 384, (70,), generator=generator).tolist()
     llm = LLM(

@@ -1,0 +1,129 @@
+"""The engine's torch path on CUDA: against transformers on the same GPU, and at Llama-3-8B shape.
+
+Float32 on CUDA with TF32 off: the same tolerance as on the CPU applies within rounding of the
+GPU's kernels (stated below). bf16 runs check shape handling and finiteness, not equality.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvfleet.engine import model_cache  # noqa: E402
+from kvfleet.engine.llm import LLM  # noqa: E402
+from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
+
+TOLERANCE = 1e-4  # max |logprob difference| against transformers, float32 on CUDA
+
+LLAMA_3_8B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def test_random_models_match_transformers_on_cuda(
+    hf_config_name: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
+) -> None:
+    hf_model, folder = hf_model_dir(hf_config_name)
+    hf_model = hf_model.to("cuda")
+    prompt = torch.randint(3, 384, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm = LLM(str(folder), device="cuda", dtype="float32", skip_tokenizer_init=True,
+              block_size=8, max_num_batched_tokens=32, num_blocks=64, max_model_len=256)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=20, ignore_eos=True)
+    (output,) = llm.generate(prompt, params)
+    completion = output.outputs[0]
+    with torch.no_grad():
+        sequence = torch.tensor([prompt + completion.token_ids], device="cuda")
+        reference = hf_model(sequence).logits[0].float().log_softmax(-1).cpu()
+    hf_model.to("cpu")
+    worst = 0.0
+    for step, logprobs in enumerate(completion.logprobs or []):
+        row = reference[len(prompt) - 1 + step]
+        assert logprobs.token_id == int(row.argmax())
+        theirs = row[torch.tensor(logprobs.top_token_ids)]
+        worst = max(worst, float((torch.tensor(logprobs.top_logprobs) - theirs).abs().max()))
+    assert worst < TOLERANCE, f"max |logprob difference| {worst:.2e}"
+
+
+def test_smollm2_greedy_matches_transformers_on_cuda(
+    hf_greedy: Callable[..., list[int]],
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        cached, _ = model_cache.ModelCache(model_cache.kvfleet_home()).fetch(
+            model_cache.BUILTIN_MODELS["smollm2"], progress=False
+        )
+    except model_cache.ModelCacheError as exc:
+        pytest.skip(f"SmolLM2 is not available here: {exc}")
+    path = cached.path
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).to("cuda").eval()
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time,", "1, 2, 3,"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    llm = LLM("smollm2", device="cuda", dtype="float32", max_model_len=1024, num_blocks=512,
+              max_num_batched_tokens=16)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 32)
+
+    bf16 = LLM("smollm2", device="cuda", dtype="bfloat16", max_model_len=1024, num_blocks=512)
+    (answer,) = bf16.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+    )
+    assert "Paris" in answer.outputs[0].text
+
+
+def test_llama3_8b_shape_dummy_bf16(tmp_path: Path) -> None:
+    config = tmp_path / "llama-3-8b.json"
+    config.write_text(json.dumps(LLAMA_3_8B))
+    llm = LLM(str(config), load_format="dummy", device="cuda", dtype="bfloat16",
+              max_model_len=4096, num_blocks=2048)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    for batch in (1, 8):
+        prompts = [[128000 + i, *range(1000 + i, 1500 + i)] for i in range(batch)]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            completion = out.outputs[0]
+            assert len(completion.token_ids) == 32
+            assert all(torch.isfinite(torch.tensor(lp.logprob)) for lp in completion.logprobs or [])
+        # Information, not a bar: the torch reference path; targets are for the Triton path.
+        print(f"llama-3-8b dummy bf16, batch {batch}, 500 in / 32 out: {elapsed:.2f} s")
