@@ -20,10 +20,19 @@ from typing import Any
 import torch
 
 TOPICS = [
-    "the water cycle", "how vaccines work", "the history of the printing press", "black holes",
-    "photosynthesis", "the French revolution", "how a CPU cache works", "plate tectonics",
-    "the rules of chess", "why the sky is blue", "compound interest", "the immune system",
-]  # fmt: skip
+    "the water cycle",
+    "how vaccines work",
+    "the history of the printing press",
+    "black holes",
+    "photosynthesis",
+    "the French revolution",
+    "how a CPU cache works",
+    "plate tectonics",
+    "the rules of chess",
+    "why the sky is blue",
+    "compound interest",
+    "the immune system",
+]
 
 
 def make_prompts(tokenizer: Any, num: int) -> list[list[int]]:
@@ -82,13 +91,22 @@ def run_transformers(prompts: list[list[int]], output_len: int, model: Any) -> d
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        model.generate(input_ids[:2], attention_mask=attention_mask[:2], max_new_tokens=4,
-                       do_sample=False, pad_token_id=pad)  # fmt: skip
+        model.generate(
+            input_ids[:2],
+            attention_mask=attention_mask[:2],
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         start = time.perf_counter()
         out = model.generate(
-            input_ids, attention_mask=attention_mask, do_sample=False, pad_token_id=pad,
-            max_new_tokens=output_len, min_new_tokens=output_len,
-        )  # fmt: skip
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            pad_token_id=pad,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+        )
         elapsed = time.perf_counter() - start
     assert out.shape[1] == width + output_len
     return {"seconds": elapsed}

@@ -14,8 +14,13 @@ from kvfleet.engine.tokenizer import Message
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 
-_CACHE_ARGS = {"block_size", "num_blocks", "gpu_memory_utilization", "cpu_kv_cache_gib",
-               "enable_prefix_caching"}  # fmt: skip
+_CACHE_ARGS = {
+    "block_size",
+    "num_blocks",
+    "gpu_memory_utilization",
+    "cpu_kv_cache_gib",
+    "enable_prefix_caching",
+}
 _SCHEDULER_ARGS = {"max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"}
 
 

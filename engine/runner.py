@@ -98,9 +98,14 @@ class ModelRunner:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
-                list(new.block_ids), new.num_computed_tokens, generator,
-            )  # fmt: skip
+                new.req_id,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                generator,
+            )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -185,9 +190,14 @@ class ModelRunner:
                 k = state.sampling_params.logprobs
                 if k is not None:
                     logprobs[state.req_id] = [
-                        TokenLogprobs(ids[row][0], values[row][0], ranks[row],
-                                      ids[row][1 : 1 + k], values[row][1 : 1 + k])
-                    ]  # fmt: skip
+                        TokenLogprobs(
+                            ids[row][0],
+                            values[row][0],
+                            ranks[row],
+                            ids[row][1 : 1 + k],
+                            values[row][1 : 1 + k],
+                        )
+                    ]
         by_req = dict(zip(sampled_req_ids, tokens, strict=True))
         for state in states:
             state.token_ids.append(by_req[state.req_id])

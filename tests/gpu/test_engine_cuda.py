@@ -59,8 +59,16 @@ def test_random_models_match_transformers_on_cuda(
     hf_model, folder = hf_model_dir(hf_config_name)
     hf_model = hf_model.to("cuda")
     prompt = torch.randint(3, 384, (70,), generator=torch.Generator().manual_seed(1)).tolist()
-    llm = LLM(str(folder), device="cuda", dtype="float32", skip_tokenizer_init=True,
-              block_size=8, max_num_batched_tokens=32, num_blocks=64, max_model_len=256)  # fmt: skip
+    llm = LLM(
+        str(folder),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        block_size=8,
+        max_num_batched_tokens=32,
+        num_blocks=64,
+        max_model_len=256,
+    )
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=20, ignore_eos=True)
     (output,) = llm.generate(prompt, params)
     completion = output.outputs[0]
@@ -90,13 +98,21 @@ def test_smollm2_greedy_matches_transformers_on_cuda(
         pytest.skip(f"SmolLM2 is not available here: {exc}")
     path = cached.path
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).to("cuda").eval()
+    hf_model = (
+        AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        .to("cuda")
+        .eval()
+    )
     texts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time,", "1, 2, 3,"]
     prompts = [tokenizer.encode(t) for t in texts]
-    llm = LLM("smollm2", device="cuda", dtype="float32", max_model_len=1024, num_blocks=512,
-              max_num_batched_tokens=16)  # fmt: skip
+    llm = LLM(
+        "smollm2",
+        device="cuda",
+        dtype="float32",
+        max_model_len=1024,
+        num_blocks=512,
+        max_num_batched_tokens=16,
+    )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -113,8 +129,14 @@ def test_smollm2_greedy_matches_transformers_on_cuda(
 def test_llama3_8b_shape_dummy_bf16(tmp_path: Path) -> None:
     config = tmp_path / "llama-3-8b.json"
     config.write_text(json.dumps(LLAMA_3_8B))
-    llm = LLM(str(config), load_format="dummy", device="cuda", dtype="bfloat16",
-              max_model_len=4096, num_blocks=2048)  # fmt: skip
+    llm = LLM(
+        str(config),
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=4096,
+        num_blocks=2048,
+    )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
     for batch in (1, 8):
         prompts = [[128000 + i, *range(1000 + i, 1500 + i)] for i in range(batch)]

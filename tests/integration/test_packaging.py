@@ -38,8 +38,9 @@ def fresh_venv(where: Path) -> Path:
     """A venv without kvfleet that sees this environment's dependencies; returns its python."""
     venv.EnvBuilder(with_pip=False, symlinks=True).create(where)
     python = where / "bin" / "python"
-    purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                  cwd=where).stdout.strip()  # fmt: skip
+    purelib = run(
+        python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=where
+    ).stdout.strip()
     # NOTE: .pth files inside the borrowed folder are not processed, so this environment's
     # editable kvfleet (an import hook installed by a .pth) does not leak into the fresh one.
     Path(purelib, "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -48,10 +49,24 @@ def fresh_venv(where: Path) -> Path:
 
 def pip_install(python: Path, *spec: str, cwd: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-         "--no-deps", "--no-build-isolation", *spec],
-        cwd=cwd, capture_output=True, text=True, check=False, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            *spec,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -67,10 +82,16 @@ def installed_python(
     else:
         # Build from a copy of the tracked tree so the build leaves nothing in the checkout.
         source = work / "src"
-        tracked = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=repo_root, capture_output=True, check=True,
-        ).stdout.decode().split("\0")  # fmt: skip
+        tracked = (
+            subprocess.run(
+                ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                cwd=repo_root,
+                capture_output=True,
+                check=True,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
         for name in filter(None, tracked):
             if (repo_root / name).is_file():
                 (source / name).parent.mkdir(parents=True, exist_ok=True)
@@ -115,8 +136,9 @@ def test_components_import_from_the_install(
 
 def test_pytest_collects_from_the_root(installed_python: tuple[str, Path], repo_root: Path) -> None:
     _, python = installed_python
-    result = run(python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                 cwd=repo_root)  # fmt: skip
+    result = run(
+        python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", cwd=repo_root
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (
         "tests/integration/test_packaging.py::test_pytest_collects_from_the_root" in result.stdout

@@ -28,13 +28,17 @@ LONG_DOCUMENT = " ".join(
 )
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
     [{"role": "user", "content": f"Summarize this text:\n{LONG_DOCUMENT}"}],
-    [{"role": "user", "content": "Write a haiku about GPUs."},
-     {"role": "assistant", "content": "Silicon rivers / warm arithmetic / night hums"},
-     {"role": "user", "content": "Now one about caches."}],
-]  # fmt: skip
+    [
+        {"role": "user", "content": "Write a haiku about GPUs."},
+        {"role": "assistant", "content": "Silicon rivers / warm arithmetic / night hums"},
+        {"role": "user", "content": "Now one about caches."},
+    ],
+]
 TEXTS = [
     "def fibonacci(n):\n    ",
     "The three primary colors are",

@@ -136,8 +136,9 @@ def test_bad_input_is_refused_and_others_keep_running(
 
 def test_offline_batch_with_a_bad_prompt_runs_nothing(hf_model_dir: HfModelDir) -> None:
     _, folder = hf_model_dir("llama2-tied")
-    llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, num_blocks=64,
-              max_model_len=256)  # fmt: skip
+    llm = LLM(
+        str(folder), dtype="float32", skip_tokenizer_init=True, num_blocks=64, max_model_len=256
+    )
     with pytest.raises(ValueError, match="prompt 1: token id 500 is out of range"):
         llm.generate([[5, 6, 7], [500]], GREEDY)
     assert not llm.engine.has_unfinished_requests()

@@ -64,9 +64,15 @@ def write_model(path: Path, tied: bool) -> None:
 
     add("token_embd.weight", (VOCAB, HIDDEN), Q.Q8_0, 1.0)
     kv = KV_HEADS * HIDDEN // HEADS
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN),
-              "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}  # fmt: skip
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (kv, HIDDEN),
+        "attn_v": (kv, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
     for layer in range(LAYERS):
         for i, tensor in enumerate(LAYER_TENSORS):
             kind = LAYER_TYPES[(i + 3 * layer) % len(LAYER_TYPES)]
@@ -95,12 +101,20 @@ def test_quantized_gguf_matches_transformers(tmp_path: Path, tied: bool) -> None
     write_model(path, tied)
     config = read_gguf_config(path)
     assert (config.hidden_size, config.num_key_value_heads, config.tie_word_embeddings) == (
-        HIDDEN, KV_HEADS, tied,
-    )  # fmt: skip
+        HIDDEN,
+        KV_HEADS,
+        tied,
+    )
 
     prompt = [5 + (11 * i) % 300 for i in range(40)]
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_blocks=64,
-              max_num_batched_tokens=16, block_size=8)  # fmt: skip
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        num_blocks=64,
+        max_num_batched_tokens=16,
+        block_size=8,
+    )
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     (output,) = llm.generate(prompt, params)
     completion = output.outputs[0]

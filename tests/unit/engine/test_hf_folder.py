@@ -1,0 +1,96 @@
+"""Hugging Face folders: sharded safetensors with an index, and a tokenizer with a chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.tokenizer import Tokenizer
+
+
+def test_sharded_checkpoint_loads_every_shard(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+
+    llm = LLM(
+        str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_blocks=32, max_model_len=128
+    )
+    prompt = list(range(5, 40))
+    (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    with torch.no_grad():
+        reference = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            do_sample=False,
+            min_new_tokens=6,
+            pad_token_id=0,
+        )
+    assert out.outputs[0].token_ids == reference[0, len(prompt) :].tolist()
+
+    (tmp_path / index["weight_map"]["model.norm.weight"]).unlink()
+    with pytest.raises(ValueError, match="safetensors files missing"):
+        LLM(
+            str(tmp_path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            num_blocks=32,
+            max_model_len=128,
+        )
+
+
+def test_tokenizer_and_chat_template_from_a_folder(tmp_path: Path) -> None:
+    """A random model with SmolLM2's vocabulary, saved with SmolLM2's tokenizer files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    smollm2 = Tokenizer.load(resolve_model_source("smollm2"))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=smollm2.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    smollm2.hf.save_pretrained(tmp_path)
+
+    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, max_model_len=256)
+    assert llm.engine.source.format == "hf"
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+        }
+    ]
+    (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    expected = smollm2.encode(
+        smollm2.apply_chat_template([{"role": "user", "content": "Hi there"}]),
+        add_special_tokens=False,
+    )
+    assert out.prompt_token_ids == expected
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="unknown chat role 'wizard'"):
+        llm.chat([{"role": "wizard", "content": "x"}])
