@@ -150,6 +150,31 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
+def logprob_gap() -> Callable[[Any, list[int], Any], float]:
+    """`logprob_gap(hf_model, prompt, completion)`: run transformers over the prompt and our
+    completion (teacher forcing), check each of our greedy tokens is its argmax, and return the
+    largest |difference| between our reported top logprobs and its log-softmax."""
+    import torch
+
+    def logprob_gap(hf_model: Any, prompt: list[int], completion: Any) -> float:
+        device = next(hf_model.parameters()).device
+        sequence = torch.tensor([prompt + completion.token_ids], device=device)
+        with torch.no_grad():
+            reference = hf_model(sequence).logits[0].float().log_softmax(-1).cpu()
+        assert completion.logprobs, "ask the engine for logprobs"
+        worst = 0.0
+        for step, logprobs in enumerate(completion.logprobs):
+            row = reference[len(prompt) - 1 + step]
+            assert logprobs.token_id == completion.token_ids[step] == int(row.argmax())
+            ours = torch.tensor(logprobs.top_logprobs)
+            theirs = row[torch.tensor(logprobs.top_token_ids)]
+            worst = max(worst, float((ours - theirs).abs().max()))
+        return worst
+
+    return logprob_gap
+
+
+@pytest.fixture(scope="session")
 def hf_greedy() -> Callable[[Any, list[int], int], list[int]]:
     """`hf_greedy(model, prompt, n)`: transformers' forward and KV cache, argmax, never
     stopping at EOS. NOTE: not `generate` with eos_token_id=None, which switches on other
