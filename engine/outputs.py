@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvfleet.engine.core.outputs import TokenLogprobs
 
@@ -59,6 +59,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    num_cached_tokens: int = 0
-    # Token-level stop reasons etc. are per completion; this is the request as a whole.
-    extra: dict[str, object] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache

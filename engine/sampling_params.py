@@ -15,7 +15,8 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """Per-request sampling knobs with OpenAI/vLLM semantics. Bad values raise ValueError.
 
-    `top_k=None` and `max_tokens=None` mean "no limit" (up to the context length).
+    `top_k=None` and `max_tokens=None` mean "no limit" (up to the context length). With `n > 1`
+    and a seed, sample i is drawn with seed + i.
     """
 
     n: int = 1
