@@ -51,8 +51,7 @@ models: venv
 	@$(BIN)/kvfleet models fetch $(MODEL)
 
 serve: venv models
-	@echo "==> the environment and the model are ready; 'kvfleet serve' (the local gateway and"
-	@echo "    engines) arrives with the engine server (issue 4): nothing to start yet."
+	@$(BIN)/kvfleet serve $(MODEL)
 
 lint: venv
 	@echo "==> ruff"

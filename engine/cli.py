@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvfleet.engine import model_cache
+from kvfleet.engine.server import cli as server_cli
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvfleet {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_models_command(commands)
+    server_cli.add_commands(commands)
     return parser
 
 

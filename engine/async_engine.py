@@ -1,0 +1,277 @@
+"""AsyncEngine: an LLMEngine stepped in one background thread, one async stream per request.
+
+The engine is touched only by its thread. Callers talk to it through a command queue (add,
+abort, KV snapshot) and get outputs back on per-request asyncio queues. A step that raises fails
+the requests in flight with an error and the loop carries on: one bad request never stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.engine.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.protocol import KVEvent, KVSnapshot
+from kvfleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running; nothing can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in flight; the request was aborted."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+@dataclass
+class _KVSubscriber:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[KVEvent] = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngine:
+    def __init__(
+        self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None
+    ):
+        self.engine = engine
+        self.on_finished = on_finished
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._kv_subscribers: list[_KVSubscriber] = []
+        self._kv_seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self.num_step_errors = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request; ValueError (raised here, before any output) for bad input.
+        Leaving the returned iterator early aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        accepted: asyncio.Future[None] = loop.create_future()
+        self._streams[request_id] = stream
+        self._submit("add", (request_id, prompt, params, priority, cache_salt, loop, accepted))
+        try:
+            await accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return self._iterate(request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id)
+
+    async def kv_snapshot_and_subscribe(self) -> tuple[KVSnapshot, _KVSubscriber]:
+        """The cached blocks now, and a subscription to every event after them (atomic)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[KVSnapshot, _KVSubscriber]] = loop.create_future()
+        self._submit("kv_subscribe", (loop, done))
+        return await done
+
+    def kv_unsubscribe(self, subscriber: _KVSubscriber) -> None:
+        self._submit("kv_unsubscribe", subscriber)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Let in-flight requests finish for up to `timeout_s`, then abort the rest and stop."""
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._stop.set()
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # --- the engine thread -------------------------------------------------------------
+
+    def _submit(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while not self._stop.is_set():
+            self._handle_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                self._fail_in_flight(exc)
+                continue
+            for output in outputs:
+                self._deliver(output)
+            self._publish_kv_events(self.engine.kv_cache_manager.block_pool.take_events())
+        self._handle_commands()
+        logger.info("engine loop stopped")
+
+    def _handle_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(*payload)
+            elif kind == "abort":
+                for output in self.engine.abort_request([payload]):
+                    self._deliver(output)
+            elif kind == "kv_subscribe":
+                loop, done = payload
+                subscriber = _KVSubscriber(loop)
+                self._kv_subscribers.append(subscriber)
+                snapshot = self._kv_snapshot()
+                loop.call_soon_threadsafe(_resolve, done, (snapshot, subscriber))
+            elif kind == "kv_unsubscribe" and payload in self._kv_subscribers:
+                self._kv_subscribers.remove(payload)
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        loop: asyncio.AbstractEventLoop,
+        accepted: asyncio.Future[None],
+    ) -> None:
+        if request_id not in self._streams:  # the caller went away before we got here
+            return
+        try:
+            self.engine.add_request(
+                request_id, prompt, params, priority=priority, cache_salt=cache_salt
+            )
+        except ValueError as exc:
+            loop.call_soon_threadsafe(_fail, accepted, exc)
+            return
+        loop.call_soon_threadsafe(_resolve, accepted, None)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        if output.finished and self.on_finished is not None:
+            self.on_finished(output)
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put(output)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        self.num_step_errors += 1
+        logger.exception(
+            "an engine step failed; aborting the %d requests in flight", len(self._streams)
+        )
+        request_ids = list(self._streams)
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:  # the engine state itself is broken: nothing more can be served
+            logger.exception("aborting after a failed step failed too; stopping the engine loop")
+            self._stop.set()
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(EngineStepError(f"the engine failed while serving this request: {exc}"))
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _kv_snapshot(self) -> KVSnapshot:
+        pool = self.engine.kv_cache_manager.block_pool
+        blocks = [
+            _kv_event(self._kv_seq, BlockStored(h, b.parent_hash, b.token_ids, b.extra_keys))  # type: ignore[arg-type]
+            for h, b in pool.cached_blocks.items()
+        ]
+        return KVSnapshot(
+            seq=self._kv_seq, block_size=self.engine.kv_cache_manager.block_size, blocks=blocks
+        )
+
+    def _publish_kv_events(self, events: list[KVCacheEvent]) -> None:
+        for event in events:
+            self._kv_seq += 1
+            message = _kv_event(self._kv_seq, event)
+            for subscriber in self._kv_subscribers:
+                subscriber.loop.call_soon_threadsafe(subscriber.events.put_nowait, message)
+
+
+def _kv_event(seq: int, event: KVCacheEvent) -> KVEvent:
+    if isinstance(event, BlockStored):
+        adapter = next(
+            (k.removeprefix("lora:") for k in event.extra_keys if k.startswith("lora:")), None
+        )
+        return KVEvent(
+            seq=seq,
+            type="stored",
+            block_hash=event.block_hash.hex(),
+            parent_hash=event.parent_hash.hex(),
+            token_count=len(event.token_ids),
+            adapter=adapter,
+        )
+    if isinstance(event, BlockRemoved):
+        return KVEvent(seq=seq, type="removed", block_hash=event.block_hash.hex())
+    assert isinstance(event, AllBlocksCleared)
+    return KVEvent(seq=seq, type="cleared")
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

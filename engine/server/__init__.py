@@ -1,0 +1,1 @@
+"""kvfleet.engine.server: the OpenAI-compatible HTTP server (`kvfleet engine`, `kvfleet serve`)."""

@@ -1,0 +1,315 @@
+"""create_app: the engine's FastAPI app — OpenAI routes, health, metrics, KV events, error bodies.
+
+The model loads in the background after the server starts, so /health can say "loading" (503)
+until it is ready, as a Kubernetes readiness probe expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    error_body,
+)
+from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
+from kvfleet.engine.server.serving import APIError, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    engine: EngineConfig
+    served_model_name: str | None = None  # defaults to the model argument
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_waiting_requests: int = 4096  # beyond this the server answers 503 (overloaded)
+    metrics_compat: str | None = None  # "vllm" adds the vllm: metric names
+    shutdown_timeout_s: float = 10.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+
+class _State:
+    """What the routes share: set once the engine has loaded."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = EngineMetrics(
+            settings.model_name, self.read_stats, settings.metrics_compat == "vllm"
+        )
+
+    def read_stats(self) -> EngineStats | None:
+        if self.engine is None:
+            return None
+        core = self.engine.engine
+        kv = core.kv_cache_manager
+        return EngineStats(
+            num_running=core.scheduler.num_running,
+            num_waiting=core.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=core.scheduler.num_preemptions,
+        )
+
+    def ready_serving(self) -> OpenAIServing:
+        if self.serving is None or self.engine is None:
+            if self.load_error is not None:
+                raise APIError(
+                    503, f"the model failed to load: {self.load_error}", "service_unavailable"
+                )
+            raise APIError(503, "the model is still loading; retry shortly", "service_unavailable")
+        if not self.engine.is_running:
+            raise APIError(503, "the engine loop has stopped", "service_unavailable")
+        if self.engine.engine.scheduler.num_waiting >= self.settings.max_waiting_requests:
+            raise APIError(
+                503, "the server is overloaded; retry later", "service_unavailable", "overloaded"
+            )
+        return self.serving
+
+
+def create_app(
+    settings: ServerSettings,
+    engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    state = _State(settings)
+
+    async def load() -> None:
+        try:
+            core = await asyncio.to_thread(engine_factory, settings.engine)
+        except Exception as exc:
+            logger.exception("the model failed to load")
+            state.load_error = exc
+            return
+        engine = AsyncEngine(core, on_finished=state.metrics.observe_finished)
+        engine.start()
+        state.engine = engine
+        state.serving = OpenAIServing(
+            engine, settings.model_name, core.max_model_len, core.tokenizer, state.metrics
+        )
+        logger.info("ready: serving %s", settings.model_name)
+        if on_ready is not None:
+            on_ready()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load())
+        app.state.loading = loading
+        yield
+        loading.cancel()
+        if state.engine is not None:
+            await state.engine.shutdown(settings.shutdown_timeout_s)
+
+    app = FastAPI(title="kvfleet engine", lifespan=lifespan)
+    app.state.kvfleet = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+
+    _add_openai_routes(app, state)
+    _add_kv_routes(app, state)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, state: _State) -> None:
+    settings = state.settings
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine is not None and state.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        status = "failed" if state.load_error is not None or state.engine is not None else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        max_len = state.serving.max_model_len if state.serving else None
+        card = ModelCard(id=settings.model_name, root=settings.engine.model, max_model_len=max_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        serving = state.ready_serving()
+        body = await _parse(request, CompletionRequest)
+        return await _run(serving, serving.prepare_completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        serving = state.ready_serving()
+        body = await _parse(request, ChatCompletionRequest)
+        return await _run(serving, serving.prepare_chat(body))
+
+
+def _add_kv_routes(app: FastAPI, state: _State) -> None:
+    @app.get("/kv/snapshot")
+    async def kv_snapshot() -> dict[str, Any]:
+        engine = _ready_engine(state)
+        snapshot, subscriber = await engine.kv_snapshot_and_subscribe()
+        engine.kv_unsubscribe(subscriber)
+        return snapshot.model_dump()
+
+    @app.get("/kv/events")
+    async def kv_events() -> StreamingResponse:
+        """Server-sent events: first `event: snapshot` (the cached blocks), then every change."""
+        engine = _ready_engine(state)
+        snapshot, subscriber = await engine.kv_snapshot_and_subscribe()
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield f"event: snapshot\ndata: {snapshot.model_dump_json()}\n\n"
+                while True:
+                    event = await subscriber.events.get()
+                    yield f"event: kv\ndata: {event.model_dump_json()}\n\n"
+            finally:
+                engine.kv_unsubscribe(subscriber)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _ready_engine(state: _State) -> AsyncEngine:
+    state.ready_serving()
+    assert state.engine is not None
+    return state.engine
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    raw = await request.body()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise APIError(
+            400,
+            f"the request body is not valid JSON: {exc.msg} "
+            f"at line {exc.lineno} column {exc.colno}",
+        ) from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(400, f"{where}: {first['msg']}") from exc
+
+
+async def _run(serving: OpenAIServing, prepared: Any) -> Response:
+    try:
+        streams = await serving.start(prepared)
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), "service_unavailable") from exc
+    if prepared.stream:
+        return StreamingResponse(
+            _guard_stream(serving.sse_stream(prepared, streams)), media_type="text/event-stream"
+        )
+    try:
+        body = await serving.full_response(prepared, streams)
+    except EngineStepError as exc:
+        raise APIError(500, str(exc), "internal_error") from exc
+    return JSONResponse(body)
+
+
+async def _guard_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An engine failure mid-stream becomes an error event, not a dropped connection."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineStepError as exc:
+        yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, by Content-Length or as it streams in."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        body = json.dumps(
+            error_body(
+                f"the request body is larger than {self.max_bytes} bytes",
+                "invalid_request_error",
+                "request_too_large",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass

@@ -1,0 +1,137 @@
+"""`kvfleet engine` and `kvfleet serve`: argument parsing, then the server. Imports stay light here;
+torch and the server load only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
+ENGINE_HOST, ENGINE_PORT = "0.0.0.0", 8100
+
+
+def add_commands(commands: Any) -> None:
+    engine = commands.add_parser(
+        "engine",
+        help="run one engine with its OpenAI API (what a pod runs)",
+        description="Serve one model through kvfleet's engine with an OpenAI-compatible API.",
+    )
+    engine.add_argument(
+        "--model", default="smollm2", help="alias, .gguf file, folder, hub id, or config"
+    )
+    _add_server_arguments(engine, ENGINE_HOST, ENGINE_PORT)
+    engine.set_defaults(run=_run_engine)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the local stack on http://127.0.0.1:8000",
+        description="Run kvfleet locally (today: the engine alone) and print how to call it.",
+    )
+    serve.add_argument(
+        "model", nargs="?", default="smollm2", help="what to serve (default smollm2)"
+    )
+    _add_server_arguments(serve, SERVE_HOST, SERVE_PORT)
+    serve.set_defaults(run=_run_serve)
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    parser.add_argument("--host", default=host)
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--served-model-name", help="the name clients send as `model`")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="a tokenizer folder or hub id other than the model's")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-blocks", type=int, help="KV-cache blocks (default: sized from memory)"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--cpu-kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    parser.add_argument("--metrics-compat", choices=["vllm"], help="also expose vllm: metric names")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def _settings(args: argparse.Namespace, model: str) -> Any:
+    from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvfleet.engine.server.app import ServerSettings
+
+    try:
+        engine = EngineConfig(
+            model=model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            tokenizer=args.tokenizer,
+            max_model_len=args.max_model_len,
+            enable_kv_events=True,
+            cache=CacheConfig(
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+                enable_prefix_caching=not args.no_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                enable_chunked_prefill=not args.no_chunked_prefill,
+            ),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet: error: {exc}") from exc
+    return ServerSettings(
+        engine=engine,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        metrics_compat=args.metrics_compat,
+    )
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    return _serve(_settings(args, args.model), args, announce=False)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    return _serve(_settings(args, args.model), args, announce=True)
+
+
+def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
+    import uvicorn
+
+    from kvfleet.engine.server.app import create_app
+
+    url = f"http://{args.host}:{args.port}"
+
+    def on_ready() -> None:
+        name = settings.model_name
+        print(f"\nkvfleet is serving {name} at {url}/v1", flush=True)
+        if announce:
+            print(
+                f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", '
+                '"content": "What is the capital of France?"}]}\'\n',
+                flush=True,
+            )
+
+    app = create_app(settings, on_ready=on_ready)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(config)
+    logger.info("starting on %s (the model loads in the background; /health says when ready)", url)
+    server.run()
+    return 0 if not getattr(app.state.kvfleet, "load_error", None) else 1

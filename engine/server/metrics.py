@@ -1,0 +1,238 @@
+"""Engine metrics for Prometheus: `kvfleet:` names with vLLM semantics, and `vllm:` twins on demand.
+
+Gauges and cumulative counters are read from the engine at scrape time; latency histograms and
+per-request counters are fed as requests finish. Each app has its own registry (no globals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfleet.engine.outputs import RequestOutput
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A reading of the engine's state for a scrape."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class _EngineCollector(Collector):
+    def __init__(
+        self, prefixes: list[str], model_name: str, read: Callable[[], EngineStats | None]
+    ):
+        self.prefixes = prefixes
+        self.model_name = model_name
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read()
+        if stats is None:  # still loading
+            return
+        for p in self.prefixes:
+            for name, doc, value in (
+                (
+                    "num_requests_running",
+                    "Requests being computed in the engine.",
+                    stats.num_running,
+                ),
+                ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+                (
+                    "kv_cache_usage_perc",
+                    "Fraction of KV-cache blocks in use (0 to 1).",
+                    stats.kv_cache_usage,
+                ),
+            ):
+                gauge = GaugeMetricFamily(p + name, doc, labels=["model_name"])
+                gauge.add_metric([self.model_name], value)
+                yield gauge
+            for name, doc, value in (
+                (
+                    "prefix_cache_queries",
+                    "Prompt tokens looked up in the prefix cache.",
+                    stats.prefix_cache_queries,
+                ),
+                (
+                    "prefix_cache_hits",
+                    "Prompt tokens found in the prefix cache.",
+                    stats.prefix_cache_hits,
+                ),
+                (
+                    "num_preemptions",
+                    "Requests preempted for lack of KV-cache blocks.",
+                    stats.num_preemptions,
+                ),
+            ):
+                counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
+                counter.add_metric([self.model_name], value)
+                yield counter
+
+
+class EngineMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        read_stats: Callable[[], EngineStats | None],
+        vllm_compat: bool = False,
+    ):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        prefixes = ["kvfleet:"] + (["vllm:"] if vllm_compat else [])
+        self.registry.register(_EngineCollector(prefixes, model_name, read_stats))
+
+        def each(make: Callable[[str], object]) -> list:  # type: ignore[type-arg]
+            return [make(p) for p in prefixes]
+
+        labels = ["model_name"]
+        self.prompt_tokens = each(
+            lambda p: Counter(
+                p + "prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
+            )
+        )
+        self.generation_tokens = each(
+            lambda p: Counter(
+                p + "generation_tokens", "Tokens generated.", labels, registry=self.registry
+            )
+        )
+        self.request_success = each(
+            lambda p: Counter(
+                p + "request_success",
+                "Finished requests by finish reason.",
+                [*labels, "finished_reason"],
+                registry=self.registry,
+            )
+        )
+        self.ttft = each(
+            lambda p: Histogram(
+                p + "time_to_first_token_seconds",
+                "Time to first token.",
+                labels,
+                buckets=TTFT_BUCKETS,
+                registry=self.registry,
+            )
+        )
+        self.itl = each(
+            lambda p: Histogram(
+                p + "inter_token_latency_seconds",
+                "Time between output tokens.",
+                labels,
+                buckets=ITL_BUCKETS,
+                registry=self.registry,
+            )
+        )
+        self.e2e = each(
+            lambda p: Histogram(
+                p + "e2e_request_latency_seconds",
+                "Arrival to last token.",
+                labels,
+                buckets=E2E_BUCKETS,
+                registry=self.registry,
+            )
+        )
+        self.queue_time = each(
+            lambda p: Histogram(
+                p + "request_queue_time_seconds",
+                "Time waiting before first scheduled.",
+                labels,
+                buckets=E2E_BUCKETS,
+                registry=self.registry,
+            )
+        )
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Count a finished request. Runs on the engine thread: prometheus_client is thread-safe."""
+        m = output.metrics
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        reasons = [c.finish_reason or "abort" for c in output.outputs]
+        for i in range(len(self.prompt_tokens)):
+            self.prompt_tokens[i].labels(self.model_name).inc(len(output.prompt_token_ids))
+            self.generation_tokens[i].labels(self.model_name).inc(generated)
+            for reason in reasons:
+                self.request_success[i].labels(self.model_name, reason).inc()
+            if m.time_to_first_token is not None:
+                self.ttft[i].labels(self.model_name).observe(m.time_to_first_token)
+            if m.queue_time is not None:
+                self.queue_time[i].labels(self.model_name).observe(m.queue_time)
+            if m.finished_time is not None:
+                self.e2e[i].labels(self.model_name).observe(m.finished_time - m.arrival_time)
+
+    def observe_inter_token(self, seconds_per_token: float, num_tokens: int) -> None:
+        for histogram in self.itl:
+            for _ in range(num_tokens):
+                histogram.labels(self.model_name).observe(seconds_per_token)

@@ -1,0 +1,465 @@
+"""OpenAI completions and chat over the AsyncEngine: validation, streams, response bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    random_id,
+)
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.server.metrics import EngineMetrics
+from kvfleet.engine.tokenizer import Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+
+
+@dataclass
+class _Choice:
+    """Per-choice streaming state: how much text and how many tokens were already sent."""
+
+    index: int
+    sent_text: int = 0
+    sent_tokens: int = 0
+    last_time: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    kind: str  # "completion" or "chat"
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_model_len: int,
+        tokenizer: Tokenizer | None,
+        metrics: EngineMetrics,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    # --- preparing ---------------------------------------------------------------------
+
+    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        params = self._sampling_params(
+            req, prompts, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs
+        )
+        return self._prepared("completion", "cmpl", req, prompts, params)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        tokenizer = self._require_tokenizer()
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        prompts = [tokenizer.encode(text, add_special_tokens=False)]
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self._sampling_params(req, prompts, max_tokens, logprobs)
+        return self._prepared("chat", "chatcmpl", req, prompts, params)
+
+    def _prepared(
+        self,
+        kind: str,
+        prefix: str,
+        req: SamplingFields,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> PreparedRequest:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return PreparedRequest(
+            kind,
+            random_id(prefix),
+            prompts,
+            params,
+            req.priority,
+            req.cache_salt,
+            req.stream,
+            include_usage,
+        )
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                code="model_not_found",
+            )
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids")
+        return self.tokenizer
+
+    def _completion_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt is empty")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError(400, "prompt is empty")
+                prompts.append(self._require_tokenizer().encode(item))
+            else:
+                prompts.append(list(item))
+        return prompts
+
+    def _sampling_params(
+        self,
+        req: SamplingFields,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        longest = max(len(p) for p in prompts)
+        if longest == 0:
+            raise APIError(400, "prompt is empty")
+        if longest >= self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {longest} tokens.",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = self.max_model_len - longest
+        elif longest + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {longest + max_tokens} tokens ({longest} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k if req.top_k and req.top_k > 0 else None,
+                min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids or (),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    # --- running -----------------------------------------------------------------------
+
+    async def start(self, prepared: PreparedRequest) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every prompt of the request; a bad one aborts those already queued."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, prompt in enumerate(prepared.prompts):
+                request_id = (
+                    prepared.request_id
+                    if len(prepared.prompts) == 1
+                    else f"{prepared.request_id}-{i}"
+                )
+                streams.append(
+                    await self.engine.generate(
+                        request_id, prompt, prepared.params, prepared.priority, prepared.cache_salt
+                    )
+                )
+        except ValueError as exc:
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+            raise APIError(400, str(exc)) from exc
+        return streams
+
+    async def full_response(
+        self, prepared: PreparedRequest, streams: list[AsyncIterator[RequestOutput]]
+    ) -> dict[str, Any]:
+        finals: dict[int, RequestOutput] = {}
+        states: dict[tuple[int, int], _Choice] = {}
+        async for prompt_index, output in _merge(streams):
+            self._observe_tokens(prepared, prompt_index, output, states)
+            if output.finished:
+                finals[prompt_index] = output
+        created = int(time.time())
+        n = prepared.params.n
+        choices = []
+        for prompt_index in range(len(prepared.prompts)):
+            for completion in finals[prompt_index].outputs:
+                index = prompt_index * n + completion.index
+                choices.append(self._final_choice(prepared, index, completion))
+        body: dict[str, Any] = {
+            "id": prepared.request_id,
+            "object": "text_completion" if prepared.kind == "completion" else "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(prepared, finals.values()),
+        }
+        return body
+
+    async def sse_stream(
+        self, prepared: PreparedRequest, streams: list[AsyncIterator[RequestOutput]]
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = prepared.params.n
+        choices = {
+            (p, j): _Choice(p * n + j) for p in range(len(prepared.prompts)) for j in range(n)
+        }
+        finals: dict[int, RequestOutput] = {}
+        object_name = (
+            "text_completion" if prepared.kind == "completion" else "chat.completion.chunk"
+        )
+
+        def chunk(
+            payload_choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+        ) -> str:
+            body: dict[str, Any] = {
+                "id": prepared.request_id,
+                "object": object_name,
+                "created": created,
+                "model": self.model_name,
+                "choices": payload_choices,
+            }
+            if prepared.include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        if prepared.kind == "chat":
+            yield chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in choices.values()
+                ]
+            )
+        async for prompt_index, output in _merge(streams):
+            if output.finished:
+                finals[prompt_index] = output
+            self._observe_tokens(prepared, prompt_index, output, choices)
+            for completion in output.outputs:
+                state = choices[(prompt_index, completion.index)]
+                if state.finished:
+                    continue
+                delta_text = completion.text[state.sent_text :]
+                new_tokens = completion.token_ids[state.sent_tokens :]
+                new_logprobs = (
+                    (completion.logprobs or [])[state.sent_tokens :]
+                    if completion.logprobs is not None
+                    else None
+                )
+                finish = completion.finish_reason if completion.finished else None
+                if not delta_text and not finish and not new_tokens:
+                    continue
+                state.sent_text, state.sent_tokens = len(completion.text), len(completion.token_ids)
+                state.finished = finish is not None
+                yield chunk(
+                    [
+                        self._delta_choice(
+                            prepared, state.index, delta_text, new_tokens, new_logprobs, finish
+                        )
+                    ]
+                )
+        if prepared.include_usage:
+            yield chunk([], _usage(prepared, finals.values()))
+        yield "data: [DONE]\n\n"
+
+    def _observe_tokens(
+        self,
+        prepared: PreparedRequest,
+        prompt_index: int,
+        output: RequestOutput,
+        choices: dict[tuple[int, int], _Choice],
+    ) -> None:
+        now = time.monotonic()
+        for completion in output.outputs:
+            state = choices.setdefault((prompt_index, completion.index), _Choice(0))
+            new = len(completion.token_ids) - state.sent_tokens
+            if new > 0 and state.sent_tokens > 0:
+                self.metrics.observe_inter_token((now - state.last_time) / new, new)
+            if new > 0:
+                state.last_time = now
+                if not prepared.stream:
+                    state.sent_tokens = len(completion.token_ids)
+
+    # --- bodies ------------------------------------------------------------------------
+
+    def _final_choice(
+        self, prepared: PreparedRequest, index: int, completion: CompletionOutput
+    ) -> dict[str, Any]:
+        logprobs = self._logprobs(prepared, completion.token_ids, completion.logprobs)
+        if prepared.kind == "completion":
+            return {
+                "index": index,
+                "text": completion.text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": completion.text},
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+    def _delta_choice(
+        self,
+        prepared: PreparedRequest,
+        index: int,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[Any] | None,
+        finish: str | None,
+    ) -> dict[str, Any]:
+        lp = self._logprobs(prepared, token_ids, logprobs)
+        if prepared.kind == "completion":
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        delta = {"content": text} if text or not finish else {}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def _logprobs(
+        self, prepared: PreparedRequest, token_ids: Sequence[int], logprobs: Sequence[Any] | None
+    ) -> dict[str, Any] | None:
+        if logprobs is None or prepared.params.logprobs is None:
+            return None
+        token = self._token_text
+        if prepared.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": token(lp.token_id),
+                        "logprob": lp.logprob,
+                        "bytes": list(token(lp.token_id).encode()),
+                        "top_logprobs": [
+                            {"token": token(t), "logprob": v, "bytes": list(token(t).encode())}
+                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                        ],
+                    }
+                    for lp in logprobs
+                ]
+            }
+        return {
+            "tokens": [token(lp.token_id) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                {token(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+                for lp in logprobs
+            ],
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _usage(prepared: PreparedRequest, finals: Any) -> dict[str, int]:
+    outputs = list(finals)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    prompt_tokens = sum(len(p) for p in prepared.prompts)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several request streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    merged: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = (
+        asyncio.Queue()
+    )
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await merged.put((index, output))
+        except Exception as exc:
+            await merged.put((index, exc))
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await merged.get()
+            if item is None:
+                remaining -= 1
+                continue
+            index, value = item
+            if isinstance(value, BaseException):
+                raise value
+            yield index, value
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
