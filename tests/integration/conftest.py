@@ -1,0 +1,111 @@
+"""A real engine server for integration tests: `kvfleet engine` serving SmolLM2 on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL = "smollm2"
+MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics without a histogram bucket, by its full name with labels."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "_bucket{" not in line:
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(tmp_path: Path, *extra: str) -> Server:
+    port = free_port()
+    log = tmp_path / f"engine-{port}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "kvfleet.engine.cli",
+        "engine",
+        "--model",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-blocks",
+        "1024",
+        *extra,
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"the engine exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+            )
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError(f"the engine was not ready within 180 s:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM, and check the shutdown was graceful. NOTE: uvicorn re-raises the signal once it
+    has shut down cleanly, so the exit status is -SIGTERM, not 0."""
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        code = server.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        raise
+    log = server.log.read_text()
+    assert code in (0, -signal.SIGTERM), log[-3000:]
+    assert "Application shutdown complete" in log
+    assert "engine loop stopped" in log
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = start_server(tmp_path_factory.mktemp("engine"))
+    yield running
+    stop_server(running)
