@@ -1,0 +1,174 @@
+"""Bad input gets the documented status and OpenAI error body, and the server keeps serving;
+/metrics counts what happened; /health says "loading" until the model is ready."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from kvfleet.engine.config import CacheConfig, EngineConfig
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.server.app import ServerSettings, create_app
+
+from .conftest import MODEL, Server, free_port
+
+pytestmark = pytest.mark.timeout(600)
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"model": MODEL, "prompt": "Hello"}
+LONG_TEXT = "lighthouse keeper " * 1100  # ~2,200 tokens, over the 2,048 context
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("chat/completions", b'{"model": "smollm2", "messages": [', 400, "not valid JSON"),
+        ("chat/completions", b"[1, 2]", 400, "must be a JSON object"),
+        ("chat/completions", b'{"model": "smollm2", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        ("chat/completions", {"model": MODEL}, 400, "messages: Field required"),
+        ("completions", {"model": MODEL}, 400, "prompt: Field required"),
+        ("completions", {**COMPLETION, "max_tokens": "many"}, 400, "max_tokens"),
+        ("chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+        ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+        (
+            "chat/completions",
+            {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "role",
+        ),
+        ("chat/completions", {**CHAT, "model": "gpt-9"}, 404, "does not exist"),
+        ("completions", {**COMPLETION, "prompt": LONG_TEXT}, 400, "maximum context length is 2048"),
+        ("completions", {**COMPLETION, "max_tokens": 5000}, 400, "maximum context length is 2048"),
+        ("completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature"),
+        ("completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
+        ("completions", {**COMPLETION, "n": 129}, 400, "n"),
+        ("completions", {**COMPLETION, "logprobs": 50}, 400, "logprobs"),
+        ("completions", {**COMPLETION, "stop": 5}, 400, "stop"),
+        ("completions", {**COMPLETION, "prompt": ""}, 400, "prompt is empty"),
+        ("completions", {**COMPLETION, "prompt": [999999]}, 400, "out of range"),
+        (
+            "completions",
+            b'{"model": "smollm2", "prompt": "' + b"x" * (10 << 20) + b'"}',
+            413,
+            "larger than",
+        ),
+    ],
+)
+def test_bad_input_gets_an_openai_error(
+    server: Server, path: str, body: Any, status: int, message: str
+) -> None:
+    url = f"{server.base_url}/{path}"
+    if isinstance(body, bytes):
+        response = httpx.post(
+            url, content=body, headers={"content-type": "application/json"}, timeout=60
+        )
+    else:
+        response = httpx.post(url, json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error"
+    # ... and the server keeps serving.
+    ok = httpx.post(
+        f"{server.base_url}/completions", json={**COMPLETION, "max_tokens": 2}, timeout=60
+    )
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_metrics_count_what_happened(server: Server) -> None:
+    label = f'model_name="{MODEL}"'
+
+    def read() -> dict[str, float]:
+        return server.metrics()
+
+    before = read()
+    prompt = list(range(1000, 1010))
+    for _ in range(3):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True}
+        assert (
+            httpx.post(f"{server.base_url}/completions", json=body, timeout=60).status_code == 200
+        )
+    after = read()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta(f"kvfleet:prompt_tokens_total{{{label}}}") == 30
+    assert delta(f"kvfleet:generation_tokens_total{{{label}}}") == 15
+    assert delta(f'kvfleet:request_success_total{{finished_reason="length",{label}}}') == 3
+    assert delta(f"kvfleet:time_to_first_token_seconds_count{{{label}}}") == 3
+    assert delta(f"kvfleet:e2e_request_latency_seconds_count{{{label}}}") == 3
+    assert delta(f"kvfleet:request_queue_time_seconds_count{{{label}}}") == 3
+    assert delta(f"kvfleet:inter_token_latency_seconds_count{{{label}}}") == 3 * 4
+    assert delta(f"kvfleet:prefix_cache_queries_total{{{label}}}") == 30
+    # The same 10-token prompt: blocks of 16 never fill, so nothing is cached or hit.
+    assert delta(f"kvfleet:prefix_cache_hits_total{{{label}}}") == 0
+    assert after[f"kvfleet:num_requests_running{{{label}}}"] == 0
+    assert after[f"kvfleet:kv_cache_usage_perc{{{label}}}"] == 0.0
+
+
+def test_health_is_503_while_loading_and_vllm_names(
+    hf_model_dir: Callable[[str], tuple[Any, Path]],
+) -> None:
+    _, folder = hf_model_dir("llama2-tied")
+    release = threading.Event()
+
+    def slow_factory(config: EngineConfig) -> LLMEngine:
+        release.wait(60)
+        return LLMEngine(config)
+
+    config = EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        enable_kv_events=True,
+        cache=CacheConfig(num_blocks=64),
+    )
+    app = create_app(
+        ServerSettings(engine=config, served_model_name="tiny", metrics_compat="vllm"), slow_factory
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                health = httpx.get(f"{url}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        early = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6]})
+        assert early.status_code == 503
+        assert early.json()["error"]["type"] == "service_unavailable"
+
+        release.set()
+        for _ in range(200):
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+            time.sleep(0.1)
+        ok = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
+        )
+        assert ok.status_code == 200
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        text_prompt = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "words"})
+        assert text_prompt.status_code == 400
+        assert "no tokenizer" in text_prompt.json()["error"]["message"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics
+        assert 'kvfleet:generation_tokens_total{model_name="tiny"} 3.0' in metrics
+        assert 'vllm:generation_tokens_total{model_name="tiny"} 3.0' in metrics
+    finally:
+        server.should_exit = True
+        thread.join(30)
