@@ -60,6 +60,12 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    )
     parser.add_argument("--metrics-compat", choices=["vllm"], help="also expose vllm: metric names")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -100,6 +106,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         metrics_compat=args.metrics_compat,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
@@ -130,7 +137,14 @@ def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
             )
 
     app = create_app(settings, on_ready=on_ready)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # NOTE: without this uvicorn waits forever for open streams on SIGTERM.
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+    )
     server = uvicorn.Server(config)
     logger.info("starting on %s (the model loads in the background; /health says when ready)", url)
     server.run()

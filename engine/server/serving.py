@@ -83,6 +83,8 @@ class OpenAIServing:
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported: the prompt is not repeated in the output")
         prompts = self._completion_prompts(req.prompt)
         params = self._sampling_params(
             req, prompts, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs

@@ -172,3 +172,11 @@ def test_health_is_503_while_loading_and_vllm_names(
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_echo_is_refused_clearly(server: Server) -> None:
+    response = httpx.post(
+        f"{server.base_url}/completions", json={**COMPLETION, "echo": True}, timeout=60
+    )
+    assert response.status_code == 400
+    assert "echo is not supported" in response.json()["error"]["message"]
