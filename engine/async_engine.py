@@ -61,6 +61,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._kv_subscribers: list[_KVSubscriber] = []
         self._kv_seq = 0
+        # Requests handed to the engine thread but not yet in its scheduler (a step is running).
+        self._pending_adds = 0
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self.num_step_errors = 0
@@ -72,6 +75,11 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting: in the scheduler's queue, or not yet handed to it."""
+        return self.engine.scheduler.num_waiting + self._pending_adds
 
     def start(self) -> None:
         self._thread.start()
@@ -92,6 +100,8 @@ class AsyncEngine:
         stream = _Stream(loop)
         accepted: asyncio.Future[None] = loop.create_future()
         self._streams[request_id] = stream
+        with self._pending_lock:
+            self._pending_adds += 1
         self._submit("add", (request_id, prompt, params, priority, cache_salt, loop, accepted))
         try:
             await accepted
@@ -179,6 +189,8 @@ class AsyncEngine:
         loop: asyncio.AbstractEventLoop,
         accepted: asyncio.Future[None],
     ) -> None:
+        with self._pending_lock:
+            self._pending_adds -= 1
         if request_id not in self._streams:  # the caller went away before we got here
             return
         try:

@@ -71,7 +71,7 @@ class _State:
         kv = core.kv_cache_manager
         return EngineStats(
             num_running=core.scheduler.num_running,
-            num_waiting=core.scheduler.num_waiting,
+            num_waiting=self.engine.num_waiting,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -87,7 +87,7 @@ class _State:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable")
         if not self.engine.is_running:
             raise APIError(503, "the engine loop has stopped", "service_unavailable")
-        if self.engine.engine.scheduler.num_waiting >= self.settings.max_waiting_requests:
+        if self.engine.num_waiting >= self.settings.max_waiting_requests:
             raise APIError(
                 503, "the server is overloaded; retry later", "service_unavailable", "overloaded"
             )

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,46 @@ def test_metrics_count_what_happened(server: Server) -> None:
     assert after[f"kvfleet:kv_cache_usage_perc{{{label}}}"] == 0.0
 
 
+@contextlib.contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run an app with uvicorn in a thread on a free loopback port; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_healthy(url: str) -> None:
+    for _ in range(400):
+        if httpx.get(f"{url}/health").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server did not become healthy")
+
+
+def tiny_config(folder: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        enable_kv_events=True,
+        cache=CacheConfig(num_blocks=64),
+    )
+
+
 def test_health_is_503_while_loading_and_vllm_names(
     hf_model_dir: Callable[[str], tuple[Any, Path]],
 ) -> None:
@@ -124,39 +165,18 @@ def test_health_is_503_while_loading_and_vllm_names(
         release.wait(60)
         return LLMEngine(config)
 
-    config = EngineConfig(
-        model=str(folder),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=256,
-        enable_kv_events=True,
-        cache=CacheConfig(num_blocks=64),
+    settings = ServerSettings(
+        engine=tiny_config(folder), served_model_name="tiny", metrics_compat="vllm"
     )
-    app = create_app(
-        ServerSettings(engine=config, served_model_name="tiny", metrics_compat="vllm"), slow_factory
-    )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                health = httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with serve_in_thread(create_app(settings, slow_factory)) as url:
+        health = httpx.get(f"{url}/health")
         assert (health.status_code, health.json()) == (503, {"status": "loading"})
         early = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6]})
         assert early.status_code == 503
         assert early.json()["error"]["type"] == "service_unavailable"
 
         release.set()
-        for _ in range(200):
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-            time.sleep(0.1)
+        wait_healthy(url)
         ok = httpx.post(
             f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
         )
@@ -169,14 +189,69 @@ def test_health_is_503_while_loading_and_vllm_names(
         assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics
         assert 'kvfleet:generation_tokens_total{model_name="tiny"} 3.0' in metrics
         assert 'vllm:generation_tokens_total{model_name="tiny"} 3.0' in metrics
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
-def test_echo_is_refused_clearly(server: Server) -> None:
-    response = httpx.post(
-        f"{server.base_url}/completions", json={**COMPLETION, "echo": True}, timeout=60
+def test_a_failing_step_fails_its_requests_not_the_server_and_overload_is_503(
+    hf_model_dir: Callable[[str], tuple[Any, Path]],
+) -> None:
+    _, folder = hf_model_dir("llama2-tied")
+    mode = {"fail": True}
+    go = threading.Event()
+
+    def flaky_factory(config: EngineConfig) -> LLMEngine:
+        engine = LLMEngine(config)
+        real_step, real_execute = engine.step, engine.runner.execute_model
+
+        def step() -> list[Any]:
+            if mode.pop("fail", False):
+                raise RuntimeError("injected failure")
+            return real_step()
+
+        def execute_model(scheduler_output: Any) -> Any:
+            go.wait(60)  # after scheduling: the scheduled request is running, not waiting
+            return real_execute(scheduler_output)
+
+        engine.step = step  # type: ignore[method-assign]
+        engine.runner.execute_model = execute_model  # type: ignore[method-assign]
+        return engine
+
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}
+    settings = ServerSettings(
+        engine=tiny_config(folder), served_model_name="tiny", max_waiting_requests=1
     )
-    assert response.status_code == 400
-    assert "echo is not supported" in response.json()["error"]["message"]
+    with serve_in_thread(create_app(settings, flaky_factory)) as url:
+        wait_healthy(url)
+        go.set()
+        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert failed.status_code == 500
+        assert "injected failure" in failed.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 200
+
+        # Steps now block until `go`: one request runs, the next waits, the third is refused.
+        go.clear()
+        results: list[int] = []
+        senders = [
+            threading.Thread(
+                target=lambda: results.append(
+                    httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+                )
+            )
+            for _ in range(2)
+        ]
+        for sender in senders:
+            sender.start()
+            time.sleep(0.3)
+        for _ in range(100):
+            if (
+                'kvfleet:num_requests_waiting{model_name="tiny"} 1.0'
+                in httpx.get(f"{url}/metrics").text
+            ):
+                break
+            time.sleep(0.05)
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "overloaded"
+        go.set()
+        for sender in senders:
+            sender.join(60)
+        assert results == [200, 200]
