@@ -432,8 +432,11 @@ async def _merge(
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several request streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
         return
     merged: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = (
         asyncio.Queue()
