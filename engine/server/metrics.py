@@ -156,63 +156,29 @@ class EngineMetrics:
         prefixes = ["kvfleet:"] + (["vllm:"] if vllm_compat else [])
         self.registry.register(_EngineCollector(prefixes, model_name, read_stats))
 
-        def each(make: Callable[[str], object]) -> list:  # type: ignore[type-arg]
-            return [make(p) for p in prefixes]
+        def counter(name: str, doc: str, *labels: str) -> list[Counter]:
+            return [
+                Counter(p + name, doc, ["model_name", *labels], registry=self.registry)
+                for p in prefixes
+            ]
 
-        labels = ["model_name"]
-        self.prompt_tokens = each(
-            lambda p: Counter(
-                p + "prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
-            )
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> list[Histogram]:
+            return [
+                Histogram(p + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+                for p in prefixes
+            ]
+
+        # One metric per prefix (kvfleet:, and vllm: in compat mode), updated together.
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", "finished_reason"
         )
-        self.generation_tokens = each(
-            lambda p: Counter(
-                p + "generation_tokens", "Tokens generated.", labels, registry=self.registry
-            )
-        )
-        self.request_success = each(
-            lambda p: Counter(
-                p + "request_success",
-                "Finished requests by finish reason.",
-                [*labels, "finished_reason"],
-                registry=self.registry,
-            )
-        )
-        self.ttft = each(
-            lambda p: Histogram(
-                p + "time_to_first_token_seconds",
-                "Time to first token.",
-                labels,
-                buckets=TTFT_BUCKETS,
-                registry=self.registry,
-            )
-        )
-        self.itl = each(
-            lambda p: Histogram(
-                p + "inter_token_latency_seconds",
-                "Time between output tokens.",
-                labels,
-                buckets=ITL_BUCKETS,
-                registry=self.registry,
-            )
-        )
-        self.e2e = each(
-            lambda p: Histogram(
-                p + "e2e_request_latency_seconds",
-                "Arrival to last token.",
-                labels,
-                buckets=E2E_BUCKETS,
-                registry=self.registry,
-            )
-        )
-        self.queue_time = each(
-            lambda p: Histogram(
-                p + "request_queue_time_seconds",
-                "Time waiting before first scheduled.",
-                labels,
-                buckets=E2E_BUCKETS,
-                registry=self.registry,
-            )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Waiting before first scheduled.", E2E_BUCKETS
         )
 
     def observe_finished(self, output: RequestOutput) -> None:
