@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvfleet.engine.attention.metadata import AttentionBackend
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
@@ -47,10 +48,10 @@ class LLMEngine:
             if wants_tokenizer and not config.skip_tokenizer_init
             else None
         )
-        if config.attention_backend != "torch":
-            raise ValueError(f"unknown attention backend {config.attention_backend!r}")
+        self.attention_backend = _pick_attention_backend(config.attention_backend, self.device)
+        attention = _triton_attention if self.attention_backend == "triton" else _torch_attention
         model = load_model(
-            self.source, self.model_config, self.dtype, self.device, _torch_attention, config.seed
+            self.source, self.model_config, self.dtype, self.device, attention, config.seed
         )
         num_blocks = self._num_blocks()
         block_size = config.cache.block_size
@@ -71,11 +72,13 @@ class LLMEngine:
         # What the last step scheduled (metrics and tests read it).
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
-            "engine ready: %s (%s) on %s in %s; %d KV blocks of %d tokens; max_model_len %d",
+            "engine ready: %s (%s) on %s in %s, %s attention; %d KV blocks of %d tokens; "
+            "max_model_len %d",
             self.source.name,
             self.source.format,
             self.device,
             self.dtype,
+            self.attention_backend,
             num_blocks,
             block_size,
             self.max_model_len,
@@ -221,6 +224,25 @@ def _torch_attention(config: ModelConfig) -> TorchAttention:
         config.head_dim,
         config.sliding_window,
     )
+
+
+def _triton_attention(config: ModelConfig) -> AttentionBackend:
+    from kvfleet.engine.attention.triton_attention import TritonAttention
+
+    return TritonAttention(
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.sliding_window,
+    )
+
+
+def _pick_attention_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError("the triton attention backend needs a CUDA device; use torch on the CPU")
+    return backend
 
 
 def _pick_device(device: str) -> torch.device:

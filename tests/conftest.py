@@ -196,3 +196,64 @@ def hf_greedy() -> Callable[[Any, list[int], int], list[int]]:
         return tokens
 
     return hf_greedy
+
+
+@pytest.fixture(scope="session")
+def attention_case() -> Callable[..., Any]:
+    """`attention_case(query_lens, seq_lens, ...)`: random q/k/v, a paged KV cache whose blocks
+    are shuffled across the pool (prefix tokens already written), and the step's metadata."""
+    import torch
+
+    from kvfleet.engine.attention.metadata import AttentionMetadata
+
+    def attention_case(
+        query_lens: list[int],
+        seq_lens: list[int],
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int = 32,
+        block_size: int = 16,
+        dtype: Any = None,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        dtype = dtype or torch.float32
+        gen = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3
+        order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is null
+        tables, slots, taken = [], [], 0
+        for query_len, seq_len, count in zip(query_lens, seq_lens, blocks_per_seq, strict=True):
+            table = order[taken : taken + count]
+            taken += count
+            tables.append(table + [0] * (max(blocks_per_seq) - count))
+            for pos in range(seq_len - query_len, seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_tokens = sum(query_lens)
+
+        def randn(*shape: int) -> Any:
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+        kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim)  # prefix + junk
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+        return {
+            "q": randn(num_tokens, num_heads, head_dim),
+            "k": randn(num_tokens, num_kv_heads, head_dim),
+            "v": randn(num_tokens, num_kv_heads, head_dim),
+            "kv_cache": kv_cache,
+            "metadata": metadata,
+        }
+
+    return attention_case

@@ -1,0 +1,236 @@
+"""The Triton attention backend: KV-cache write and one varlen paged attention kernel.
+
+One kernel serves every query shape of a step: a prompt chunk (many query tokens, causal, also
+attending to cached prefix blocks) and a decode (one query token). Each program takes BLOCK_M
+query tokens of one sequence and one query head, and walks that sequence's KV blocks through its
+block table with an online softmax. The torch backend (`torch_backend.py`) is its reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    d = tl.arange(0, BLOCK_D)
+    mask = d < HEAD_DIM
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    dest = block * stride_cb + offset * stride_cs + head * stride_ch + d
+    tl.store(k_cache_ptr + dest, k, mask=mask)
+    tl.store(v_cache_ptr + dest, v, mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v [num_tokens, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slots."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32: KV length after this step
+    scale,
+    sliding_window,  # 0: none
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // QUERIES_PER_KV
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # Absolute positions of this program's queries; padding rows sit past the last one.
+    q_pos = seq_len - q_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
+    kv_begin = 0
+    if sliding_window > 0:
+        kv_begin = tl.maximum(0, seq_len - q_len + m_block * BLOCK_M - sliding_window + 1)
+        kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        physical = tl.load(
+            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
+        ).to(tl.int64)
+        kv_offsets = (
+            physical[:, None] * stride_cb
+            + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + offs_d[None, :]
+        )
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if sliding_window > 0:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [num_tokens, Hq, D] against each sequence's cached K/V -> [num_tokens, Hq, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = metadata.seq_lens.shape[0]
+    block_m = 16 if metadata.max_seqlen_q <= 16 else 64
+    grid = (triton.cdiv(metadata.max_seqlen_q, block_m), num_seqs, num_heads)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        metadata.block_tables,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        metadata.block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+    )
+    return out
+
+
+class TritonAttention:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        return paged_attention(q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window)
