@@ -99,6 +99,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -147,7 +148,7 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
 
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if sliding_window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
@@ -159,7 +160,7 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -210,6 +211,7 @@ def paged_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_N=64,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
 
