@@ -1,5 +1,8 @@
 """The torch attention backend: the reference (CPU and CUDA) for faster backends.
 
+NOTE: it computes in float32 whatever the model's dtype, rounding once at the end, so that it
+stays an oracle for bf16 kernels rather than a second source of rounding.
+
 Reads K/V from the paged cache through each sequence's block table, so prefix hits and chunked
 prefill are exercised exactly as a paged kernel sees them.
 """
@@ -75,14 +78,14 @@ class TorchAttention:
         if self.sliding_window is not None:
             allowed &= key_pos >= seq_lens - self.sliding_window
         out = F.scaled_dot_product_attention(
-            q[:, :, None, :],  # [B, Hq, 1, D]
-            keys.transpose(1, 2),  # [B, Hkv, max_len, D]
-            values.transpose(1, 2),
+            q[:, :, None, :].float(),  # [B, Hq, 1, D]
+            keys.transpose(1, 2).float(),  # [B, Hkv, max_len, D]
+            values.transpose(1, 2).float(),
             attn_mask=allowed[:, None, None, :],
             scale=self.scale,
             enable_gqa=True,
         )
-        return out[:, :, 0, :]
+        return out[:, :, 0, :].to(q.dtype)
 
     def _prefill(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
@@ -97,14 +100,14 @@ class TorchAttention:
         if self.sliding_window is not None:
             allowed &= key_pos > query_pos - self.sliding_window
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [Hq, query_len, D]
-            keys[0].transpose(0, 1),  # [Hkv, seq_len, D]
-            values[0].transpose(0, 1),
+            q.transpose(0, 1).float(),  # [Hq, query_len, D]
+            keys[0].transpose(0, 1).float(),  # [Hkv, seq_len, D]
+            values[0].transpose(0, 1).float(),
             attn_mask=allowed,
             scale=self.scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out.transpose(0, 1).to(q.dtype)
 
 
 def _gather(
