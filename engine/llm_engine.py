@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfleet.engine.attention.metadata import AttentionBackend
+from kvfleet.engine.attention.metadata import AttentionBackend, AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
@@ -22,6 +22,7 @@ from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.models.llama import AttentionFactory
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.runner import ModelRunner, kv_cache_bytes_per_block
@@ -49,9 +50,13 @@ class LLMEngine:
             else None
         )
         self.attention_backend = _pick_attention_backend(config.attention_backend, self.device)
-        attention = _triton_attention if self.attention_backend == "triton" else _torch_attention
         model = load_model(
-            self.source, self.model_config, self.dtype, self.device, attention, config.seed
+            self.source,
+            self.model_config,
+            self.dtype,
+            self.device,
+            _attention_factory(self.attention_backend),
+            config.seed,
         )
         num_blocks = self._num_blocks()
         block_size = config.cache.block_size
@@ -217,24 +222,23 @@ class LLMEngine:
         return num_blocks
 
 
-def _torch_attention(config: ModelConfig) -> TorchAttention:
-    return TorchAttention(
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        config.sliding_window,
-    )
+def _attention_factory(backend: str) -> AttentionFactory:
+    """Builds each layer's attention for the chosen backend (Triton imported only when used)."""
+    layer_class: type[AttentionLayer] = TorchAttention
+    if backend == "triton":
+        from kvfleet.engine.attention.triton_attention import TritonAttention
 
+        layer_class = TritonAttention
 
-def _triton_attention(config: ModelConfig) -> AttentionBackend:
-    from kvfleet.engine.attention.triton_attention import TritonAttention
+    def make(config: ModelConfig) -> AttentionBackend:
+        return layer_class(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.sliding_window,
+        )
 
-    return TritonAttention(
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        config.sliding_window,
-    )
+    return make
 
 
 def _pick_attention_backend(backend: str, device: torch.device) -> str:

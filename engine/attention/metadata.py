@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +20,31 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU (the torch reference).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+
+
+class AttentionLayer(abc.ABC):
+    """What every backend is built from: one layer's head layout and attention window."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+    ) -> None:
+        # NOTE: kv heads are shared by num_heads // num_kv_heads query heads (GQA).
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write this step's K/V into the layer's cache, then attend each query to its sequence."""
 
 
 class AttentionBackend(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 
 
 def write_kv_cache(
@@ -24,17 +24,7 @@ def write_kv_cache(
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-class TorchAttention:
-    def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
-    ) -> None:
-        # NOTE: kv heads are shared by num_heads // num_kv_heads query heads (GQA).
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        self.sliding_window = sliding_window
-
+class TorchAttention(AttentionLayer):
     def forward(
         self,
         q: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 
 
 @triton.jit
@@ -216,16 +216,7 @@ def paged_attention(
     return out
 
 
-class TritonAttention:
-    def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
-    ) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        self.sliding_window = sliding_window
-
+class TritonAttention(AttentionLayer):
     def forward(
         self,
         q: torch.Tensor,
