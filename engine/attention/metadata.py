@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -47,15 +46,5 @@ class AttentionLayer(abc.ABC):
         """Write this step's K/V into the layer's cache, then attend each query to its sequence."""
 
 
-class AttentionBackend(Protocol):
-    """Writes this step's K/V into the layer's cache, then attends each query to its sequence."""
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        ...
+# Any layer implementation; the name the model code uses.
+AttentionBackend = AttentionLayer
