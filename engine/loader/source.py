@@ -42,9 +42,20 @@ class ModelSource:
             raise ValueError(f"{config_path}: missing key {exc} in the model config") from None
 
 
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def builtin_configs() -> list[str]:
+    """Model shapes shipped for `load_format="dummy"` (benchmarks at real shapes)."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
 def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
     """Resolve a `model` argument, fetching a built-in alias or downloading a hub id if needed."""
     path = Path(model).expanduser()
+    shipped = CONFIGS_DIR / f"{model}.json"
+    if load_format == "dummy" and not path.exists() and shipped.is_file():
+        return ModelSource("dummy", shipped, model)
     if model in model_cache.BUILTIN_MODELS and not path.exists():
         builtin = model_cache.BUILTIN_MODELS[model]
         cached, _ = model_cache.ModelCache(model_cache.kvfleet_home()).fetch(builtin)

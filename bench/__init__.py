@@ -1,0 +1,1 @@
+"""kvfleet.bench: benchmarks (`kvfleet bench ...`); they measure, tests check. See README.md."""

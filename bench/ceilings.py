@@ -1,0 +1,51 @@
+"""Ceilings measured in the same run as a benchmark: copy bandwidth and matmul rate."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gbps: float  # bytes read + written per second, 1e9
+    matmul_tflops: float  # in the benchmark's dtype
+
+    def floor_s(self, num_bytes: float, flops: float) -> float:
+        """The larger of the two times: moving `num_bytes` and doing `flops`."""
+        return max(num_bytes / (self.copy_gbps * 1e9), flops / (self.matmul_tflops * 1e12))
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
+    big = (1 << 30) if device.type == "cuda" else (1 << 26)  # elements
+    src = torch.randn(big // 2, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src), device)
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    matmul_s = _median_seconds(lambda: a @ b, device)
+    return Ceilings(
+        copy_gbps=2 * (big // 2) * 4 / copy_s / 1e9, matmul_tflops=2 * n**3 / matmul_s / 1e12
+    )

@@ -1,0 +1,94 @@
+"""`kvfleet bench latency`: decode time per token and TTFT at a batch size, beside the floor.
+
+Floor of one decode step: every weight is read once (the embedding table only for the batch's
+rows) plus the batch's KV cache, over the copy bandwidth measured in the same run; FLOPs
+(2 x parameters x batch) over the measured matmul rate, if larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.runner import kv_cache_bytes_per_block
+from kvfleet.engine.sampling_params import SamplingParams
+
+
+def run(args: argparse.Namespace) -> int:
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_model_len=args.input_len + args.output_len + 8,
+        max_num_seqs=max(args.batch_size, 1),
+        max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
+    )
+    engine = llm.engine
+    config = engine.model_config
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(
+        100, config.vocab_size - 100, (args.batch_size, args.input_len), generator=generator
+    ).tolist()
+
+    def timed(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        runs = []
+        for _ in range(args.repeats):
+            _sync(engine.device)
+            began = time.perf_counter()
+            llm.generate(prompts, params)
+            _sync(engine.device)
+            runs.append(time.perf_counter() - began)
+        return sorted(runs)[len(runs) // 2]
+
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    ttft_s = timed(1)
+    total_s = timed(args.output_len)
+    decode_s = (total_s - ttft_s) / (args.output_len - 1)
+
+    model = engine.runner.model
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.embed_tokens.weight
+    streamed = param_bytes - (
+        0 if config.tie_word_embeddings else embedding.numel() * embedding.element_size()
+    )
+    context = args.input_len + args.output_len // 2
+    kv_bytes = args.batch_size * context * kv_cache_bytes_per_block(config, 1, engine.dtype)
+    num_params = sum(p.numel() for p in model.parameters())
+    ceilings = measure_ceilings(engine.device, engine.dtype)
+    floor_s = ceilings.floor_s(streamed + kv_bytes, 2 * num_params * args.batch_size)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "attention_backend": engine.attention_backend,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "copy_GBps": round(ceilings.copy_gbps, 1),
+        "matmul_TFLOPs": round(ceilings.matmul_tflops, 1),
+        "bytes_per_step": streamed + kv_bytes,
+        "floor_ms_per_token": round(floor_s * 1e3, 3),
+        "decode_ms_per_token": round(decode_s * 1e3, 3),
+        "pct_of_floor": round(100 * floor_s / decode_s, 1),
+        "ttft_ms": round(ttft_s * 1e3, 2),
+        "output_tok_per_s": round(args.batch_size / decode_s, 1),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
