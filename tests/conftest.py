@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -35,6 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the device machine)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+# NOTE: without CUDA, Triton kernels run in Triton's interpreter. The variable must be set
+# before any module defining a kernel is imported, and collecting tests/gpu imports them, so it
+# is set here, first, for the whole session.
+if not _cuda_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
