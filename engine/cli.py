@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         code: int = args.run(args)
-    except model_cache.ModelCacheError as exc:
+    except (model_cache.ModelCacheError, ValueError) as exc:
         print(f"kvfleet: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -63,9 +63,11 @@ def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
     elif not path.exists():
         if model.count("/") != 1 or model.startswith((".", "/")):
             aliases = ", ".join(model_cache.BUILTIN_MODELS)
+            configs = f" or a shipped config ({', '.join(builtin_configs())})"
             raise ValueError(
                 f"model {model!r} is not a built-in alias ({aliases}), "
                 "an existing file or folder, or a Hugging Face hub id (org/name)"
+                + (configs if load_format == "dummy" else "")
             )
         path = _download_from_hub(model)
     if load_format == "dummy":

@@ -253,6 +253,11 @@ def test_cli_list_and_errors(
     assert cli.main(["models", "fetch", "nope"]) == 1
     assert "kvfleet: error: unknown model alias 'nope'" in capsys.readouterr().err
 
+    assert cli.main(["bench", "latency", "--model", "no-such-model", "--load-format", "hf"]) == 1
+    assert (
+        "kvfleet: error: model 'no-such-model' is not a built-in alias" in capsys.readouterr().err
+    )
+
     with pytest.raises(SystemExit) as excinfo:
         cli.main(["--version"])
     assert excinfo.value.code == 0
