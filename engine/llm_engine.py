@@ -57,6 +57,7 @@ class LLMEngine:
             self.device,
             _attention_factory(self.attention_backend),
             config.seed,
+            fused=self.attention_backend == "triton",
         )
         num_blocks = self._num_blocks()
         block_size = config.cache.block_size

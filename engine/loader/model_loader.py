@@ -22,12 +22,13 @@ def load_model(
     device: torch.device,
     attention: AttentionFactory,
     seed: int = 0,
+    fused: bool = False,
 ) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)  # parameters are born in the model's dtype
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, attention)
+            model = LlamaForCausalLM(config, attention, fused)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)

@@ -14,15 +14,20 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = fused  # one Triton kernel on CUDA instead of the torch chain below
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x + residual`; returns (normalized, the new residual)."""
+        if self.fused and x.is_cuda:
+            from kvfleet.engine.models.triton_layers import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         residual = x
@@ -74,9 +79,13 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         scaling: Mapping[str, Any] | None = None,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        half = head_dim // 2
+        # One Triton kernel per tensor on CUDA (its lane count must be a power of two).
+        self.fused = fused and half & (half - 1) == 0
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
@@ -92,6 +101,12 @@ class RotaryEmbedding(nn.Module):
         if self.cos_cache.device != positions.device:
             self.cos_cache = self.cos_cache.to(positions.device)
             self.sin_cache = self.sin_cache.to(positions.device)
+        if self.fused and q.is_cuda:
+            from kvfleet.engine.models.triton_layers import rotary_inplace
+
+            rotary_inplace(q, positions, self.cos_cache, self.sin_cache)
+            rotary_inplace(k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].repeat(1, 2)[:, None, :].to(q.dtype)
         sin = self.sin_cache[positions].repeat(1, 2)[:, None, :].to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

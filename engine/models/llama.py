@@ -65,12 +65,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused: bool
+    ):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
         self,
@@ -87,18 +89,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFactory):
+    def __init__(self, config: ModelConfig, attention: AttentionFactory, fused: bool = False):
+        """`fused`: Triton kernels for norms and RoPE on CUDA (the fast path); the torch
+        layers otherwise (the reference)."""
         super().__init__()
         self.config = config
         rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            fused,
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, attention(config))
+            LlamaDecoderLayer(config, rotary, attention(config), fused)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.lm_head = (
             None
             if config.tie_word_embeddings

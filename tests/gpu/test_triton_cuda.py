@@ -110,3 +110,30 @@ def test_smollm2_triton_agrees_with_torch_path() -> None:
     assert agree >= 31  # at least 95% of the 32 prompts
     assert len(gaps) >= 32 * 15
     assert max(gaps) < 0.15  # bf16 rounding through 30 layers
+
+
+def test_fused_layers_match_torch_at_real_shapes() -> None:
+    from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding
+    from kvfleet.engine.models.triton_layers import add_rms_norm, rotary_inplace
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 4096, generator=gen).cuda().bfloat16()
+    residual = torch.randn(300, 4096, generator=gen).cuda().bfloat16()
+    norm = RMSNorm(4096, 1e-5).cuda()
+    with torch.no_grad():
+        expected, expected_residual = norm(x.float(), residual.float())
+        out, out_residual = add_rms_norm(x, residual, norm.weight.bfloat16(), 1e-5)
+    assert float((out.float() - expected).norm() / expected.norm()) < 1e-2
+    assert (
+        float((out_residual.float() - expected_residual).norm() / expected_residual.norm()) < 1e-2
+    )
+
+    rotary = RotaryEmbedding(128, 8192, 500000.0)
+    positions = torch.randint(0, 8192, (300,), generator=gen).cuda()
+    q = torch.randn(300, 32, 128, generator=gen).cuda().bfloat16()
+    expected_q, _ = rotary(positions, q.float(), q.float()[:, :1])
+    out_q = torch.full_like(q, float("nan"))
+    out_q.copy_(q)
+    rotary_inplace(out_q, positions, rotary.cos_cache, rotary.sin_cache)
+    assert not out_q.isnan().any()
+    assert float((out_q.float() - expected_q).norm() / expected_q.norm()) < 1e-2

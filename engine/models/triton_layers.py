@@ -1,0 +1,121 @@
+"""Fused Triton kernels for the Llama layers: residual add + RMSNorm, and rotary embedding.
+
+Each replaces a chain of small torch kernels (about 9 for the norm, 15 for RoPE) with one
+launch, rounding like the torch reference in `layers.py`: the residual add in the model dtype,
+statistics in float32, the normalized value cast back before the weight is applied.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [num_tokens, hidden]
+    residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
+    weight_ptr,  # [hidden]
+    out_ptr,  # [num_tokens, hidden]
+    residual_out_ptr,  # [num_tokens, hidden]: x + residual (or x)
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(
+            x_ptr.dtype.element_ty
+        )
+    tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / hidden
+    normed = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(
+        out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual) for x [num_tokens, hidden]."""
+    num_tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out, residual_out
+    source = residual if residual is not None else x
+    _add_rms_norm_kernel[(num_tokens,)](
+        x,
+        source,
+        weight,
+        out,
+        residual_out,
+        x.stride(0),
+        source.stride(0),
+        out.stride(0),
+        residual_out.stride(0),
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(hidden),
+    )
+    return out, residual_out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
+    cos_ptr,  # [max_position, head_dim / 2] float32
+    sin_ptr,
+    positions_ptr,  # [num_tokens] int64
+    stride_t,
+    stride_h,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + position * HALF + d)[None, :]
+    sin = tl.load(sin_ptr + position * HALF + d)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    mask = heads < num_heads
+    base = x_ptr + token * stride_t + heads * stride_h + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_inplace(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Neox-style rotation of x [num_tokens, num_heads, head_dim] at `positions`, in place."""
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return
+    assert x.stride(2) == 1, "the head dimension must be contiguous"
+    _rotary_kernel[(num_tokens,)](
+        x,
+        cos,
+        sin,
+        positions,
+        x.stride(0),
+        x.stride(1),
+        num_heads,
+        HALF=head_dim // 2,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+    )

@@ -1,0 +1,54 @@
+"""Fused residual-add + RMSNorm and RoPE kernels against the torch layers (TRITON_INTERPRET on CPU).
+
+float32: within 1e-5; float16: within 2e-3 (one rounding instead of the torch chain's several).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding
+from kvfleet.engine.models.triton_layers import add_rms_norm, rotary_inplace
+
+TOLERANCES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype: torch.dtype, tolerance: float, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
+    residual = torch.randn(7, 96, generator=gen).to(dtype) if with_residual else None
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=gen))
+        expected, expected_residual = norm(x, residual)
+        out, out_residual = add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(out_residual, expected_residual)
+    assert (out.float() - expected.float()).abs().max() < tolerance
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+def test_rotary_in_place(dtype: torch.dtype, tolerance: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    rotary = RotaryEmbedding(32, 256, 500000.0, scaling)
+    positions = torch.randint(0, 256, (9,), generator=gen)
+    qkv = torch.randn(9, 6 * 32, generator=gen).to(dtype)  # 4 q heads, 1 k head, 1 v head
+    q, k = qkv[:, :128].view(9, 4, 32), qkv[:, 128:160].view(9, 1, 32)
+    v_before = qkv[:, 160:].clone()
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
+    rotary_inplace(k, positions, rotary.cos_cache, rotary.sin_cache)
+    assert (q.float() - expected_q.float()).abs().max() < tolerance
+    assert (k.float() - expected_k.float()).abs().max() < tolerance
+    assert torch.equal(qkv[:, 160:], v_before)  # v, in the same buffer, untouched
