@@ -195,6 +195,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere; or "torch", "triton"
     enable_kv_events: bool = False
 

@@ -62,6 +62,8 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         block_size = config.cache.block_size
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        if self.attention_backend == "triton" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events
         )

@@ -16,6 +16,7 @@ from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvfleet.engine.core.request import RequestId
+from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvfleet.engine.sampling_params import SamplingParams
@@ -76,6 +77,14 @@ class ModelRunner:
         ]
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Replay decode-only steps from CUDA graphs (needs graph-safe kernels: Triton)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_num_seqs, max_blocks, self.device
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,7 +92,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [], [])
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(inputs.metadata):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
         sampled = self.sampler(logits, self._sampling_metadata(states))

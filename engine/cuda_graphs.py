@@ -1,0 +1,110 @@
+"""CUDA graphs for decode-only steps: one graph replay instead of ~130 kernel launches per step.
+
+One graph per batch-size bucket, captured on first use, all sharing one memory pool and one
+set of static input buffers. A step of B sequences runs the smallest bucket >= B; the padding
+rows write their K/V into the null block and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any
+
+import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
+from kvfleet.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [
+            next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
+        ]
+        self.max_batch = self.buckets[-1]
+        n = self.max_batch
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # Static inputs every graph reads; a step copies its values in before replaying.
+        self.input_ids = zeros(n, dtype=torch.int64)
+        self.positions = zeros(n, dtype=torch.int64)
+        self.slot_mapping = zeros(n, dtype=torch.int64)
+        self.block_tables = zeros(n, max_blocks_per_seq, dtype=torch.int32)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None  # the graphs' shared memory pool handle
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        num_seqs = len(metadata.query_lens_cpu)
+        return metadata.max_seqlen_q == 1 and num_seqs <= self.max_batch
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The model's hidden states [num_seqs, hidden] for a decode-only step."""
+        num_seqs = input_ids.shape[0]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+        width = metadata.block_tables.shape[1]
+        self.input_ids[:num_seqs].copy_(input_ids, non_blocking=True)
+        self.positions[:num_seqs].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(metadata.seq_lens, non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables, non_blocking=True)
+        # NOTE: padding rows must write into the null block, never into a live block left
+        # there by an earlier, larger step.
+        self.slot_mapping[num_seqs:bucket].fill_(NULL_BLOCK_ID)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph, hidden = self.graphs[bucket]
+        graph.replay()
+        return hidden[:num_seqs]
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        logger.info("capturing a CUDA graph for decode steps of up to %d sequences", bucket)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=self.block_tables[:bucket],
+            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            max_seqlen_q=1,
+            max_seqlen_k=self.block_tables.shape[1] * self.kv_caches[0].shape[2],
+            query_lens_cpu=[1] * bucket,
+            seq_lens_cpu=[1] * bucket,
+        )
+
+        def forward() -> torch.Tensor:
+            hidden: torch.Tensor = self.model(
+                self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
+            )
+            return hidden
+
+        # Warm up on a side stream first: Triton compiles its kernels outside the capture.
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = forward()
+        self.pool = graph.pool()
+        return graph, hidden
