@@ -6,7 +6,6 @@ GPU's kernels (stated below). bf16 runs check shape handling and finiteness, not
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,30 +20,6 @@ from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 TOLERANCE = 1e-4  # max |logprob difference| against transformers, float32 on CUDA
-
-LLAMA_3_8B = {
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-    "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture(autouse=True)
@@ -120,11 +95,9 @@ def test_smollm2_greedy_matches_transformers_on_cuda(
     assert "Paris" in answer.outputs[0].text
 
 
-def test_llama3_8b_shape_dummy_bf16(tmp_path: Path) -> None:
-    config = tmp_path / "llama-3-8b.json"
-    config.write_text(json.dumps(LLAMA_3_8B))
+def test_llama3_8b_shape_dummy_bf16() -> None:
     llm = LLM(
-        str(config),
+        "llama-3-8b",  # the shipped config
         load_format="dummy",
         device="cuda",
         dtype="bfloat16",

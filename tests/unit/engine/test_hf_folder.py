@@ -94,3 +94,15 @@ def test_tokenizer_and_chat_template_from_a_folder(tmp_path: Path) -> None:
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="unknown chat role 'wizard'"):
         llm.chat([{"role": "wizard", "content": "x"}])
+
+
+def test_shipped_configs_resolve_for_dummy_loads() -> None:
+    from kvfleet.engine.loader.source import builtin_configs
+
+    assert builtin_configs() == ["llama-3-70b", "llama-3-8b", "qwen2.5-7b"]
+    config = resolve_model_source("llama-3-8b", "dummy").read_config()
+    assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (4096, 8, 128)
+    assert (config.rope_scaling or {})["rope_type"] == "llama3"
+    assert resolve_model_source("qwen2.5-7b", "dummy").read_config().qkv_bias
+    with pytest.raises(ValueError, match=r"or a shipped config \(llama-3-70b, llama-3-8b"):
+        resolve_model_source("llama-9-1t", "dummy")
