@@ -3,7 +3,8 @@
 One kernel serves every query shape of a step: a prompt chunk (many query tokens, causal, also
 attending to cached prefix blocks) and a decode (one query token). Each program takes BLOCK_M
 query tokens of one sequence and one query head, and walks that sequence's KV blocks through its
-block table with an online softmax. The torch backend (`torch_backend.py`) is its reference.
+block table with an online softmax. Decode-only steps take the GQA-grouped, split-KV kernel in
+`triton_decode.py` instead. The torch backend (`torch_backend.py`) is their reference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
+from kvfleet.engine.attention.triton_decode import decode_attention
 
 
 @triton.jit
@@ -226,4 +228,8 @@ class TritonAttention(AttentionLayer):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        if metadata.max_seqlen_q == 1:  # a decode-only step
+            return decode_attention(
+                q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window
+            )
         return paged_attention(q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window)

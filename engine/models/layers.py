@@ -37,8 +37,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype), residual
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * d] -> [num_tokens, d]: silu(gate) * up."""
+def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """[num_tokens, 2 * d] -> [num_tokens, d]: silu(gate) * up (one Triton kernel if `fused`)."""
+    if fused and gate_up.is_cuda:
+        from kvfleet.engine.models import triton_layers
+
+        return triton_layers.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 

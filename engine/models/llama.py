@@ -53,14 +53,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, fused: bool = False):
         super().__init__()
+        self.fused = fused
         size, inner = config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Linear(size, 2 * inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
         return out
 
 
@@ -70,7 +71,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, fused)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 

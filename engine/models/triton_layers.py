@@ -1,8 +1,9 @@
-"""Fused Triton kernels for the Llama layers: residual add + RMSNorm, and rotary embedding.
+"""Fused Triton kernels for the Llama layers: residual add + RMSNorm, rotary embedding, SiLU·mul.
 
-Each replaces a chain of small torch kernels (about 9 for the norm, 15 for RoPE) with one
-launch, rounding like the torch reference in `layers.py`: the residual add in the model dtype,
-statistics in float32, the normalized value cast back before the weight is applied.
+Each replaces a chain of small torch kernels (about 9 for the norm, 15 for RoPE, 3 for SiLU·mul)
+with one launch, rounding where the torch reference in `layers.py` rounds: the residual add in
+the model dtype, statistics in float32, the normalized value cast back before the weight is
+applied, each RoPE product and SiLU's output in the model dtype.
 """
 
 from __future__ import annotations
@@ -89,15 +90,20 @@ def _rotary_kernel(
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
     d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + position * HALF + d)[None, :]
-    sin = tl.load(sin_ptr + position * HALF + d)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    # NOTE: every product and the sum are rounded to the model dtype, as the torch chain does,
+    # so both paths give the same bits.
+    cos = tl.load(cos_ptr + position * HALF + d)[None, :].to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + position * HALF + d)[None, :].to(dtype).to(tl.float32)
     heads = tl.arange(0, BLOCK_H)[:, None]
     mask = heads < num_heads
     base = x_ptr + token * stride_t + heads * stride_h + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(base, out1.to(dtype), mask=mask)
+    tl.store(base + HALF, out2.to(dtype), mask=mask)
 
 
 def rotary_inplace(
@@ -119,3 +125,37 @@ def rotary_inplace(
         HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads),
     )
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,  # [num_tokens, 2 * inner]: gate, then up
+    out_ptr,  # [num_tokens, inner]
+    stride_in,
+    stride_out,
+    inner,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    tl.store(out_ptr + row * stride_out + cols, (silu.to(tl.float32) * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * inner] -> [num_tokens, inner]: silu(gate) * up."""
+    num_tokens, width = gate_up.shape
+    inner = width // 2
+    out = gate_up.new_empty((num_tokens, inner))
+    if num_tokens == 0:
+        return out
+    assert gate_up.stride(1) == 1, "the feature dimension must be contiguous"
+    block = min(1024, triton.next_power_of_2(inner))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inner, BLOCK=block
+    )
+    return out

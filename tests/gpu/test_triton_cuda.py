@@ -53,6 +53,40 @@ def test_kernels_match_torch_at_real_shapes(
     assert relative < 1e-2, relative
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [CASES["decode-64"], ([1], [8191]), ([1] * 3, [5, 3000, 130])],
+    ids=["decode-64", "one-8k", "three"],
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_kernel_matches_torch_at_real_shapes(
+    attention_case: Callable[..., dict[str, Any]],
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_splits: int | None,
+) -> None:
+    from kvfleet.engine.attention import triton_decode
+
+    inputs = attention_case(
+        query_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=4, **LLAMA_8B_HEADS
+    )
+    metadata = inputs["metadata"]
+    reference = TorchAttention(32, 8, 128)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(
+        inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), cache.float(), metadata
+    )
+    triton_attention.write_kv_cache(inputs["k"], inputs["v"], cache, metadata.slot_mapping)
+    out = torch.full_like(inputs["q"], float("nan"))
+    triton_decode.decode_attention(
+        inputs["q"], cache, metadata, reference.scale, out=out, num_splits=num_splits
+    )
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    relative = float((out.float() - expected).norm() / expected.norm())
+    assert relative < 1e-2, relative
+
+
 def _smollm2_available() -> None:
     try:
         model_cache.ModelCache(model_cache.kvfleet_home()).fetch(
@@ -174,3 +208,26 @@ def test_cuda_graph_decode_equals_eager(hf_model_dir: Callable[[str], tuple[Any,
     ):
         assert graph_ids == eager_ids
         assert max(abs(a - b) for a, b in zip(eager_lp, graph_lp, strict=True)) < 1e-4
+
+
+def test_fused_rope_and_silu_round_like_the_torch_path_in_bf16() -> None:
+    """Not just close: RoPE gives the torch chain's bits; SiLU·mul differs at most in the
+    last bit of a few elements (exp is computed differently)."""
+    from kvfleet.engine.models import layers, triton_layers
+
+    gen = torch.Generator().manual_seed(6)
+    rotary = layers.RotaryEmbedding(128, 8192, 500000.0)
+    positions = torch.randint(0, 8192, (300,), generator=gen).cuda()
+    q = torch.randn(300, 32, 128, generator=gen).cuda().bfloat16()
+    expected_q, _ = rotary(positions, q.clone(), q[:, :1].clone())
+    triton_layers.rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
+    assert torch.equal(q, expected_q)
+
+    gate_up = (torch.randn(300, 2 * 14336, generator=gen) * 3).cuda().bfloat16()
+    expected = layers.silu_and_mul(gate_up)
+    out = triton_layers.silu_and_mul(gate_up)
+    differ = (out != expected).float().mean().item()
+    assert differ < 0.01, differ
+    assert float((out.float() - expected.float()).abs().max()) <= float(
+        expected.float().abs().max() * 2**-7
+    )

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.attention import triton_attention
+from kvfleet.engine.attention import triton_attention, triton_decode
 from kvfleet.engine.attention.torch_backend import TorchAttention
 
 CASES = {
@@ -59,3 +59,63 @@ def test_sliding_window(attention_case: Callable[..., dict[str, Any]]) -> None:
         inputs["q"], inputs["k"], inputs["v"], inputs["kv_cache"], inputs["metadata"]
     )
     assert (out - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 1), (2, 2)])
+def test_decode_kernel_matches_torch(
+    attention_case: Callable[..., dict[str, Any]],
+    num_splits: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    # Lengths around the split and block edges; one sequence far longer than the others.
+    seq_lens = [1, 17, 64, 129, 300, 700]
+    inputs = attention_case(
+        [1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=11
+    )
+    reference = TorchAttention(num_heads, num_kv_heads, 32)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
+    out = torch.full_like(inputs["q"], float("nan"))
+    triton_decode.decode_attention(
+        inputs["q"], cache, inputs["metadata"], reference.scale, out=out, num_splits=num_splits
+    )
+    assert not out.isnan().any()
+    assert (out - expected).abs().max() < 1e-4
+
+
+def test_decode_kernel_sliding_window_and_float16(
+    attention_case: Callable[..., dict[str, Any]],
+) -> None:
+    seq_lens = [10, 90, 400]
+    inputs = attention_case([1] * 3, seq_lens, dtype=torch.float16, seed=12)
+    reference = TorchAttention(4, 2, 32, sliding_window=48)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
+    for num_splits in (1, 4):
+        out = torch.full_like(inputs["q"], float("nan"))
+        triton_decode.decode_attention(
+            inputs["q"], cache, inputs["metadata"], reference.scale, 48, out, num_splits
+        )
+        assert (out.float() - expected.float()).abs().max() < 2e-3
+
+
+def test_backend_sends_decode_steps_to_the_decode_kernel(
+    attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    real = triton_attention.decode_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("decode")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", spy)
+    backend = triton_attention.TritonAttention(4, 2, 32)
+    for query_lens, seq_lens in (CASES["decode-only"], CASES["mixed"]):
+        inputs = attention_case(query_lens, seq_lens)
+        backend.forward(
+            inputs["q"], inputs["k"], inputs["v"], inputs["kv_cache"], inputs["metadata"]
+        )
+    assert calls == ["decode"]

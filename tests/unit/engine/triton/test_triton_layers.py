@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvfleet.engine.models import layers, triton_layers
 from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding
 from kvfleet.engine.models.triton_layers import add_rms_norm, rotary_inplace
 
@@ -52,3 +53,13 @@ def test_rotary_in_place(dtype: torch.dtype, tolerance: float) -> None:
     assert (q.float() - expected_q.float()).abs().max() < tolerance
     assert (k.float() - expected_k.float()).abs().max() < tolerance
     assert torch.equal(qkv[:, 160:], v_before)  # v, in the same buffer, untouched
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+def test_silu_and_mul(dtype: torch.dtype, tolerance: float) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(5, 2 * 1500, generator=gen) * 4).to(dtype)  # inner > one block
+    expected = layers.silu_and_mul(gate_up)
+    out = triton_layers.silu_and_mul(gate_up)
+    assert out.shape == (5, 1500)
+    assert (out.float() - expected.float()).abs().max() < tolerance

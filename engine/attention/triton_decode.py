@@ -1,0 +1,251 @@
+"""Paged decode attention in Triton: GQA-aware and split over the KV length (flash-decoding).
+
+A decode step has one query token per sequence, so the varlen kernel in `triton_attention.py`
+would give each program a single query row and read each K/V block once per query head. Here a
+program takes all the query heads that share one KV head (a GQA group, padded to 16 rows for
+`tl.dot`), so each K/V block is read once per group, and one sequence's KV length is cut into
+`num_splits` ranges that run in parallel; a second kernel merges their partial softmaxes. The
+ranges are sized in the kernel from each sequence's own length, so a launch captured in a CUDA
+graph for the longest context still spreads a short one over every split.
+
+The torch backend (`torch_backend.py`) is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+
+# Below this many KV tokens a split is not worth its share of the merge.
+_MIN_SPLIT_TOKENS = 128
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32: KV length including this step's token
+    acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32: unnormalized P·V
+    max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: running max of the scores
+    sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: sum of exp(score - max)
+    out_ptr,  # [num_seqs, num_heads, head_dim]: written directly when NUM_SPLITS == 1
+    scale,
+    sliding_window,  # 0: none
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_begin = 0
+    if sliding_window > 0:
+        kv_begin = tl.maximum(0, seq_len - sliding_window)
+    # This split's range: the sequence's window cut into NUM_SPLITS pieces of whole BLOCK_Ns.
+    per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
+    per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    start = kv_begin + split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        physical = tl.load(
+            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
+        ).to(tl.int64)
+        kv_offsets = (
+            physical[:, None] * stride_cb
+            + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + offs_d[None, :]
+        )
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        # An empty split stores max -inf and sum 0: the merge gives it no weight.
+        row = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(max_ptr + row, m_i, mask=g_mask)
+        tl.store(sum_ptr + row, l_i, mask=g_mask)
+        tl.store(
+            acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
+    max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32
+    sum_ptr,
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    stride_ot,
+    stride_oh,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row = (seq * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(max_ptr + row, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(sum_ptr + row, mask=s_mask, other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+    total = tl.sum(weight * l_s, 0)
+    acc = tl.load(
+        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def num_splits_for(
+    num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device
+) -> int:
+    """Enough splits to give every SM a few programs, none shorter than _MIN_SPLIT_TOKENS."""
+    num_sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
+    wanted = triton.cdiv(4 * num_sms, num_seqs * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_seqlen_k, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q [num_seqs, Hq, D], one query token per sequence, against its cached K/V."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert metadata.max_seqlen_q == 1, "one query token per sequence"
+    assert metadata.seq_lens.shape[0] == num_seqs
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = num_splits_for(num_seqs, num_kv_heads, metadata.max_seqlen_k, q.device)
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    partial_shape = (num_seqs, num_heads, num_splits)
+    acc = q.new_empty((*partial_shape, head_dim), dtype=torch.float32)
+    maxes = q.new_empty(partial_shape, dtype=torch.float32)
+    sums = q.new_empty(partial_shape, dtype=torch.float32)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        acc,
+        maxes,
+        sums,
+        out,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        metadata.block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT=_MIN_SPLIT_TOKENS if num_splits > 1 else 1,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=64,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            acc,
+            maxes,
+            sums,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+        )
+    return out
