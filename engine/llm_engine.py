@@ -32,6 +32,8 @@ from kvfleet.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+# CUDA graphs' memory pool and allocator fragmentation, beside the profiled step.
+_GRAPHS_RESERVE = _GIB // 2
 
 
 class LLMEngine:
@@ -59,9 +61,10 @@ class LLMEngine:
             config.seed,
             fused=self.attention_backend == "triton",
         )
-        num_blocks = self._num_blocks()
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, block_size, self.dtype, self.device)
+        num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
         if self.attention_backend == "triton" and not config.enforce_eager:
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
@@ -201,27 +204,42 @@ class LLMEngine:
         )
 
     def _num_blocks(self) -> int:
+        """The configured count; else what fits in `gpu_memory_utilization` of the GPU once the
+        weights, the largest step's activations (profiled) and the CUDA context are counted."""
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
         if self.device.type == "cuda":
-            _, total = torch.cuda.mem_get_info(self.device)
-            # Activations of the largest step; profiled properly with the GPU fast path.
-            reserve = (
-                _GIB
-                + 64 * self.config.scheduler.max_num_batched_tokens * self.model_config.hidden_size
+            sched = self.config.scheduler
+            peak = self.runner.profile_peak_bytes(
+                min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs
             )
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Memory the CUDA context, libraries and other processes hold outside our allocator.
+            outside = total - free - torch.cuda.memory_reserved(self.device)
+            weights = torch.cuda.memory_allocated(self.device)
             budget = (
-                total * cache.gpu_memory_utilization
-                - torch.cuda.memory_allocated(self.device)
-                - reserve
+                total * cache.gpu_memory_utilization - outside - weights - peak - _GRAPHS_RESERVE
+            )
+            logger.info(
+                "memory: %.2f GiB total, weights %.2f GiB, largest step %.2f GiB, outside "
+                "torch %.2f GiB; %.2f GiB for the KV cache at utilization %.2f",
+                total / _GIB,
+                weights / _GIB,
+                peak / _GIB,
+                outside / _GIB,
+                budget / _GIB,
+                cache.gpu_memory_utilization,
             )
         else:
             budget = cache.cpu_kv_cache_gib * _GIB
         num_blocks = int(budget // per_block)
         if num_blocks < 2:
-            raise ValueError(f"no memory is left for the KV cache (budget {budget / _GIB:.2f} GiB)")
+            raise ValueError(
+                f"no memory is left for the KV cache (budget {budget / _GIB:.2f} GiB); raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
+            )
         return num_blocks
 
 

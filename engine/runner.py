@@ -19,7 +19,7 @@ from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass
@@ -52,32 +52,75 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        config = model.config
+        """The KV cache comes later (`allocate_kv_cache`), once its size is known."""
         self.model = model
-        self.config = config
+        self.config = model.config
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
-        # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches = [
-            torch.zeros(
-                2,
-                num_blocks,
-                block_size,
-                config.num_key_value_heads,
-                config.head_dim,
-                dtype=dtype,
-                device=device,
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+        config = self.config
+        shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self, max_num_tokens: int, max_num_seqs: int) -> int:
+        """Device memory the largest step needs beyond the weights and the KV cache: a forward
+        over `max_num_tokens` prompt tokens, then logits and sampling (top-k, top-p, logprobs)
+        for `max_num_seqs` rows. Runs it once, on a KV cache just big enough."""
+        assert self.device.type == "cuda", "profiling measures CUDA memory"
+        assert not self.kv_caches, "profile before the KV cache is allocated"
+        num_blocks = -(-max_num_tokens // self.block_size) + 1
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.allocate_kv_cache(num_blocks)
+        kv_bytes = torch.cuda.memory_allocated(self.device) - before
+        block_ids = list(range(1, num_blocks))
+
+        def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        metadata = AttentionMetadata(
+            slot_mapping=torch.arange(max_num_tokens, device=self.device) + self.block_size,
+            block_tables=ints([block_ids]),
+            cu_seqlens_q=ints([0, max_num_tokens]),
+            seq_lens=ints([max_num_tokens]),
+            max_seqlen_q=max_num_tokens,
+            max_seqlen_k=max_num_tokens,
+            query_lens_cpu=[max_num_tokens],
+            seq_lens_cpu=[max_num_tokens],
+        )
+        positions = torch.arange(max_num_tokens, device=self.device)
+        hidden = self.model(positions % self.config.vocab_size, positions, self.kv_caches, metadata)
+        rows = min(max_num_seqs, max_num_tokens)
+        logits = self.model.compute_logits(hidden[-rows:])
+        params = SamplingParams(
+            temperature=0.8, top_k=50, top_p=0.9, logprobs=MAX_LOGPROBS, presence_penalty=0.5
+        )
+        meta = SamplingMetadata.build(
+            [params] * rows, [[1]] * rows, [[2]] * rows, {}, self.config.vocab_size, self.device
+        )
+        self.sampler(logits, meta)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - kv_bytes
+        del hidden, logits, meta
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay decode-only steps from CUDA graphs (needs graph-safe kernels: Triton)."""

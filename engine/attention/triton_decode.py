@@ -173,8 +173,8 @@ def num_splits_for(
         if device.type == "cuda"
         else 4
     )
-    wanted = triton.cdiv(4 * num_sms, num_seqs * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_seqlen_k, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    wanted = -(-4 * num_sms // (num_seqs * num_kv_heads))
+    return max(1, min(wanted, -(-max_seqlen_k // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
 
 
 def decode_attention(
