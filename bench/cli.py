@@ -14,6 +14,16 @@ def add_commands(commands: Any) -> None:
     )
     _add_latency_arguments(latency)
     latency.set_defaults(run=_run_latency)
+    throughput = kinds.add_parser(
+        "throughput", help="offline: N requests at once, tokens/s beside the workload's floor"
+    )
+    _add_throughput_arguments(throughput)
+    throughput.set_defaults(run=_run_throughput)
+    serve = kinds.add_parser(
+        "serve", help="online client for an OpenAI server: TTFT, ITL, e2e percentiles"
+    )
+    _add_serve_arguments(serve)
+    serve.set_defaults(run=_run_serve)
 
 
 def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,3 +46,60 @@ def _run_latency(args: argparse.Namespace) -> int:
     from kvfleet.bench import latency
 
     return latency.run(args)
+
+
+def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", default="128:1024", help="N, or LOW:HIGH (uniform)")
+    parser.add_argument("--output-len", default="256", help="N, or LOW:HIGH (uniform)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, help="default: longest input + output")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--json", help="also write the result to this file")
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from kvfleet.bench import throughput
+
+    return throughput.run(args)
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", help="the `model` to send (default: the server's first)")
+    parser.add_argument(
+        "--mode",
+        choices=["random", "shared-prefix", "blocker"],
+        default="random",
+        help="random prompts; one long document with many questions; or N streams with one "
+        "long prompt arriving among them",
+    )
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", default="1024", help="N, or LOW:HIGH (uniform)")
+    parser.add_argument("--output-len", default="256", help="N, or LOW:HIGH (uniform)")
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second"
+    )
+    parser.add_argument("--max-concurrency", type=int, help="at most this many in flight")
+    parser.add_argument("--prefix-len", type=int, default=3000, help="shared-prefix: document")
+    parser.add_argument(
+        "--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this"
+    )
+    parser.add_argument("--blocker-len", type=int, default=4096, help="blocker: its prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", help="also write the result to this file")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvfleet.bench import serve
+
+    return serve.run(args)

@@ -59,6 +59,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: triton on CUDA, torch elsewhere",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
+    )
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
     parser.add_argument(
         "--shutdown-timeout",
@@ -86,6 +95,8 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
             tokenizer=args.tokenizer,
             max_model_len=args.max_model_len,
             enable_kv_events=True,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

@@ -1,0 +1,103 @@
+"""`kvfleet bench throughput`: offline, all requests submitted at once, beside the workload's floor.
+
+    kvfleet bench throughput --model llama-3-8b --load-format dummy \\
+        --num-prompts 256 --input-len 128:1024 --output-len 256
+
+Prompts are random token ids (`workload.py`, seeded: the peer script runs the same ones); every
+request generates exactly its output length (EOS ignored), sampled at temperature 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.bench.workload import parse_range, random_workload, workload_cost
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.sampling_params import SamplingParams
+
+
+def run(args: argparse.Namespace) -> int:
+    input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len or input_len[1] + output_len[1],
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+    )
+    engine = llm.engine
+    config = engine.model_config
+    workload = random_workload(
+        args.num_prompts, input_len, output_len, config.vocab_size, seed=args.seed
+    )
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=None)
+        for n in workload.output_lens
+    ]
+    # Warm-up (kernel compilation) on requests of the same shapes, outside the timing.
+    warm = random_workload(4, input_len, output_len, config.vocab_size, seed=args.seed + 1)
+    warm_tokens = min(8, output_len[0])
+    llm.generate(
+        warm.prompts, SamplingParams(temperature=1.0, max_tokens=warm_tokens, ignore_eos=True)
+    )
+
+    _sync(engine.device)
+    began = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    _sync(engine.device)
+    elapsed = time.perf_counter() - began
+
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == workload.num_output_tokens, "a request stopped early"
+    dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
+    cost = workload_cost(config, dtype_bytes, workload, args.max_num_seqs)
+    ceilings = measure_ceilings(engine.device, engine.dtype)
+    floor_s = ceilings.floor_s(cost.bytes, cost.flops)
+    result: dict[str, Any] = {
+        "benchmark": "throughput",
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefix_caching": not args.no_prefix_caching,
+        "input_tokens": workload.num_input_tokens,
+        "output_tokens": generated,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(args.num_prompts / elapsed, 2),
+        "output_tok_per_s": round(generated / elapsed, 1),
+        "total_tok_per_s": round((generated + workload.num_input_tokens) / elapsed, 1),
+        "copy_GBps": round(ceilings.copy_gbps, 1),
+        "matmul_TFLOPs": round(ceilings.matmul_tflops, 1),
+        "floor_bytes_s": round(cost.bytes / (ceilings.copy_gbps * 1e9), 3),
+        "floor_flops_s": round(cost.flops / (ceilings.matmul_tflops * 1e12), 3),
+        "floor_s": round(floor_s, 3),
+        "pct_of_floor": round(100 * floor_s / elapsed, 1),
+        "kv_blocks": engine.kv_cache_manager.block_pool.num_blocks,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
