@@ -1,10 +1,14 @@
-"""Where a decode step's time goes: torch profiler over steady-state decode steps.
+"""Where a decode step's time goes: host phases, the graph replay's GPU time, torch profiler.
 
-    bench/device_env.sh python3 bench/profile_decode.py     # on the device
+    bench/device_env.sh python3 bench/profile_decode.py --batch-size 1     # on the device
 
-Prints the step time, then the top operators by host (CPU) time and by GPU time.
+Prints the step time; each host phase of `LLMEngine.step` timed alone (schedule, the runner
+up to its device-to-host copy, scheduler update and output processing); the GPU time of one
+graph replay and of the LM head + sampler; then the top operators by host and by GPU time.
 """
 
+import argparse
+import statistics
 import time
 
 import torch
@@ -14,26 +18,80 @@ from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
 
+def _gpu_ms(fn, repeats: int = 20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main() -> None:
-    llm = LLM("llama-3-8b", load_format="dummy", dtype="bfloat16", max_model_len=512)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
+    args = parser.parse_args()
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=1024,
+        max_num_seqs=max(args.batch_size, 8),
+    )
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    engine.add_request("p", list(range(1000, 1128)), params)
+    params = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
+    for i in range(args.batch_size):
+        engine.add_request(f"p{i}", list(range(1000 + i, 1128 + i)), params)
     for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
     began = time.perf_counter()
-    for _ in range(20):
+    for _ in range(50):
         engine.step()
     torch.cuda.synchronize()
-    print(f"ms/step {(time.perf_counter() - began) / 20 * 1e3:.2f}")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            engine.step()
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
-    print(averages.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
+    print(f"batch {args.batch_size}: {(time.perf_counter() - began) / 50 * 1e3:.3f} ms/step")
+
+    phases: dict[str, list[float]] = {"schedule": [], "runner": [], "update+output": []}
+    for _ in range(50):
+        t0 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        runner_out = engine.runner.execute_model(out)
+        t2 = time.perf_counter()
+        core = engine.scheduler.update_from_output(out, runner_out)
+        engine.output_processor.process(core, time.monotonic())
+        t3 = time.perf_counter()
+        phases["schedule"].append(t1 - t0)
+        phases["runner"].append(t2 - t1)
+        phases["update+output"].append(t3 - t2)
+    for name, values in phases.items():
+        print(f"  host {name:14s} {statistics.median(values) * 1e3:.3f} ms")
+
+    runner = engine.runner
+    graphs = runner.decode_graphs
+    if graphs is not None:
+        bucket = min(b for b in graphs.buckets if b >= args.batch_size)
+        graph, hidden = graphs.graphs[bucket]
+        print(f"  GPU graph replay (bucket {bucket}) {_gpu_ms(graph.replay):.3f} ms")
+        rows = hidden[: args.batch_size]
+        print(
+            "  GPU LM head + argmax "
+            f"{_gpu_ms(lambda: runner.model.compute_logits(rows).argmax(-1)):.3f} ms"
+        )
+    if args.profile:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                engine.step()
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
 if __name__ == "__main__":

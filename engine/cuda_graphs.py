@@ -1,6 +1,6 @@
 """CUDA graphs for decode-only steps: one graph replay instead of ~130 kernel launches per step.
 
-One graph per batch-size bucket, captured on first use, all sharing one memory pool and one
+One graph per batch-size bucket, captured at startup, all sharing one memory pool and one
 set of static input buffers. A step of B sequences runs the smallest bucket >= B; the padding
 rows write their K/V into the null block and their outputs are dropped.
 """
@@ -51,6 +51,12 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs' shared memory pool handle
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (at startup), largest first so the pool fits them all."""
+        for bucket in reversed(self.buckets):
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         num_seqs = len(metadata.query_lens_cpu)

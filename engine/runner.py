@@ -128,6 +128,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, max_num_seqs, max_blocks, self.device
         )
+        self.decode_graphs.capture_all()
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
