@@ -90,8 +90,8 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         averages = prof.key_averages()
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        print(averages.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+        for key, rows in (("self_cpu_time_total", 25), ("self_cuda_time_total", 15)):
+            print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":
