@@ -10,6 +10,7 @@ graph replay and of the LM head + sampler; then the top operators by host and by
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -18,7 +19,7 @@ from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
 
-def _gpu_ms(fn, repeats: int = 20) -> float:
+def _gpu_ms(fn: Callable[[], object], repeats: int = 20) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
     times = []
@@ -90,8 +91,8 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         averages = prof.key_averages()
-        for key, rows in (("self_cpu_time_total", 25), ("self_cuda_time_total", 15)):
-            print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+        for key, limit in (("self_cpu_time_total", 25), ("self_cuda_time_total", 15)):
+            print(averages.table(sort_by=key, row_limit=limit, max_name_column_width=60))
 
 
 if __name__ == "__main__":
