@@ -52,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
         warm.prompts, SamplingParams(temperature=1.0, max_tokens=warm_tokens, ignore_eos=True)
     )
 
+    steps = _StepTimer(engine)
     _sync(engine.device)
     began = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
+    with steps:
+        outputs = llm.generate(workload.prompts, params)
     _sync(engine.device)
     elapsed = time.perf_counter() - began
 
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         "floor_flops_s": round(cost.flops / (ceilings.matmul_tflops * 1e12), 3),
         "floor_s": round(floor_s, 3),
         "pct_of_floor": round(100 * floor_s / elapsed, 1),
+        "steps": steps.summary(),
         "kv_blocks": engine.kv_cache_manager.block_pool.num_blocks,
         "preemptions": engine.scheduler.num_preemptions,
     }
@@ -96,6 +99,44 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+class _StepTimer:
+    """Wall time of each engine step (its end waits on the sampled tokens), by kind of step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.times: dict[str, list[float]] = {"decode_only": [], "with_prefill": []}
+        self.prefill_tokens = 0
+
+    def __enter__(self) -> None:
+        real_step = self.engine.step
+
+        def timed_step() -> Any:
+            began = time.perf_counter()
+            outputs = real_step()
+            spent = time.perf_counter() - began
+            out = self.engine.last_scheduler_output
+            decode = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+            prefill = out.total_num_scheduled_tokens - decode
+            self.prefill_tokens += prefill
+            self.times["with_prefill" if prefill else "decode_only"].append(spent)
+            return outputs
+
+        self.engine.step = timed_step
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.step  # back to the class's method
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            kind: {
+                "count": len(t),
+                "total_s": round(sum(t), 3),
+                "mean_ms": round(1e3 * sum(t) / len(t), 2) if t else None,
+            }
+            for kind, t in self.times.items()
+        } | {"prefill_tokens": self.prefill_tokens}
 
 
 def _sync(device: torch.device) -> None:

@@ -7,8 +7,10 @@ requests that reach their last known token this step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
@@ -28,9 +30,20 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    # The request's block ids in the first num_blocks entries (grown by doubling).
+    block_table: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int64))
+    num_blocks: int = 0
+
+    def add_blocks(self, block_ids: Sequence[int]) -> None:
+        end = self.num_blocks + len(block_ids)
+        if end > len(self.block_table):
+            grown = np.zeros(max(end, 2 * len(self.block_table)), np.int64)
+            grown[: self.num_blocks] = self.block_table[: self.num_blocks]
+            self.block_table = grown
+        self.block_table[self.num_blocks : end] = block_ids
+        self.num_blocks = end
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class ModelRunner:
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None
+        self._last_sampling: tuple[tuple[RequestId, ...], SamplingMetadata] | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -136,17 +150,22 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [], [])
         inputs = self._prepare_inputs(scheduler_output)
+        states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
+        # NOTE: built before the forward is queued: its host-to-device copies must not wait
+        # for the forward to finish.
+        sampling = self._sampling_metadata(states)
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(inputs.metadata):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
-        sampled = self.sampler(logits, self._sampling_metadata(states))
+        sampled = self.sampler(logits, sampling)
         return self._outputs(scheduler_output, inputs.sampled_req_ids, states, sampled)
 
     def _update_states(self, out: SchedulerOutput) -> None:
+        if out.finished_req_ids or out.scheduled_new_reqs:
+            self._last_sampling = None  # an id may come back with other parameters
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -154,72 +173,78 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self.requests[new.req_id] = CachedRequestState(
+            state = CachedRequestState(
                 new.req_id,
                 list(new.token_ids),
                 new.num_prompt_tokens,
                 params,
-                list(new.block_ids),
                 new.num_computed_tokens,
                 generator,
             )
+            state.add_blocks(new.block_ids)
+            self.requests[new.req_id] = state
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.add_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sampled_req_ids: list[RequestId] = []
+        """Flatten the step: per-token arrays built with numpy, sent in two copies."""
         bs = self.block_size
-        for req_id, num_tokens in out.num_scheduled_tokens.items():
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
+        states = [self.requests[req_id] for req_id in out.num_scheduled_tokens]
+        num_tokens = np.fromiter(out.num_scheduled_tokens.values(), np.int64, len(states))
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        ends = starts + num_tokens
+        input_ids: list[int] = []
+        for state, start, end in zip(states, starts.tolist(), ends.tolist(), strict=True):
             input_ids += state.token_ids[start:end]
-            positions += range(start, end)
-            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            query_lens.append(num_tokens)
-            seq_lens.append(end)
-            block_tables.append(state.block_ids)
-            if end == len(state.token_ids):  # the last known token: sample the next one
-                logits_indices.append(len(input_ids) - 1)
-                sampled_req_ids.append(req_id)
-        max_blocks = max(len(t) for t in block_tables)
-        padded_tables = [t + [NULL_BLOCK_ID] * (max_blocks - len(t)) for t in block_tables]
-        cu_seqlens_q = [0]
-        for n in query_lens:
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        max_blocks = max(s.num_blocks for s in states)
+        block_tables = np.full((len(states), max_blocks), NULL_BLOCK_ID, np.int64)
+        for row, state in enumerate(states):
+            block_tables[row, : state.num_blocks] = state.block_table[: state.num_blocks]
+        # Each token's row and position: decode rows are one token at `start`.
+        token_rows = np.repeat(np.arange(len(states)), num_tokens)
+        cu_seqlens_q = np.concatenate(([0], np.cumsum(num_tokens)))
+        positions = np.arange(len(input_ids)) - cu_seqlens_q[token_rows] + starts[token_rows]
+        slots = block_tables[token_rows, positions // bs] * bs + positions % bs
+        # The last known token of a request: sample the next one.
+        sampled = ends == np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        logits_indices = cu_seqlens_q[1:][sampled] - 1
+        longs = torch.from_numpy(
+            np.concatenate((input_ids, positions, slots, logits_indices)).astype(np.int64)
+        ).to(self.device)
+        ints = torch.from_numpy(
+            np.concatenate((block_tables.ravel(), cu_seqlens_q, ends)).astype(np.int32)
+        ).to(self.device)
+        n, num_seqs, table_size = len(input_ids), len(states), block_tables.size
+        query_lens, seq_lens = num_tokens.tolist(), ends.tolist()
         metadata = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(padded_tables, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
+            slot_mapping=longs[2 * n : 3 * n],
+            block_tables=ints[:table_size].view(num_seqs, max_blocks),
+            cu_seqlens_q=ints[table_size : table_size + num_seqs + 1],
+            seq_lens=ints[table_size + num_seqs + 1 :],
             max_seqlen_q=max(query_lens),
             max_seqlen_k=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
         return ModelInputs(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            input_ids=longs[:n],
+            positions=longs[n : 2 * n],
             metadata=metadata,
-            logits_indices=tensor(logits_indices, torch.int64),
-            sampled_req_ids=sampled_req_ids,
+            logits_indices=longs[3 * n :],
+            sampled_req_ids=[s.req_id for s, keep in zip(states, sampled, strict=True) if keep],
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        return SamplingMetadata.build(
+        """The batch's sampling tensors; reused while the same requests are sampled in the same
+        order (steady decoding), unless penalties need this step's output tokens."""
+        key = tuple(s.req_id for s in states)
+        cached = self._last_sampling
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        meta = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.token_ids[: s.num_prompt_tokens] for s in states],
             [s.token_ids[s.num_prompt_tokens :] for s in states],
@@ -227,6 +252,8 @@ class ModelRunner:
             self.config.vocab_size,
             self.device,
         )
+        self._last_sampling = None if meta.presence_penalty is not None else (key, meta)
+        return meta
 
     def _outputs(
         self,

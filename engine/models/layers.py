@@ -108,12 +108,27 @@ class RotaryEmbedding(nn.Module):
         if self.fused and q.is_cuda:
             from kvfleet.engine.models.triton_layers import rotary_inplace
 
-            rotary_inplace(q, positions, self.cos_cache, self.sin_cache)
-            rotary_inplace(k, positions, self.cos_cache, self.sin_cache)
+            together = _heads_together(q, k)
+            for x in (q, k) if together is None else (together,):
+                rotary_inplace(x, positions, self.cos_cache, self.sin_cache)
             return q, k
         cos = self.cos_cache[positions].repeat(1, 2)[:, None, :].to(q.dtype)
         sin = self.sin_cache[positions].repeat(1, 2)[:, None, :].to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [num_tokens, Hq + Hkv, D] view when k's heads follow q's in memory (both
+    slices of one fused QKV output), so one kernel rotates both."""
+    num_tokens, num_heads, head_dim = q.shape
+    adjacent = (
+        q.stride() == k.stride()
+        and q.stride(1) == head_dim
+        and k.data_ptr() == q.data_ptr() + num_heads * head_dim * q.element_size()
+    )
+    if not adjacent:
+        return None
+    return q.as_strided((num_tokens, num_heads + k.shape[1], head_dim), (q.stride(0), head_dim, 1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -63,3 +63,33 @@ def test_silu_and_mul(dtype: torch.dtype, tolerance: float) -> None:
     out = triton_layers.silu_and_mul(gate_up)
     assert out.shape == (5, 1500)
     assert (out.float() - expected.float()).abs().max() < tolerance
+
+
+def test_rotary_layer_rotates_q_and_k_of_one_qkv_buffer_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused layer path: q and k views of one QKV output go through one kernel launch and
+    equal the torch chain; separate tensors take one launch each."""
+    gen = torch.Generator().manual_seed(3)
+    reference = RotaryEmbedding(32, 128, 10000.0)
+    fused = RotaryEmbedding(32, 128, 10000.0, fused=True)
+    positions = torch.randint(0, 128, (5,), generator=gen)
+    qkv = torch.randn(5, 7 * 32, generator=gen)  # 4 q heads, 2 k heads, 1 v head
+    launches: list[tuple[int, ...]] = []
+    real = triton_layers.rotary_inplace
+
+    def spy(x: torch.Tensor, *args: torch.Tensor) -> None:
+        launches.append(tuple(x.shape))
+        real(x, *args)
+
+    monkeypatch.setattr(triton_layers, "rotary_inplace", spy)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q, k = qkv[:, :128].view(5, 4, 32), qkv[:, 128:192].view(5, 2, 32)
+    expected_q, expected_k = reference(positions, q.clone(), k.clone())
+    fused(positions, q, k)
+    assert launches == [(5, 6, 32)]
+    assert (q - expected_q).abs().max() < 1e-5
+    assert (k - expected_k).abs().max() < 1e-5
+    separate_q, separate_k = expected_q.clone(), expected_k.clone()
+    fused(positions, separate_q, separate_k)
+    assert launches[1:] == [(5, 4, 32), (5, 2, 32)]
