@@ -112,9 +112,9 @@ class _StepTimer:
     def __enter__(self) -> None:
         real_step = self.engine.step
 
-        def timed_step() -> Any:
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
             began = time.perf_counter()
-            outputs = real_step()
+            outputs = real_step(*args, **kwargs)
             spent = time.perf_counter() - began
             out = self.engine.last_scheduler_output
             decode = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)

@@ -102,7 +102,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {exc}") from exc
         finished: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
-            for output in engine.step():
+            for output in engine.step(final_only=True):
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in ids]

@@ -161,7 +161,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One step; the requests it advanced (only those it finished if `final_only`)."""
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
         now = time.monotonic()
@@ -169,7 +170,9 @@ class LLMEngine:
             self.output_processor.mark_scheduled(new.req_id, now)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        outputs, stopped = self.output_processor.process(
+            core_outputs, time.monotonic(), final_only
+        )
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:
             if output.finished:

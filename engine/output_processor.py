@@ -86,9 +86,10 @@ class OutputProcessor:
             child.parent.metrics.first_scheduled_time = now
 
     def process(
-        self, outputs: list[EngineCoreOutput], now: float
+        self, outputs: list[EngineCoreOutput], now: float, final_only: bool = False
     ) -> tuple[list[RequestOutput], list[RequestId]]:
-        """The updated requests, and the children a stop string ended (to finish in the core)."""
+        """The updated requests (only the finished ones if `final_only`: no per-step copies),
+        and the children a stop string ended (to finish in the core)."""
         updated: dict[str, _Parent] = {}
         stopped: list[RequestId] = []
         for out in outputs:
@@ -103,7 +104,8 @@ class OutputProcessor:
                 del self.children[out.req_id]
                 if parent.finished:
                     parent.metrics.finished_time = now
-        return [p.to_output() for p in updated.values()], stopped
+        parents = [p for p in updated.values() if p.finished or not final_only]
+        return [p.to_output() for p in parents], stopped
 
     def abort(self, child_ids: list[RequestId], now: float) -> list[RequestOutput]:
         outputs = [

@@ -211,8 +211,8 @@ def test_cuda_graph_decode_equals_eager(hf_model_dir: Callable[[str], tuple[Any,
 
 
 def test_fused_rope_and_silu_round_like_the_torch_path_in_bf16() -> None:
-    """Not just close: RoPE gives the torch chain's bits; SiLU·mul differs at most in the
-    last bit of a few elements (exp is computed differently)."""
+    """Not just close: RoPE and SiLU·mul round where the torch chain rounds, so at most a few
+    elements differ, each by one bf16 step (exp and sin/cos are computed differently)."""
     from kvfleet.engine.models import layers, triton_layers
 
     gen = torch.Generator().manual_seed(6)
@@ -221,13 +221,13 @@ def test_fused_rope_and_silu_round_like_the_torch_path_in_bf16() -> None:
     q = torch.randn(300, 32, 128, generator=gen).cuda().bfloat16()
     expected_q, _ = rotary(positions, q.clone(), q[:, :1].clone())
     triton_layers.rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
-    assert torch.equal(q, expected_q)
-
     gate_up = (torch.randn(300, 2 * 14336, generator=gen) * 3).cuda().bfloat16()
-    expected = layers.silu_and_mul(gate_up)
-    out = triton_layers.silu_and_mul(gate_up)
-    differ = (out != expected).float().mean().item()
-    assert differ < 0.01, differ
-    assert float((out.float() - expected.float()).abs().max()) <= float(
-        expected.float().abs().max() * 2**-7
-    )
+    expected_silu = layers.silu_and_mul(gate_up)
+    silu = triton_layers.silu_and_mul(gate_up)
+    for name, out, expected in (("rope", q, expected_q), ("silu", silu, expected_silu)):
+        differ = (out != expected).float().mean().item()
+        # One bf16 step at each element's magnitude: 2^-7 relative, at most.
+        steps = (out.float() - expected.float()).abs() / expected.float().abs().clamp(min=1e-30)
+        print(f"{name}: {differ:.2e} of elements differ; max relative difference {steps.max():.2e}")
+        assert differ < 1e-3, (name, differ)
+        assert float(steps.max()) <= 2**-7, name
