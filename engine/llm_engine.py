@@ -170,9 +170,7 @@ class LLMEngine:
             self.output_processor.mark_scheduled(new.req_id, now)
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(
-            core_outputs, time.monotonic(), final_only
-        )
+        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic(), final_only)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:
             if output.finished:
