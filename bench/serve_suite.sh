@@ -17,6 +17,13 @@ start_engine() {
   python3 -m kvfleet.engine.cli engine --model llama-3-8b --load-format dummy --port "$port" \
     --max-model-len 8192 "$@" >"$out/engine-$#.log" 2>&1 &
   engine_pid=$!
+  # Ready when /health answers 200; fail at once if the engine dies while loading.
+  until curl -sf "$url/health" >/dev/null; do
+    if ! kill -0 "$engine_pid" 2>/dev/null; then
+      echo "the engine exited while starting:" >&2; tail -20 "$out/engine-$#.log" >&2; exit 1
+    fi
+    sleep 1
+  done
 }
 stop_engine() { kill "$engine_pid" 2>/dev/null || true; wait "$engine_pid" 2>/dev/null || true; }
 trap stop_engine EXIT

@@ -14,6 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 x rounded to `dtype` (to nearest even) and back to float32. NOTE: for bfloat16
+    with integer ops, since the compiler may fold a cast down and back up into nothing."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
@@ -93,15 +105,15 @@ def _rotary_kernel(
     dtype = x_ptr.dtype.element_ty
     # NOTE: every product and the sum are rounded to the model dtype, as the torch chain does,
     # so both paths give the same bits.
-    cos = tl.load(cos_ptr + position * HALF + d)[None, :].to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + position * HALF + d)[None, :].to(dtype).to(tl.float32)
+    cos = _rounded(tl.load(cos_ptr + position * HALF + d)[None, :], dtype)
+    sin = _rounded(tl.load(sin_ptr + position * HALF + d)[None, :], dtype)
     heads = tl.arange(0, BLOCK_H)[:, None]
     mask = heads < num_heads
     base = x_ptr + token * stride_t + heads * stride_h + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
+    out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
     tl.store(base, out1.to(dtype), mask=mask)
     tl.store(base + HALF, out2.to(dtype), mask=mask)
 
@@ -142,8 +154,8 @@ def _silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    tl.store(out_ptr + row * stride_out + cols, (silu.to(tl.float32) * up).to(dtype), mask=mask)
+    silu = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_out + cols, (silu * up.to(tl.float32)).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
