@@ -18,7 +18,7 @@ start_engine() {
     --max-model-len 8192 "$@" >"$out/engine-$#.log" 2>&1 &
   engine_pid=$!
   # Ready when /health answers 200; fail at once if the engine dies while loading.
-  until curl -sf "$url/health" >/dev/null; do
+  until python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; do
     if ! kill -0 "$engine_pid" 2>/dev/null; then
       echo "the engine exited while starting:" >&2; tail -20 "$out/engine-$#.log" >&2; exit 1
     fi
