@@ -51,7 +51,7 @@ class RequestResult:
 class Client:
     def __init__(self, base_url: str, model: str, timeout: float) -> None:
         self.http = httpx.AsyncClient(
-            base_url=base_url,
+            base_url=base_url.rstrip("/").removesuffix("/v1"),  # either form works
             timeout=httpx.Timeout(timeout, connect=30.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )

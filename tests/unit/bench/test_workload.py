@@ -1,0 +1,75 @@
+"""The workload generator and the floor counting of the benchmarks, against hand counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.bench.workload import (
+    Workload,
+    kv_bytes_per_token,
+    layer_matmul_params,
+    parse_range,
+    random_workload,
+    weight_bytes_per_step,
+    workload_cost,
+)
+from kvfleet.engine.config import ModelConfig
+
+TINY = ModelConfig(
+    architecture="llama",
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def test_parse_range() -> None:
+    assert parse_range("256") == (256, 256)
+    assert parse_range("128:1024") == (128, 1024)
+    for bad in ("0", "9:3", "x"):
+        with pytest.raises(ValueError):  # noqa: PT011 - int() and our own message alike
+            parse_range(bad)
+
+
+def test_random_workload_is_seeded_and_in_range() -> None:
+    a = random_workload(20, (5, 9), (3, 4), vocab_size=1000, seed=7)
+    b = random_workload(20, (5, 9), (3, 4), vocab_size=1000, seed=7)
+    assert a == b
+    assert a != random_workload(20, (5, 9), (3, 4), vocab_size=1000, seed=8)
+    assert all(5 <= len(p) <= 9 for p in a.prompts)
+    assert all(3 <= n <= 4 for n in a.output_lens)
+    assert all(100 <= t < 900 for p in a.prompts for t in p)
+
+
+def test_cost_matches_a_hand_count() -> None:
+    # Per layer: qkv 64 x (64 + 2 x 32), o 64 x 64, gate/up/down 3 x 64 x 128.
+    per_layer = 64 * 128 + 64 * 64 + 3 * 64 * 128
+    assert layer_matmul_params(TINY) == 2 * per_layer
+    # K and V x kv heads x head dim x bytes x layers.
+    assert kv_bytes_per_token(TINY, 2) == 2 * 2 * 16 * 2 * 2
+    assert weight_bytes_per_step(TINY, 2) == (2 * per_layer + 5 * 64 + 1000 * 64) * 2
+
+    workload = Workload(prompts=[[1, 2, 3]], output_lens=[2])
+    cost = workload_cost(TINY, 2, workload, max_num_seqs=8)
+    # 5 tokens through the layers, 2 sampled through the LM head; attention pairs: prompt
+    # 1 + 2 + 3 = 6, decode tokens see 4 and 5 positions.
+    pair = 4 * 4 * 16 * 2
+    assert cost.flops == 2 * 2 * per_layer * 5 + 2 * 64 * 1000 * 2 + pair * (6 + 4 + 5)
+    kv_token = kv_bytes_per_token(TINY, 2)
+    # 2 steps of weights; KV: 5 written, 3 read by the prompt, 4 + 5 read by the decodes.
+    assert cost.bytes == 2 * weight_bytes_per_step(TINY, 2) + kv_token * (5 + 3 + 9)
+
+
+def test_steps_grow_when_requests_outnumber_the_batch() -> None:
+    workload = Workload(prompts=[[1]] * 10, output_lens=[4] * 10)
+    few = workload_cost(TINY, 2, workload, max_num_seqs=2)  # 40 tokens, 2 a step: 20 steps
+    many = workload_cost(TINY, 2, workload, max_num_seqs=16)  # 4 steps
+    assert few.bytes - many.bytes == 16 * weight_bytes_per_step(TINY, 2)
