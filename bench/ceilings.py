@@ -49,3 +49,9 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     return Ceilings(
         copy_gbps=2 * (big // 2) * 4 / copy_s / 1e9, matmul_tflops=2 * n**3 / matmul_s / 1e12
     )
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (before reading a clock)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

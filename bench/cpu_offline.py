@@ -12,12 +12,13 @@ these lengths is under 5% and left out). The larger is the floor.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from typing import Any
 
 import torch
+
+from kvfleet.bench.report import emit
 
 TOPICS = [
     "the water cycle",
@@ -166,11 +167,7 @@ def main() -> None:
         "transformers_tok_per_s": round(total_tokens / theirs["seconds"], 1),
         "transformers_pct_of_floor": round(100 * floor / theirs["seconds"], 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

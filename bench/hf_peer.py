@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range, random_workload
 from kvfleet.engine.loader.source import CONFIGS_DIR
 
@@ -145,11 +146,7 @@ def main() -> int:
             result[f"{part}_error"] = f"{type(exc).__name__}: {exc}"
         gc.collect()  # the part's model and caches, before the next part allocates its own
         torch.cuda.empty_cache()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json)
     return 0
 
 

@@ -8,13 +8,13 @@ rows) plus the batch's KV cache, over the copy bandwidth measured in the same ru
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.bench.ceilings import measure_ceilings, sync
+from kvfleet.bench.report import emit
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.runner import kv_cache_bytes_per_block
 from kvfleet.engine.sampling_params import SamplingParams
@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         runs = []
         for _ in range(args.repeats):
-            _sync(engine.device)
+            sync(engine.device)
             began = time.perf_counter()
             llm.generate(prompts, params)
-            _sync(engine.device)
+            sync(engine.device)
             runs.append(time.perf_counter() - began)
         return sorted(runs)[len(runs) // 2]
 
@@ -81,14 +81,5 @@ def run(args: argparse.Namespace) -> int:
         "ttft_ms": round(ttft_s * 1e3, 2),
         "output_tok_per_s": round(args.batch_size / decode_s, 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json)
     return 0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import random
@@ -32,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range
 
 
@@ -41,11 +43,17 @@ class RequestResult:
     ok: bool = False
     error: str = ""
     output_tokens: int = 0
-    ttft: float = 0.0
     e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
     started: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each streamed chunk
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.started if self.chunk_times else 0.0
+
+    @property
+    def itl(self) -> list[float]:
+        return [after - before for before, after in itertools.pairwise(self.chunk_times)]
 
 
 class Client:
@@ -70,7 +78,6 @@ class Client:
         }
         began = time.perf_counter()
         result.started = began
-        last = began
         try:
             async with self.http.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -84,14 +91,8 @@ class Client:
                     now = time.perf_counter()
                     if payload.get("usage"):
                         result.output_tokens = payload["usage"]["completion_tokens"]
-                    if not payload.get("choices"):
-                        continue
-                    if not result.chunk_times:
-                        result.ttft = now - began
-                    else:
-                        result.itl.append(now - last)
-                    result.chunk_times.append(now)
-                    last = now
+                    if payload.get("choices"):
+                        result.chunk_times.append(now)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
@@ -279,7 +280,7 @@ def _gaps_during(results: list[RequestResult], blocker: RequestResult) -> list[f
     start, end = blocker.started, blocker.started + blocker.ttft
     gaps = []
     for r in results:
-        for before, after in zip(r.chunk_times, r.chunk_times[1:], strict=False):
+        for before, after in itertools.pairwise(r.chunk_times):
             if after >= start and before <= end:
                 gaps.append(after - before)
     return gaps
@@ -294,10 +295,6 @@ def _ratio(with_blocker: dict[str, float], alone: dict[str, float]) -> float | N
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     report = asyncio.run(_main(args))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     failed = report.get("failed", 0) or report.get("with_blocker", {}).get("failed", 0)
     return 1 if failed else 0

@@ -10,13 +10,13 @@ request generates exactly its output length (EOS ignored), sampled at temperatur
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.bench.ceilings import measure_ceilings, sync
+from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range, random_workload, workload_cost
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
@@ -53,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     steps = _StepTimer(engine)
-    _sync(engine.device)
+    sync(engine.device)
     began = time.perf_counter()
     with steps:
         outputs = llm.generate(workload.prompts, params)
-    _sync(engine.device)
+    sync(engine.device)
     elapsed = time.perf_counter() - began
 
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -93,11 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_blocks": engine.kv_cache_manager.block_pool.num_blocks,
         "preemptions": engine.scheduler.num_preemptions,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.json)
     return 0
 
 
@@ -137,8 +133,3 @@ class _StepTimer:
             }
             for kind, t in self.times.items()
         } | {"prefill_tokens": self.prefill_tokens}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()

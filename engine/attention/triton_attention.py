@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
-from kvfleet.engine.attention.triton_decode import decode_attention
+from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
 
 
 @triton.jit
@@ -137,18 +137,20 @@ def _paged_attention_kernel(
     for start_n in range(kv_begin, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        physical = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
-        ).to(tl.int64)
-        kv_offsets = (
-            physical[:, None] * stride_cb
-            + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
-            + kv_head * stride_ch
-            + offs_d[None, :]
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            offs_n,
+            n_mask,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
         )
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]

@@ -25,6 +25,36 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def load_kv_tile(
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_table_ptr,  # this sequence's row of the block table
+    offs_n,  # [BLOCK_N] token positions in the sequence
+    n_mask,
+    kv_head,
+    offs_d,
+    d_mask,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] of one KV head at `offs_n`, found through the block table
+    (masked rows read 0)."""
+    physical = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_offsets = (
+        physical[:, None] * stride_cb
+        + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
+        + kv_head * stride_ch
+        + offs_d[None, :]
+    )
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -85,18 +115,20 @@ def _decode_partial_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        physical = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
-        ).to(tl.int64)
-        kv_offsets = (
-            physical[:, None] * stride_cb
-            + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
-            + kv_head * stride_ch
-            + offs_d[None, :]
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            offs_n,
+            n_mask,
+            kv_head,
+            offs_d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
         )
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -73,3 +73,11 @@ def test_steps_grow_when_requests_outnumber_the_batch() -> None:
     few = workload_cost(TINY, 2, workload, max_num_seqs=2)  # 40 tokens, 2 a step: 20 steps
     many = workload_cost(TINY, 2, workload, max_num_seqs=16)  # 4 steps
     assert few.bytes - many.bytes == 16 * weight_bytes_per_step(TINY, 2)
+
+
+@pytest.mark.parametrize("command", ["throughput", "serve"])
+def test_bench_cli_rejects_a_bad_length(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfleet.engine.cli import main
+
+    assert main(["bench", command, "--input-len", "9:3"]) == 1
+    assert "LOW:HIGH" in capsys.readouterr().err
