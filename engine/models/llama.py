@@ -131,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.is_cuda and hidden.dtype != torch.float32:
+            # NOTE: float32 out of the matmul itself: bf16 logits near 20 are 0.125 apart, so
+            # greedy near-ties would be decided by rounding noise rather than by the model.
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
         return (hidden @ weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -51,7 +51,8 @@ def _add_rms_norm_kernel(
         )
     tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    variance = tl.sum(x32 * x32, axis=0) / hidden
+    # times 1/n as torch's mean does (a division rounds differently in the last bit)
+    variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)
     normed = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(
