@@ -72,7 +72,8 @@ def hf_runs(prompt_ids: list[list[int]], dtype: torch.dtype) -> list[Run]:
     )
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
-    ).to(device="cuda", dtype=dtype)
+    )
+    model = model.to(device="cuda", dtype=dtype)  # type: ignore[call-arg]
     model.generation_config.eos_token_id = None  # as ignore_eos: EOS may be chosen, no stop
     runs = []
     for ids in prompt_ids:
@@ -110,7 +111,7 @@ def compare(a: list[Run], b: list[Run]) -> tuple[int, float, float]:
 def set_fused(llm: LLM, fused: bool) -> None:
     for module in llm.engine.runner.model.modules():
         if hasattr(module, "fused"):
-            module.fused = fused
+            setattr(module, "fused", fused)  # noqa: B010 (a plain attribute, not a tensor)
 
 
 def main() -> None:
@@ -133,8 +134,8 @@ def main() -> None:
         prompt_ids = [o.prompt_token_ids for o in outputs]
         del llm
         torch.cuda.empty_cache()
-    for name, dtype in HF_CONFIGS.items():
-        runs[name] = hf_runs(prompt_ids, dtype)
+    for name, hf_dtype in HF_CONFIGS.items():
+        runs[name] = hf_runs(prompt_ids, hf_dtype)
     for a, b in PAIRS:
         agree, worst, mean = compare(runs[a], runs[b])
         print(
