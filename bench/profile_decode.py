@@ -78,7 +78,7 @@ def main() -> None:
     graphs = runner.decode_graphs
     if graphs is not None:
         bucket = min(b for b in graphs.buckets if b >= args.batch_size)
-        graph, hidden = graphs.graphs[bucket]
+        graph, hidden = graphs.graphs[bucket, False]
         print(f"  GPU graph replay (bucket {bucket}) {_gpu_ms(graph.replay):.3f} ms")
         rows = hidden[: args.batch_size]
         print(

@@ -181,6 +181,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA: `max_loras` adapters in device slots at once (and per step), up to
+    `max_cpu_loras` kept in host memory, ranks up to `max_lora_rank`; `lora_modules` maps
+    names to PEFT folders loaded at start."""
+
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_cpu_loras: int | None = None  # default: max_loras
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) must be "
+                "at least 1"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` and `kvfleet engine` accept. `model` is an alias (`smollm2`), a
     GGUF file, a Hugging Face folder, a hub id, or a config (.json) with `load_format="dummy"`."""
@@ -198,6 +225,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere; or "torch", "triton"
     enable_kv_events: bool = False
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -2,7 +2,9 @@
 
 One graph per batch-size bucket, captured at startup, all sharing one memory pool and one
 set of static input buffers. A step of B sequences runs the smallest bucket >= B; the padding
-rows write their K/V into the null block and their outputs are dropped.
+rows write their K/V into the null block and their outputs are dropped. With LoRA, each bucket
+has a second graph that also runs the LoRA kernels over static grouping buffers; steps without
+adapter tokens replay the plain one and pay nothing for LoRA.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
+from kvfleet.engine.lora.layers import LoRAContext
+from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -30,8 +34,10 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        lora: tuple[LoRAContext, int] | None = None,  # the models' LoRA context, max_loras
     ) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [
             next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
@@ -49,21 +55,29 @@ class DecodeGraphs:
         self.block_tables = zeros(n, max_blocks_per_seq, dtype=torch.int32)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.token_order = zeros(n, dtype=torch.int32)
+        self.slot_starts = zeros((lora[1] if lora else 0) + 1, dtype=torch.int32)
+        # (bucket, with LoRA) -> the graph and its output
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs' shared memory pool handle
 
     def capture_all(self) -> None:
         """Capture every bucket now (at startup), largest first so the pool fits them all."""
         for bucket in reversed(self.buckets):
-            if bucket not in self.graphs:
-                self.graphs[bucket] = self._capture(bucket)
+            for with_lora in (False, True) if self.lora else (False,):
+                if (bucket, with_lora) not in self.graphs:
+                    self.graphs[bucket, with_lora] = self._capture(bucket, with_lora)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         num_seqs = len(metadata.query_lens_cpu)
         return metadata.max_seqlen_q == 1 and num_seqs <= self.max_batch
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The model's hidden states [num_seqs, hidden] for a decode-only step."""
         num_seqs = input_ids.shape[0]
@@ -77,14 +91,24 @@ class DecodeGraphs:
         # NOTE: padding rows must write into the null block, never into a live block left
         # there by an earlier, larger step.
         self.slot_mapping[num_seqs:bucket].fill_(NULL_BLOCK_ID)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
-        graph, hidden = self.graphs[bucket]
+        if lora is not None:
+            assert self.lora is not None
+            # Padding rows are in no group: they run the base model only.
+            self.token_order[: lora.token_order.shape[0]].copy_(lora.token_order, non_blocking=True)
+            self.slot_starts.copy_(lora.slot_starts, non_blocking=True)
+        key = (bucket, lora is not None)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, hidden = self.graphs[key]
         graph.replay()
         return hidden[:num_seqs]
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        logger.info("capturing a CUDA graph for decode steps of up to %d sequences", bucket)
+    def _capture(self, bucket: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        logger.info(
+            "capturing a CUDA graph for decode steps of up to %d sequences%s",
+            bucket,
+            " with LoRA" if with_lora else "",
+        )
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             block_tables=self.block_tables[:bucket],
@@ -96,10 +120,26 @@ class DecodeGraphs:
             seq_lens_cpu=[1] * bucket,
         )
 
-        def forward() -> torch.Tensor:
-            hidden: torch.Tensor = self.model(
-                self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
+        static_lora = None
+        if with_lora:
+            assert self.lora is not None
+            static_lora = LoRABatch(
+                token_order=self.token_order[:bucket],
+                slot_starts=self.slot_starts,
+                slot_starts_cpu=[],  # read by the torch reference only, never in a graph
+                num_tokens=bucket,
             )
+
+        def forward() -> torch.Tensor:
+            if self.lora is not None:
+                self.lora[0].batch = static_lora
+            try:
+                hidden: torch.Tensor = self.model(
+                    self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
+                )
+            finally:
+                if self.lora is not None:
+                    self.lora[0].batch = None
             return hidden
 
         # Warm up on a side stream first: Triton compiles its kernels outside the capture.

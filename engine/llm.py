@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
@@ -22,6 +22,7 @@ _CACHE_ARGS = {
     "enable_prefix_caching",
 }
 _SCHEDULER_ARGS = {"max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"}
+_LORA_ARGS = {"enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules"}
 
 
 class LLM:
@@ -34,10 +35,18 @@ class LLM:
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
         cache = {k: engine_args.pop(k) for k in list(engine_args) if k in _CACHE_ARGS}
         scheduler = {k: engine_args.pop(k) for k in list(engine_args) if k in _SCHEDULER_ARGS}
+        lora = {k: engine_args.pop(k) for k in list(engine_args) if k in _LORA_ARGS}
+        if "lora_modules" in lora:  # {name: folder} or pairs
+            modules = lora["lora_modules"]
+            lora["lora_modules"] = tuple(
+                (str(n), str(p))
+                for n, p in (modules.items() if isinstance(modules, Mapping) else modules)
+            )
         config = EngineConfig(
             model=model,
             cache=CacheConfig(**cache),
             scheduler=SchedulerConfig(**scheduler),
+            lora=LoRAConfig(**lora),
             **engine_args,
         )
         self.engine = LLMEngine(config)
@@ -51,12 +60,27 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A bad prompt raises ValueError before any runs."""
+        """Outputs in the order of `prompts`. A bad prompt raises ValueError before any runs.
+        `lora`: an adapter name for every prompt, or one per prompt (None: the base model)."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
         prepared = [self._prepare(p) for p in batch]
-        return self._run(prepared, params)
+        if lora is None or isinstance(lora, str):
+            adapters: list[str | None] = [lora] * len(batch)
+        else:
+            adapters = list(lora)
+            if len(adapters) != len(batch):
+                raise ValueError(f"{len(adapters)} adapters for {len(batch)} prompts")
+        return self._run(prepared, params, adapters)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter under `name` (needs enable_lora)."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
 
     def chat(
         self,
@@ -78,7 +102,9 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self._run(list(prompts), _params_for(prompts, sampling_params))
+        return self._run(
+            list(prompts), _params_for(prompts, sampling_params), [None] * len(prompts)
+        )
 
     def _prepare(self, prompt: PromptInput) -> str | list[int]:
         if isinstance(prompt, Mapping):
@@ -90,16 +116,19 @@ class LLM:
         return prompt if isinstance(prompt, str) else list(prompt)
 
     def _run(
-        self, prompts: list[str | list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        adapters: list[str | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p, adapter) in enumerate(zip(prompts, params, adapters, strict=True)):
             try:
-                engine.add_request(ids[i], prompt, p)
+                engine.add_request(ids[i], prompt, p, lora_name=adapter)
             except ValueError as exc:
                 engine.abort_request(ids[:i])
-                raise ValueError(f"prompt {i}: {exc}") from exc
+                raise type(exc)(f"prompt {i}: {exc}") from exc  # keeps e.g. LoRANotFoundError
         finished: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
             for output in engine.step(final_only=True):

@@ -22,6 +22,8 @@ from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.lora.adapter import LoRANotFoundError
+from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.models.llama import AttentionFactory
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import RequestOutput
@@ -61,8 +63,21 @@ class LLMEngine:
             config.seed,
             fused=self.attention_backend == "triton",
         )
+        self.lora: LoRAManager | None = None
+        lora = config.lora
+        if lora.enable_lora:
+            # NOTE: before the KV cache is sized, so the slots count as weights.
+            self.lora = LoRAManager(
+                model,
+                lora.max_loras,
+                lora.max_cpu_loras or lora.max_loras,
+                lora.max_lora_rank,
+                use_triton=self.attention_backend == "triton",
+            )
+            for name, path in lora.lora_modules:
+                self.lora.add(name, path)
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, block_size, self.dtype, self.device, self.lora)
         num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if self.attention_backend == "triton" and not config.enforce_eager:
@@ -77,9 +92,11 @@ class LLMEngine:
             max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
+            max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[RequestId]] = {}
+        self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter
         # What the last step scheduled (metrics and tests read it).
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
@@ -109,10 +126,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Queue a request; ValueError (nothing queued) for a bad prompt or a duplicate id."""
+        """Queue a request; ValueError (nothing queued) for a bad prompt or a duplicate id,
+        LoRANotFoundError for an adapter name that is not loaded."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora.names):
+            hint = "" if self.lora is not None else " (this engine runs without enable_lora)"
+            raise LoRANotFoundError(f"the adapter {lora_name!r} does not exist{hint}")
         text, token_ids = self._tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stop_token_ids = (*params.stop_token_ids, *self._extra_eos_ids(params))
@@ -137,6 +159,7 @@ class LLMEngine:
                     self.eos_token_id,
                     arrival,
                     priority=priority,
+                    lora_name=lora_name,
                     cache_salt=cache_salt,
                 )
             )
@@ -150,11 +173,39 @@ class LLMEngine:
                 [c.request_id for c in added], RequestStatus.FINISHED_ABORTED
             )
             raise
+        if lora_name is not None and self.lora is not None:
+            try:
+                self.lora.acquire(lora_name)
+            except ValueError:
+                self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+                raise
+            self._adapter_of[request_id] = lora_name
         self._children[request_id] = child_ids
         self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter; LoRAError (400) with the reason if it cannot serve here."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> int:
+        """Unload an adapter: new requests can no longer name it, those running finish first.
+        Returns how many are still running (0: gone now); LoRANotFoundError if unknown."""
+        if self.lora is None:
+            raise LoRANotFoundError(f"the adapter {name!r} does not exist")
+        return self.lora.remove(name)
+
+    def _request_done(self, request_id: str) -> None:
+        self._children.pop(request_id, None)
+        adapter = self._adapter_of.pop(request_id, None)
+        if adapter is not None and self.lora is not None:
+            self.lora.release(adapter)
+
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        child_ids = [c for rid in request_ids for c in self._children.pop(rid, [])]
+        child_ids = [c for rid in request_ids for c in self._children.get(rid, [])]
+        for request_id in request_ids:
+            self._request_done(request_id)
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(child_ids, time.monotonic())
 
@@ -174,7 +225,7 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:
             if output.finished:
-                self._children.pop(output.request_id, None)
+                self._request_done(output.request_id)
         return outputs
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

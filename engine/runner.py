@@ -19,6 +19,8 @@ from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.cuda_graphs import DecodeGraphs
+from kvfleet.engine.lora.manager import LoRAManager
+from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -32,6 +34,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     num_computed_tokens: int
     generator: torch.Generator | None
+    lora_name: str | None = None
     # The request's block ids in the first num_blocks entries (grown by doubling).
     block_table: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int64))
     num_blocks: int = 0
@@ -53,6 +56,7 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: the token rows whose logits are sampled
     sampled_req_ids: list[RequestId]
+    lora: LoRABatch | None = None  # None: no token of the step uses an adapter
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -68,9 +72,11 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        lora: LoRAManager | None = None,
     ) -> None:
         """The KV cache comes later (`allocate_kv_cache`), once its size is known."""
         self.model = model
+        self.lora = lora
         self.config = model.config
         self.block_size = block_size
         self.dtype = dtype
@@ -139,8 +145,9 @@ class ModelRunner:
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay decode-only steps from CUDA graphs (needs graph-safe kernels: Triton)."""
         max_blocks = -(-max_model_len // self.block_size)
+        lora = (self.lora.context, self.lora.max_loras) if self.lora is not None else None
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_num_seqs, max_blocks, self.device
+            self.model, self.kv_caches, max_num_seqs, max_blocks, self.device, lora
         )
         self.decode_graphs.capture_all()
 
@@ -156,9 +163,17 @@ class ModelRunner:
         sampling = self._sampling_metadata(states)
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(inputs.metadata):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata, inputs.lora)
+            if self.lora is not None:
+                self.lora.clear_step()
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            try:
+                hidden = self.model(
+                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+                )
+            finally:
+                if self.lora is not None:
+                    self.lora.clear_step()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = self.sampler(logits, sampling)
         return self._outputs(scheduler_output, inputs.sampled_req_ids, states, sampled)
@@ -180,6 +195,7 @@ class ModelRunner:
                 params,
                 new.num_computed_tokens,
                 generator,
+                new.lora_name,
             )
             state.add_blocks(new.block_ids)
             self.requests[new.req_id] = state
@@ -229,12 +245,16 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.prepare_step([s.lora_name for s in states], num_tokens)
         return ModelInputs(
             input_ids=longs[:n],
             positions=longs[n : 2 * n],
             metadata=metadata,
             logits_indices=longs[3 * n :],
             sampled_req_ids=[s.req_id for s, keep in zip(states, sampled, strict=True) if keep],
+            lora=lora,
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:

@@ -265,3 +265,39 @@ def attention_case() -> Callable[..., Any]:
         }
 
     return attention_case
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_peft_adapter(
+    hf_model: Any,
+    folder: Path,
+    seed: int,
+    rank: int = 8,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    alpha: float | None = None,
+    use_rslora: bool = False,
+) -> Any:
+    """Write a random (non-zero) PEFT LoRA adapter for `hf_model` to `folder`; return the
+    reference: a copy of the model with the adapter merged into its weights."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=list(targets),
+        init_lora_weights=False,  # random B as well as A: the adapter changes the output
+        use_rslora=use_rslora,
+    )
+    wrapped = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name:
+                param.mul_(0.5)  # keep the change large but the model sane
+    wrapped.save_pretrained(str(folder))
+    return wrapped.merge_and_unload().eval()

@@ -32,7 +32,10 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: at most this many distinct LoRA adapters among running requests (the
+        device slots); a waiting request whose adapter would exceed it waits, others pass."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
                 "max_num_batched_tokens and max_num_seqs must be at least 1 and max_model_len "
@@ -54,6 +57,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras
         self.requests: dict[RequestId, Request] = {}
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []
@@ -103,7 +107,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[RequestId, int] = {}
-        new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[RequestId] = set()
 
@@ -137,10 +140,35 @@ class Scheduler:
             i += 1
 
         # NOTE: no admissions in a step that preempted: the freed blocks go to running requests.
-        while not preempted and self.waiting and budget > 0:
+        new_reqs: list[NewRequestData] = []
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+
+        finished = self._finished_since_last_step | preempted
+        self._finished_since_last_step = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _admit_waiting(
+        self, budget: int, num_scheduled: dict[RequestId, int], new_reqs: list[NewRequestData]
+    ) -> int:
+        """Start waiting requests in queue order while the budget, seats and blocks last;
+        returns the budget left."""
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        position = 0
+        while position < len(self.waiting) and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting[position]
+            if not self._adapter_fits(request, adapters):
+                position += 1  # waits for a slot; requests behind it may still start
+                continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens)
             if num_new == 0:
@@ -148,7 +176,9 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
             if new_blocks is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
+            if request.lora_name is not None:
+                adapters.add(request.lora_name)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -163,20 +193,11 @@ class Scheduler:
                     request.sampling_params,
                     self.kv_cache_manager.get_block_ids(request.request_id),
                     num_hit_tokens,
+                    request.lora_name,
                 )
             )
             budget -= num_new
-
-        finished = self._finished_since_last_step | preempted
-        self._finished_since_last_step = set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=finished,
-            preempted_req_ids=preempted,
-        )
+        return budget
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -215,6 +236,12 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
+        name = request.lora_name
+        if name is None or self.max_loras is None or name in adapters:
+            return True
+        return len(adapters) < self.max_loras
 
     def _num_tokens_to_schedule(
         self, request: Request, budget: int, num_hit_tokens: int = 0

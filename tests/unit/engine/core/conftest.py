@@ -24,6 +24,7 @@ def make_request() -> Callable[..., Request]:
         max_tokens: int | None = 8,
         arrival_time: float = 0.0,
         priority: int = 0,
+        lora_name: str | None = None,
         **params: object,
     ) -> Request:
         # An int prompt means that many distinct tokens, unique to this request id.
@@ -37,6 +38,7 @@ def make_request() -> Callable[..., Request]:
             eos_token_id=EOS,
             arrival_time=arrival_time,
             priority=priority,
+            lora_name=lora_name,
         )
 
     return make_request
@@ -53,6 +55,7 @@ def make_scheduler() -> Callable[..., Scheduler]:
         max_model_len: int = 64,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> Scheduler:
         manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         return Scheduler(
@@ -61,6 +64,7 @@ def make_scheduler() -> Callable[..., Scheduler]:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            max_loras=max_loras,
         )
 
     return make_scheduler

@@ -203,3 +203,25 @@ def test_duplicate_id_and_too_small_cache(
         s.add_request(make_request("a", 3))
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         make_scheduler(num_blocks=4, max_model_len=64)
+
+
+def test_max_loras_bounds_distinct_adapters_running(
+    make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
+) -> None:
+    scheduler = make_scheduler(max_loras=2)
+    requests = [
+        make_request("a1", 4, lora_name="a", max_tokens=2),
+        make_request("b1", 4, lora_name="b", max_tokens=2),
+        make_request("c1", 4, lora_name="c", max_tokens=2),  # a third adapter: waits
+        make_request("base", 4, max_tokens=2),  # the base model: passes it
+        make_request("a2", 4, lora_name="a", max_tokens=2),  # a resident adapter: passes
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    out, _ = step(scheduler)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a1", "b1", "base", "a2"]
+    assert [n.lora_name for n in out.scheduled_new_reqs] == ["a", "b", None, "a"]
+    assert [r.request_id for r in scheduler.waiting] == ["c1"]
+    step(scheduler)  # every running request finishes (2 tokens each)
+    out, _ = step(scheduler)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["c1"]

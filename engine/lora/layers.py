@@ -1,0 +1,133 @@
+"""LoRA-capable projections: a base linear layer plus every resident adapter's weights in slots.
+
+`attach_lora` wraps the attention and MLP projections of a loaded model in place; the wrappers
+share one `LoRAContext`, which the runner points at the step's `LoRABatch` (or None: the base
+layer alone runs, at no extra cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvfleet.engine.lora.adapter import LoRAAdapter, target_shapes
+from kvfleet.engine.lora.ops import LoRABatch, add_lora_reference
+from kvfleet.engine.models.llama import LlamaForCausalLM
+
+# Each wrapped base layer and the adapter target modules it holds, in output order.
+WRAPPED_LAYERS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass
+class LoRAContext:
+    """Shared by every LoRALinear of a model: the step's token grouping, if any."""
+
+    batch: LoRABatch | None = None
+    use_triton: bool = False
+
+
+class LoRALinear(nn.Module):
+    lora_a: torch.Tensor  # [max_loras, num_slices * max_rank, in_features]
+    lora_b: torch.Tensor  # [max_loras, out_features, max_rank]
+    slice_starts: torch.Tensor  # [num_slices + 1] int32: slice_bounds on the device
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        layer_index: int,
+        targets: tuple[str, ...],
+        out_sizes: tuple[int, ...],
+        max_loras: int,
+        max_rank: int,
+        context: LoRAContext,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.layer_index = layer_index
+        self.targets = targets
+        self.context = context
+        self.max_rank = max_rank
+        bounds = [0]
+        for size in out_sizes:
+            bounds.append(bounds[-1] + size)
+        assert bounds[-1] == base.out_features
+        self.slice_bounds = tuple(bounds)
+        weight = base.weight
+        self.register_buffer(
+            "slice_starts",
+            torch.tensor(bounds, dtype=torch.int32, device=weight.device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(
+                max_loras,
+                len(targets) * max_rank,
+                base.in_features,
+                dtype=weight.dtype,
+                device=weight.device,
+            ),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b",
+            torch.zeros(
+                max_loras, base.out_features, max_rank, dtype=weight.dtype, device=weight.device
+            ),
+            persistent=False,
+        )
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy `adapter`'s weights for this layer into `slot` (zeros where it has none)."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        r = self.max_rank
+        for s, target in enumerate(self.targets):
+            pair = adapter.weights.get((self.layer_index, target))
+            if pair is None:
+                continue
+            a_t, b_t = pair
+            rank = a_t.shape[0]
+            lo, hi = self.slice_bounds[s], self.slice_bounds[s + 1]
+            a[s * r : s * r + rank].copy_(a_t, non_blocking=True)
+            b[lo:hi, :rank].copy_(b_t, non_blocking=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.base(x)
+        batch = self.context.batch
+        if batch is None:
+            return out
+        if self.context.use_triton:
+            from kvfleet.engine.lora.triton_ops import add_lora
+
+            add_lora(out, x, self.lora_a, self.lora_b, batch, self.slice_bounds, self.slice_starts)
+        else:
+            add_lora_reference(out, x, self.lora_a, self.lora_b, batch, self.slice_bounds)
+        return out
+
+
+def attach_lora(
+    model: LlamaForCausalLM, max_loras: int, max_rank: int, context: LoRAContext
+) -> list[LoRALinear]:
+    """Wrap every layer's projections in place; returns the wrappers."""
+    shapes = target_shapes(model.config)
+    wrappers = []
+    for index, layer in enumerate(model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, targets in WRAPPED_LAYERS.items():
+                base = getattr(parent, name, None)
+                if not isinstance(base, nn.Linear):
+                    continue
+                out_sizes = tuple(shapes[t][1] for t in targets)
+                wrapper = LoRALinear(base, index, targets, out_sizes, max_loras, max_rank, context)
+                setattr(parent, name, wrapper)
+                wrappers.append(wrapper)
+    return wrappers

@@ -1,0 +1,216 @@
+"""Batched LoRA in Triton: a grouped shrink (x·Aᵀ) and expand (·Bᵀ, added into the output).
+
+Both kernels take the step's tokens grouped by adapter slot (`LoRABatch`): a program owns one
+slot's block of tokens, so a prefill chunk reads its adapter's A/B tiles once for many tokens
+(SGMV-style segments), and a decode batch with one token per request groups the requests that
+share an adapter (BGMV-style gathers, done once per group instead of once per token). The grid
+depends only on the slot count and the token count, so a launch captured in a CUDA graph stays
+valid for any grouping of the same number of tokens. Tokens in no group (base model only) are
+never touched. The shrink splits the input dimension so that a decode step still fills the GPU;
+the expand sums the partial products as it loads them (no atomics, a fixed order).
+
+`ops.add_lora_reference` is the oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.engine.lora.ops import LoRABatch
+
+
+@triton.jit
+def _group_rows(token_order_ptr, slot_starts_ptr, slot, m_block, BLOCK_M: tl.constexpr):
+    """The token rows of `slot`'s m_block-th block of tokens, and which of them exist."""
+    start = tl.load(slot_starts_ptr + slot)
+    end = tl.load(slot_starts_ptr + slot + 1)
+    offs = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs < end
+    rows = tl.load(token_order_ptr + offs, mask=valid, other=0).to(tl.int64)
+    return rows, valid, start + m_block * BLOCK_M < end
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [num_tokens, in_features]
+    a_ptr,  # [max_loras, num_slices * max_rank, in_features]
+    partial_ptr,  # [split_k, num_tokens, num_slices * max_rank] float32
+    token_order_ptr,  # [num_lora_tokens] int32
+    slot_starts_ptr,  # [max_loras + 1] int32
+    num_tokens,
+    in_features,
+    total_rank,  # num_slices * max_rank
+    k_per_split,
+    stride_x,
+    stride_al,
+    stride_ar,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_R_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding)
+):
+    slot = tl.program_id(0)
+    m_block = tl.program_id(1)
+    split = tl.program_id(2) // NUM_R_BLOCKS
+    r_block = tl.program_id(2) % NUM_R_BLOCKS
+    rows, valid, any_rows = _group_rows(token_order_ptr, slot_starts_ptr, slot, m_block, BLOCK_M)
+    if any_rows:
+        offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < total_rank
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, in_features)
+        for k in range(k_begin, k_end, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_end
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            a = tl.load(
+                a_ptr + slot * stride_al + offs_r[:, None] * stride_ar + offs_k[None, :],
+                mask=r_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(x, tl.trans(a.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+        tl.store(
+            partial_ptr + (split * num_tokens + rows[:, None]) * total_rank + offs_r[None, :],
+            acc,
+            mask=valid[:, None] & r_mask[None, :],
+        )
+
+
+@triton.jit
+def _expand_kernel(
+    partial_ptr,  # [split_k, num_tokens, num_slices * max_rank] float32
+    b_ptr,  # [max_loras, out_features, max_rank]
+    out_ptr,  # [num_tokens, out_features], updated in place
+    token_order_ptr,
+    slot_starts_ptr,
+    slice_starts_ptr,  # [num_slices + 1] int32: each slice's first output column
+    num_tokens,
+    out_features,
+    max_rank,
+    stride_bl,
+    stride_bn,
+    stride_o,
+    SPLIT_K: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    m_block = tl.program_id(1)
+    n_block = tl.program_id(2)
+    rows, valid, any_rows = _group_rows(token_order_ptr, slot_starts_ptr, slot, m_block, BLOCK_M)
+    if any_rows:
+        # NOTE: BLOCK_N divides every slice's width, so a block lies inside one slice.
+        n0 = n_block * BLOCK_N
+        slice_index = 0
+        for s in tl.static_range(1, NUM_SLICES):
+            slice_index += (tl.load(slice_starts_ptr + s) <= n0).to(tl.int32)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < out_features
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < max_rank
+        total_rank = NUM_SLICES * max_rank
+        h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            h += tl.load(
+                partial_ptr
+                + (split * num_tokens + rows[:, None]) * total_rank
+                + slice_index * max_rank
+                + offs_r[None, :],
+                mask=valid[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+        b = tl.load(
+            b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_r[None, :],
+            mask=n_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        delta = tl.dot(h.to(b.dtype), tl.trans(b), input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + rows[:, None] * stride_o + offs_n[None, :]
+        mask = valid[:, None] & n_mask[None, :]
+        out = tl.load(out_ptrs, mask=mask, other=0.0)
+        tl.store(out_ptrs, (out.to(tl.float32) + delta).to(out.dtype), mask=mask)
+
+
+def add_lora(
+    out: torch.Tensor,  # [num_tokens, out_features], updated in place
+    x: torch.Tensor,  # [num_tokens, in_features]
+    lora_a: torch.Tensor,  # [max_loras, num_slices * max_rank, in_features]
+    lora_b: torch.Tensor,  # [max_loras, out_features, max_rank]
+    batch: LoRABatch,
+    slice_bounds: Sequence[int],
+    slice_starts: torch.Tensor,  # slice_bounds on the device, int32
+) -> None:
+    """out[t] += x[t] · A[slot]ᵀ · B[slot]ᵀ per slice (as `ops.add_lora_reference`)."""
+    num_tokens, in_features = x.shape
+    max_loras, total_rank, _ = lora_a.shape
+    max_rank = lora_b.shape[2]
+    num_slices = len(slice_bounds) - 1
+    x = x.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    block_m = 16
+    m_blocks = triton.cdiv(num_tokens, block_m)
+    # Split the input dimension while there are few tokens, so a decode step fills the GPU.
+    split_k = min(32, triton.cdiv(in_features, 512)) if num_tokens <= 256 else 1
+    block_k = 64
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    block_r = min(64, max(16, triton.next_power_of_2(total_rank)))
+    r_blocks = triton.cdiv(total_rank, block_r)
+    partial = torch.empty((split_k, num_tokens, total_rank), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(max_loras, m_blocks, split_k * r_blocks)](
+        x,
+        lora_a,
+        partial,
+        batch.token_order,
+        batch.slot_starts,
+        num_tokens,
+        in_features,
+        total_rank,
+        k_per_split,
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        NUM_R_BLOCKS=r_blocks,
+        DOT_PRECISION=precision,
+    )
+    widths = [hi - lo for lo, hi in itertools.pairwise(slice_bounds)]
+    block_n = 128
+    while any(w % block_n for w in widths):
+        block_n //= 2
+    assert block_n >= 16, f"slice widths {widths} need a common power-of-two divisor >= 16"
+    _expand_kernel[(max_loras, m_blocks, triton.cdiv(out.shape[1], block_n))](
+        partial,
+        lora_b,
+        out,
+        batch.token_order,
+        batch.slot_starts,
+        slice_starts,
+        num_tokens,
+        out.shape[1],
+        max_rank,
+        lora_b.stride(0),
+        lora_b.stride(1),
+        out.stride(0),
+        SPLIT_K=split_k,
+        NUM_SLICES=num_slices,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        DOT_PRECISION=precision,
+    )
