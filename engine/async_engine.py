@@ -67,6 +67,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self.num_step_errors = 0
+        self._lora_names: tuple[str, ...] = ()
+        self._refresh_lora_names()
 
     @property
     def is_running(self) -> bool:
@@ -91,8 +93,10 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request; ValueError (raised here, before any output) for bad input.
+        """Queue a request; ValueError (raised here, before any output) for bad input,
+        LoRANotFoundError for an adapter that is not loaded.
         Leaving the returned iterator early aborts the request."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
@@ -102,7 +106,9 @@ class AsyncEngine:
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending_adds += 1
-        self._submit("add", (request_id, prompt, params, priority, cache_salt, loop, accepted))
+        self._submit(
+            "add", (request_id, prompt, params, priority, cache_salt, lora_name, loop, accepted)
+        )
         try:
             await accepted
         except BaseException:
@@ -112,6 +118,26 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter in the engine thread; LoRAError with the reason if it cannot."""
+        await self._call(lambda: self.engine.add_lora(name, path))
+
+    async def remove_lora(self, name: str) -> int:
+        """Unload an adapter; how many running requests finish with it first."""
+        result: int = await self._call(lambda: self.engine.remove_lora(name))
+        return result
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters requests may name (a snapshot the engine thread keeps current)."""
+        return self._lora_names
+
+    async def _call(self, work: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        self._submit("call", (work, loop, done))
+        return await done
 
     async def kv_snapshot_and_subscribe(self) -> tuple[KVSnapshot, _KVSubscriber]:
         """The cached blocks now, and a subscription to every event after them (atomic)."""
@@ -155,6 +181,8 @@ class AsyncEngine:
                 continue
             for output in outputs:
                 self._deliver(output)
+            if any(o.finished for o in outputs):
+                self._refresh_lora_names()  # an unloaded adapter's last request may be done
             self._publish_kv_events(self.engine.kv_cache_manager.block_pool.take_events())
         self._handle_commands()
         logger.info("engine loop stopped")
@@ -170,6 +198,15 @@ class AsyncEngine:
             elif kind == "abort":
                 for output in self.engine.abort_request([payload]):
                     self._deliver(output)
+            elif kind == "call":
+                work, loop, done = payload
+                try:
+                    result = work()
+                except Exception as exc:  # the caller gets it; the loop goes on
+                    loop.call_soon_threadsafe(_fail, done, exc)
+                else:
+                    loop.call_soon_threadsafe(_resolve, done, result)
+                self._refresh_lora_names()
             elif kind == "kv_subscribe":
                 loop, done = payload
                 subscriber = _KVSubscriber(loop)
@@ -186,6 +223,7 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
+        lora_name: str | None,
         loop: asyncio.AbstractEventLoop,
         accepted: asyncio.Future[None],
     ) -> None:
@@ -195,12 +233,21 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(
-                request_id, prompt, params, priority=priority, cache_salt=cache_salt
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
             )
         except ValueError as exc:
             loop.call_soon_threadsafe(_fail, accepted, exc)
             return
         loop.call_soon_threadsafe(_resolve, accepted, None)
+
+    def _refresh_lora_names(self) -> None:
+        lora = self.engine.lora
+        self._lora_names = tuple(lora.names) if lora is not None else ()
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finished and self.on_finished is not None:

@@ -105,6 +105,15 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+
+
 class KVEvent(OpenAIBaseModel):
     """One prefix-cache change on an engine; `seq` increases by one per event."""
 

@@ -278,6 +278,7 @@ def make_peft_adapter(
     targets: tuple[str, ...] = LORA_TARGETS,
     alpha: float | None = None,
     use_rslora: bool = False,
+    strength: float = 0.5,
 ) -> Any:
     """Write a random (non-zero) PEFT LoRA adapter for `hf_model` to `folder`; return the
     reference: a copy of the model with the adapter merged into its weights."""
@@ -298,6 +299,6 @@ def make_peft_adapter(
     with torch.no_grad():
         for name, param in wrapped.named_parameters():
             if "lora_" in name:
-                param.mul_(0.5)  # keep the change large but the model sane
+                param.mul_(strength)  # large enough to change outputs, small enough to stay sane
     wrapped.save_pretrained(str(folder))
     return wrapped.merge_and_unload().eval()

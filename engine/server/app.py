@@ -22,11 +22,14 @@ from pydantic import BaseModel, ValidationError
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
     error_body,
 )
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
@@ -69,13 +72,21 @@ class _State:
             return None
         core = self.engine.engine
         kv = core.kv_cache_manager
+        scheduler = core.scheduler
+        lora = None
+        if core.lora is not None:
+            # NOTE: read from another thread: copy the lists before iterating them.
+            running = {r.lora_name for r in list(scheduler.running) if r.lora_name}
+            waiting = {r.lora_name for r in list(scheduler.waiting) if r.lora_name}
+            lora = (sorted(running), sorted(waiting), core.lora.max_loras)
         return EngineStats(
-            num_running=core.scheduler.num_running,
+            num_running=scheduler.num_running,
             num_waiting=self.engine.num_waiting,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=core.scheduler.num_preemptions,
+            num_preemptions=scheduler.num_preemptions,
+            lora=lora,
         )
 
     def ready_serving(self) -> OpenAIServing:
@@ -153,8 +164,38 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         max_len = state.serving.max_model_len if state.serving else None
-        card = ModelCard(id=settings.model_name, root=settings.engine.model, max_model_len=max_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [
+            ModelCard(id=settings.model_name, root=settings.engine.model, max_model_len=max_len)
+        ]
+        if state.engine is not None:
+            cards += [
+                ModelCard(id=name, root=name, parent=settings.model_name, max_model_len=max_len)
+                for name in state.engine.lora_names
+            ]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        engine = _ready_engine(state)
+        body = await _parse(request, LoadLoRAAdapterRequest)
+        if body.lora_name == settings.model_name:
+            raise APIError(400, f"{body.lora_name!r} is the base model's name")
+        try:
+            await engine.add_lora(body.lora_name, body.lora_path)
+        except ValueError as exc:  # LoRAError: a bad folder, shapes, rank, target, a name taken
+            raise APIError(400, str(exc)) from exc
+        return JSONResponse({"message": f"the adapter {body.lora_name!r} is loaded"})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        engine = _ready_engine(state)
+        body = await _parse(request, UnloadLoRAAdapterRequest)
+        try:
+            running = await engine.remove_lora(body.lora_name)
+        except LoRANotFoundError as exc:
+            raise APIError(404, str(exc), code="model_not_found") from exc
+        note = f"; its {running} running requests finish first" if running else ""
+        return JSONResponse({"message": f"the adapter {body.lora_name!r} is unloaded{note}"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

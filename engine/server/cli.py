@@ -68,6 +68,20 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
     )
+    lora = parser.add_argument_group("multi-LoRA")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters in GPU slots at once")
+    lora.add_argument(
+        "--max-cpu-loras", type=int, help="adapters kept in host memory (default: --max-loras)"
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=16)
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter folders to load at start",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
     parser.add_argument(
         "--shutdown-timeout",
@@ -82,10 +96,16 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
 
 
 def _settings(args: argparse.Namespace, model: str) -> Any:
-    from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
     from kvfleet.engine.server.app import ServerSettings
 
     try:
+        modules = []
+        for item in args.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+            modules.append((name, path))
         engine = EngineConfig(
             model=model,
             load_format=args.load_format,
@@ -108,6 +128,13 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
                 enable_chunked_prefill=not args.no_chunked_prefill,
+            ),
+            lora=LoRAConfig(
+                enable_lora=args.enable_lora,
+                max_loras=args.max_loras,
+                max_cpu_loras=args.max_cpu_loras,
+                max_lora_rank=args.max_lora_rank,
+                lora_modules=tuple(modules),
             ),
         )
     except ValueError as exc:

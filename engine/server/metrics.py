@@ -6,6 +6,7 @@ per-request counters are fed as requests finish. Each app has its own registry (
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -91,6 +92,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # LoRA (None when off): adapters of running and of waiting requests, and the slot count
+    lora: tuple[list[str], list[str], int] | None = None
 
 
 class _EngineCollector(Collector):
@@ -142,6 +145,20 @@ class _EngineCollector(Collector):
                 counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
                 counter.add_metric([self.model_name], value)
                 yield counter
+            if stats.lora is not None:
+                yield _lora_info(p, stats.lora)
+
+
+def _lora_info(prefix: str, lora: tuple[list[str], list[str], int]) -> Metric:
+    """As vLLM's: the value is the scrape time, the labels carry the adapter names."""
+    running, waiting, max_lora = lora
+    gauge = GaugeMetricFamily(
+        prefix + "lora_requests_info",
+        "Running and waiting LoRA adapters (comma-separated) and the device slots.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    gauge.add_metric([",".join(running), ",".join(waiting), str(max_lora)], time.time())
+    return gauge
 
 
 class EngineMetrics:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.protocol import (
     ChatCompletionRequest,
@@ -62,6 +63,8 @@ class PreparedRequest:
     cache_salt: str | None
     stream: bool
     include_usage: bool
+    model: str  # as the client named it: the base model or an adapter
+    lora_name: str | None = None
 
 
 class OpenAIServing:
@@ -82,7 +85,7 @@ class OpenAIServing:
     # --- preparing ---------------------------------------------------------------------
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
-        self._check_model(req.model)
+        self._lora_for(req.model)  # 404 before any work
         if req.echo:
             raise APIError(400, "echo is not supported: the prompt is not repeated in the output")
         prompts = self._completion_prompts(req.prompt)
@@ -92,7 +95,7 @@ class OpenAIServing:
         return self._prepared("completion", "cmpl", req, prompts, params)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        self._check_model(req.model)
+        self._lora_for(req.model)  # 404 before any work
         tokenizer = self._require_tokenizer()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
@@ -123,15 +126,24 @@ class OpenAIServing:
             req.cache_salt,
             req.stream,
             include_usage,
+            req.model,
+            self._lora_for(req.model),
         )
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                code="model_not_found",
-            )
+    def _lora_for(self, model: str) -> str | None:
+        """The adapter `model` names (None: the base model); 404 for any other name."""
+        if model == self.model_name:
+            return None
+        if model in self.engine.lora_names:
+            return model
+        adapters = (
+            f" and the adapters {list(self.engine.lora_names)}" if self.engine.lora_names else ""
+        )
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {self.model_name!r}{adapters}",
+            code="model_not_found",
+        )
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -220,12 +232,19 @@ class OpenAIServing:
                 )
                 streams.append(
                     await self.engine.generate(
-                        request_id, prompt, prepared.params, prepared.priority, prepared.cache_salt
+                        request_id,
+                        prompt,
+                        prepared.params,
+                        prepared.priority,
+                        prepared.cache_salt,
+                        prepared.lora_name,
                     )
                 )
         except ValueError as exc:
             for stream in streams:
                 await stream.aclose()  # type: ignore[attr-defined]
+            if isinstance(exc, LoRANotFoundError):  # unloaded since the request was checked
+                raise APIError(404, str(exc), code="model_not_found") from exc
             raise APIError(400, str(exc)) from exc
         return streams
 
@@ -249,7 +268,7 @@ class OpenAIServing:
             "id": prepared.request_id,
             "object": "text_completion" if prepared.kind == "completion" else "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": prepared.model,
             "choices": choices,
             "usage": _usage(prepared, finals.values()),
         }
@@ -275,7 +294,7 @@ class OpenAIServing:
                 "id": prepared.request_id,
                 "object": object_name,
                 "created": created,
-                "model": self.model_name,
+                "model": prepared.model,
                 "choices": payload_choices,
             }
             if prepared.include_usage:
