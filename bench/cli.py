@@ -39,6 +39,16 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--num-loras", type=int, default=0, help="random rank --lora-rank adapters to serve"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--lora-share",
+        type=float,
+        default=1.0,
+        help="fraction of the batch that names an adapter (round robin); 0: LoRA on, base only",
+    )
     parser.add_argument("--json", help="also write the result to this file")
 
 

@@ -2,13 +2,17 @@
 
 Floor of one decode step: every weight is read once (the embedding table only for the batch's
 rows) plus the batch's KV cache, over the copy bandwidth measured in the same run; FLOPs
-(2 x parameters x batch) over the measured matmul rate, if larger.
+(2 x parameters x batch) over the measured matmul rate, if larger. With `--num-loras`, random
+adapters are served round robin over the batch and each distinct adapter's A and B join the
+bytes of a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +25,24 @@ from kvfleet.engine.sampling_params import SamplingParams
 
 
 def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvfleet-loras-") as scratch:
+        return _run(args, Path(scratch))
+
+
+def _run(args: argparse.Namespace, scratch: Path) -> int:
+    lora: dict[str, Any] = {}
+    if args.num_loras:
+        from kvfleet.bench.lora_adapters import write_random_adapters
+        from kvfleet.engine.loader.source import resolve_model_source
+
+        config = resolve_model_source(args.model, args.load_format).read_config()
+        modules = write_random_adapters(config, scratch, args.num_loras, args.lora_rank)
+        lora = {
+            "enable_lora": True,
+            "max_loras": args.num_loras,
+            "max_lora_rank": args.lora_rank,
+            "lora_modules": modules,
+        }
     llm = LLM(
         args.model,
         load_format=args.load_format,
@@ -29,8 +51,12 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.input_len + args.output_len + 8,
         max_num_seqs=max(args.batch_size, 1),
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
+        **lora,
     )
     engine = llm.engine
+    names = list(lora.get("lora_modules", {}))
+    with_adapter = round(args.batch_size * args.lora_share) if names else 0
+    adapters = [names[i % len(names)] if i < with_adapter else None for i in range(args.batch_size)]
     config = engine.model_config
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(
@@ -43,18 +69,26 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.repeats):
             sync(engine.device)
             began = time.perf_counter()
-            llm.generate(prompts, params)
+            llm.generate(prompts, params, lora=adapters)
             sync(engine.device)
             runs.append(time.perf_counter() - began)
         return sorted(runs)[len(runs) // 2]
 
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, warm_up, lora=adapters)
     ttft_s = timed(1)
     total_s = timed(args.output_len)
     decode_s = (total_s - ttft_s) / (args.output_len - 1)
 
     model = engine.runner.model
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    lora_bytes = 0
+    if engine.lora is not None:
+        per_slot = sum(
+            (layer.lora_a[0].numel() + layer.lora_b[0].numel()) * layer.lora_a.element_size()
+            for layer in engine.lora.layers
+        )
+        lora_bytes = per_slot * len({a for a in adapters if a is not None})
     embedding = model.embed_tokens.weight
     streamed = param_bytes - (
         0 if config.tie_word_embeddings else embedding.numel() * embedding.element_size()
@@ -63,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     kv_bytes = args.batch_size * context * kv_cache_bytes_per_block(config, 1, engine.dtype)
     num_params = sum(p.numel() for p in model.parameters())
     ceilings = measure_ceilings(engine.device, engine.dtype)
-    floor_s = ceilings.floor_s(streamed + kv_bytes, 2 * num_params * args.batch_size)
+    floor_s = ceilings.floor_s(streamed + kv_bytes + lora_bytes, 2 * num_params * args.batch_size)
     result: dict[str, Any] = {
         "model": args.model,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
@@ -74,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "copy_GBps": round(ceilings.copy_gbps, 1),
         "matmul_TFLOPs": round(ceilings.matmul_tflops, 1),
-        "bytes_per_step": streamed + kv_bytes,
+        "num_loras": args.num_loras,
+        "requests_with_adapter": with_adapter,
+        "lora_bytes_per_step": lora_bytes,
+        "bytes_per_step": streamed + kv_bytes + lora_bytes,
         "floor_ms_per_token": round(floor_s * 1e3, 3),
         "decode_ms_per_token": round(decode_s * 1e3, 3),
         "pct_of_floor": round(100 * floor_s / decode_s, 1),
