@@ -194,19 +194,28 @@ class LLMEngine:
         Returns how many are still running (0: gone now); LoRANotFoundError if unknown."""
         if self.lora is None:
             raise LoRANotFoundError(f"the adapter {name!r} does not exist")
-        return self.lora.remove(name)
+        running = self.lora.remove(name)
+        if not running:
+            self._forget_cached_blocks(name)
+        return running
 
     def _request_done(self, request_id: str) -> None:
         self._children.pop(request_id, None)
         adapter = self._adapter_of.pop(request_id, None)
-        if adapter is not None and self.lora is not None:
-            self.lora.release(adapter)
+        if adapter is not None and self.lora is not None and self.lora.release(adapter):
+            self._forget_cached_blocks(adapter)
+
+    def _forget_cached_blocks(self, adapter: str) -> None:
+        # NOTE: a request's blocks are freed when it finishes, before its output reaches here.
+        pool = self.kv_cache_manager.block_pool
+        count = pool.forget_cached(Request.lora_key(adapter))
+        logger.info("LoRA adapter %r: %d cached blocks dropped", adapter, count)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         child_ids = [c for rid in request_ids for c in self._children.get(rid, [])]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._request_done(request_id)
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(child_ids, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:

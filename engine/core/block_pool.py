@@ -181,6 +181,16 @@ class BlockPool:
             self.events.append(AllBlocksCleared())
         return True
 
+    def forget_cached(self, extra_key: str) -> int:
+        """Drop every cached block hashed with `extra_key` (an unloaded LoRA adapter's, so a
+        new adapter under the same name never hits them); returns how many. NOTE: only for
+        keys no running request uses: their blocks are all free."""
+        stale = [b for b in self.cached_blocks.values() if extra_key in b.extra_keys]
+        for block in stale:
+            assert block.ref_cnt == 0, "a running request still holds the block"
+            self._evict(block)
+        return len(stale)
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events

@@ -80,11 +80,16 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @staticmethod
+    def lora_key(lora_name: str) -> str:
+        """The prefix-cache hash key of an adapter (the gateway hashes the same)."""
+        return f"lora:{lora_name}"
+
     @property
     def extra_keys(self) -> tuple[str, ...]:
         keys = []
         if self.lora_name is not None:
-            keys.append(f"lora:{self.lora_name}")
+            keys.append(self.lora_key(self.lora_name))
         if self.cache_salt is not None:
             keys.append(f"salt:{self.cache_salt}")
         return tuple(keys)

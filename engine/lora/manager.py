@@ -70,12 +70,15 @@ class LoRAManager:
         self._host_adapter(name)
         self._users[name] = self._users.get(name, 0) + 1
 
-    def release(self, name: str) -> None:
+    def release(self, name: str) -> bool:
+        """A request using `name` ended; True if that removed an adapter being unloaded."""
         self._users[name] -= 1
         if self._users[name] == 0:
             del self._users[name]
             if name in self._draining:
                 self._forget(name)
+                return True
+        return False
 
     def add(self, name: str, path: str) -> LoRAAdapter:
         """Register and check an adapter; LoRAError (nothing registered) if it cannot serve."""

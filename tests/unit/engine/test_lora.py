@@ -118,7 +118,7 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(
     _, folder = hf_model_dir("llama3-rope-untied")
     llm = _llm(folder, adapters)
     engine = llm.engine
-    prompt = _prompts(1, seed=7)[0]
+    prompt = _prompts(3, seed=7)[2]  # 40 tokens: 5 full blocks go to the prefix cache
     engine.add_request("r1", prompt, GREEDY, lora_name="all")
     engine.step()
     assert engine.remove_lora("all") == 1  # one request still uses it
@@ -135,7 +135,25 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(
     assert "all" not in engine.lora.names
     with pytest.raises(LoRANotFoundError):
         engine.remove_lora("all")  # gone now
-    llm.add_lora("all", str(adapters["all"][0]))  # the name is free again
+    # The name is free again; a different adapter under it never hits the old one's blocks.
+    llm.add_lora("all", str(adapters["attn"][0]))
+    (again,) = llm.generate([prompt], GREEDY, lora="all")
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == hf_greedy(adapters["attn"][1], prompt, 12)
+
+
+def test_aborting_the_last_request_of_an_unloading_adapter_removes_it(
+    hf_model_dir: Callable[[str], tuple[Any, Path]], adapters: dict[str, tuple[Path, Any]]
+) -> None:
+    _, folder = hf_model_dir("llama3-rope-untied")
+    engine = _llm(folder, adapters).engine
+    engine.add_request("r1", _prompts(3, seed=2)[2], GREEDY, lora_name="mlp")
+    engine.step()
+    assert engine.remove_lora("mlp") == 1
+    engine.abort_request(["r1"])
+    assert engine.lora is not None
+    assert "mlp" not in engine.lora.names
+    assert not engine.has_unfinished_requests()
 
 
 def test_prefix_cache_is_keyed_by_adapter(

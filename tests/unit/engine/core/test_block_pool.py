@@ -112,3 +112,19 @@ def test_reset_prefix_cache() -> None:
     assert pool.reset_prefix_cache()
     assert pool.get_cached_block(h(1)) is None
     assert pool.take_events()[-1] == AllBlocksCleared()
+
+
+def test_forget_cached_drops_one_adapters_blocks_only() -> None:
+    pool = BlockPool(6, enable_caching=True, enable_events=True)
+    blocks = pool.allocate(3)
+    keys = [("lora:a",), ("lora:b",), ("lora:a", "salt:x")]
+    for i, (block, extra) in enumerate(zip(blocks, keys, strict=True)):
+        pool.cache_block(block, h(i), ROOT_HASH, (i,), extra)
+    pool.free(blocks)
+    pool.take_events()
+    assert pool.forget_cached("lora:a") == 2
+    assert pool.get_cached_block(h(0)) is None
+    assert pool.get_cached_block(h(2)) is None
+    assert pool.get_cached_block(h(1)) is blocks[1]
+    assert pool.take_events() == [BlockRemoved(h(0)), BlockRemoved(h(2))]
+    assert pool.num_free_blocks == 5  # the blocks stay free, only uncached
