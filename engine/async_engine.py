@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.engine.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvfleet.engine.core.hashing import adapter_of
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.protocol import KVEvent, KVSnapshot
@@ -309,9 +310,7 @@ class AsyncEngine:
 
 def _kv_event(seq: int, event: KVCacheEvent) -> KVEvent:
     if isinstance(event, BlockStored):
-        adapter = next(
-            (k.removeprefix("lora:") for k in event.extra_keys if k.startswith("lora:")), None
-        )
+        adapter = adapter_of(event.extra_keys)
         return KVEvent(
             seq=seq,
             type="stored",

@@ -16,6 +16,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionBackend, AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
+from kvfleet.engine.core.hashing import lora_key
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.outputs import SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
@@ -208,7 +209,7 @@ class LLMEngine:
     def _forget_cached_blocks(self, adapter: str) -> None:
         # NOTE: a request's blocks are freed when it finishes, before its output reaches here.
         pool = self.kv_cache_manager.block_pool
-        count = pool.forget_cached(Request.lora_key(adapter))
+        count = pool.forget_cached(lora_key(adapter))
         logger.info("LoRA adapter %r: %d cached blocks dropped", adapter, count)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:

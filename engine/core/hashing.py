@@ -28,6 +28,32 @@ def hash_block_tokens(
     return BlockHash(digest.digest())
 
 
+def extra_keys_for(lora_name: str | None, cache_salt: str | None) -> tuple[str, ...]:
+    """The extra hash keys of a request: requests that differ here never share blocks. The
+    gateway builds them the same way to find which engine holds a prompt's blocks."""
+    keys = []
+    if lora_name is not None:
+        keys.append(lora_key(lora_name))
+    if cache_salt is not None:
+        keys.append(f"salt:{cache_salt}")
+    return tuple(keys)
+
+
+_LORA_PREFIX = "lora:"
+
+
+def lora_key(lora_name: str) -> str:
+    """An adapter's extra key (KV events carry it; unloading drops its blocks by it)."""
+    return _LORA_PREFIX + lora_name
+
+
+def adapter_of(extra_keys: Sequence[str]) -> str | None:
+    """The adapter named in a block's extra keys, if any."""
+    return next(
+        (k.removeprefix(_LORA_PREFIX) for k in extra_keys if k.startswith(_LORA_PREFIX)), None
+    )
+
+
 def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,

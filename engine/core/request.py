@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NewType
 
-from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.engine.core.hashing import BlockHash, extra_keys_for
 from kvfleet.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -80,19 +80,9 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @staticmethod
-    def lora_key(lora_name: str) -> str:
-        """The prefix-cache hash key of an adapter (the gateway hashes the same)."""
-        return f"lora:{lora_name}"
-
     @property
     def extra_keys(self) -> tuple[str, ...]:
-        keys = []
-        if self.lora_name is not None:
-            keys.append(self.lora_key(self.lora_name))
-        if self.cache_salt is not None:
-            keys.append(f"salt:{self.cache_salt}")
-        return tuple(keys)
+        return extra_keys_for(self.lora_name, self.cache_salt)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
