@@ -9,8 +9,8 @@ from typing import Any
 from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.protocol import Message
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.tokenizer import Message
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 

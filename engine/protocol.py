@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+
+
+Message = Mapping[str, Any]  # a chat message as sent: {"role": ..., "content": ...}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -114,6 +118,16 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str = Field(min_length=1)
 
 
+class TokenizerInfo(OpenAIBaseModel):
+    """What a gateway needs to tokenize and hash prompts exactly as this engine does."""
+
+    model: str
+    block_size: int
+    tokenizer: str  # the fast tokenizer's tokenizer.json
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = Field(default_factory=dict)  # bos_token, eos_token, ...
+
+
 class KVEvent(OpenAIBaseModel):
     """One prefix-cache change on an engine; `seq` increases by one per event."""
 
@@ -143,3 +157,24 @@ def error_body(
     return ErrorResponse(
         error=ErrorInfo(message=message, type=type_, param=param, code=code)
     ).model_dump()
+
+
+def normalize_message(message: Message) -> dict[str, str]:
+    """{"role", "content"} with content as a string (OpenAI text parts are joined)."""
+    if not isinstance(message, Mapping) or "role" not in message:
+        raise ValueError(f"a chat message must be an object with a role, got {message!r}")
+    role, content = message["role"], message.get("content", "")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise ValueError(f"unknown chat role {role!r}")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported, got {part!r}")
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ValueError(f"message content must be a string or text parts, got {content!r}")
+    return {"role": "system" if role == "developer" else role, "content": content}

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvfleet.engine import model_cache
 from kvfleet.engine.loader.source import ModelSource
+from kvfleet.engine.protocol import Message, TokenizerInfo, normalize_message
 
 logger = logging.getLogger(__name__)
-
-Message = Mapping[str, Any]
 
 
 class Tokenizer:
@@ -44,38 +43,28 @@ class Tokenizer:
         text: str = self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def info(self, model: str, block_size: int) -> TokenizerInfo:
+        """What a gateway needs to tokenize exactly as this tokenizer (GET /tokenizer)."""
+        special = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        return TokenizerInfo(
+            model=model,
+            block_size=block_size,
+            tokenizer=self.hf.backend_tokenizer.to_str(),
+            chat_template=getattr(self.hf, "chat_template", None),
+            special_tokens=special,
+        )
+
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True
     ) -> str:
         """The conversation rendered as text by the model's chat template."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
-        normalized = [_normalize_message(m) for m in messages]
+        normalized = [normalize_message(m) for m in messages]
         text: str = self.hf.apply_chat_template(
             normalized, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return text
-
-
-def _normalize_message(message: Message) -> dict[str, str]:
-    """{"role", "content"} with content as a string (OpenAI text parts are joined)."""
-    if not isinstance(message, Mapping) or "role" not in message:
-        raise ValueError(f"a chat message must be an object with a role, got {message!r}")
-    role, content = message["role"], message.get("content", "")
-    if role not in ("system", "user", "assistant", "developer", "tool"):
-        raise ValueError(f"unknown chat role {role!r}")
-    if content is None:
-        content = ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise ValueError(f"only text content parts are supported, got {part!r}")
-            parts.append(str(part.get("text", "")))
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise ValueError(f"message content must be a string or text parts, got {content!r}")
-    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _load_gguf_tokenizer(path: Path) -> Any:

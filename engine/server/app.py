@@ -144,6 +144,7 @@ def create_app(
 
     _add_openai_routes(app, state)
     _add_kv_routes(app, state)
+    _add_tokenizer_route(app, state)
     return app
 
 
@@ -238,6 +239,18 @@ def _add_kv_routes(app: FastAPI, state: _State) -> None:
                 engine.kv_unsubscribe(subscriber)
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _add_tokenizer_route(app: FastAPI, state: _State) -> None:
+    @app.get("/tokenizer")
+    async def tokenizer() -> dict[str, Any]:
+        """The tokenizer, chat template and block size, for a gateway's exact prefix hashes."""
+        engine = _ready_engine(state)
+        core = engine.engine
+        if core.tokenizer is None:
+            raise APIError(404, "this engine has no tokenizer", code="no_tokenizer")
+        block_size = core.kv_cache_manager.block_size
+        return core.tokenizer.info(state.settings.model_name, block_size).model_dump()
 
 
 def _ready_engine(state: _State) -> AsyncEngine:

@@ -1,0 +1,65 @@
+"""GatewayTokenizer (tokenizers + jinja2) against the engine's tokenizer (transformers) on SmolLM2:
+the same token ids for texts and chats, hence the same prefix-cache block hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.engine.core.hashing import extra_keys_for, hash_full_blocks
+from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.gateway.tokenizer import GatewayTokenizer
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n",
+    "  leading spaces, émojis 🚀 and 中文 ",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Colour of "}, {"type": "text", "text": "grass?"}],
+        },
+        {"role": "assistant", "content": "Green."},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "And the sky?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Tokenizer, GatewayTokenizer]:
+    engine = Tokenizer.load(resolve_model_source("smollm2"))
+    info = engine.info("smollm2", block_size=16).model_dump()
+    return engine, GatewayTokenizer.from_info(info)
+
+
+def test_texts_encode_to_the_same_ids(pair: tuple[Tokenizer, GatewayTokenizer]) -> None:
+    engine, gateway = pair
+    for text in TEXTS:
+        for special in (True, False):
+            assert gateway.encode(text, special) == engine.encode(text, special), text
+
+
+def test_chats_render_and_encode_the_same(pair: tuple[Tokenizer, GatewayTokenizer]) -> None:
+    engine, gateway = pair
+    for chat in CHATS:
+        for add_generation_prompt in (True, False):
+            text = engine.apply_chat_template(chat, add_generation_prompt)
+            expected = engine.encode(text, add_special_tokens=False)
+            assert gateway.chat_ids(chat, add_generation_prompt) == expected
+
+
+def test_block_hashes_carry_adapter_and_salt(pair: tuple[Tokenizer, GatewayTokenizer]) -> None:
+    _, gateway = pair
+    ids = list(range(40))
+    assert gateway.block_hashes(ids, None, None) == tuple(hash_full_blocks(ids, 16))
+    with_adapter = gateway.block_hashes(ids, "sql", "s1")
+    assert with_adapter == tuple(hash_full_blocks(ids, 16, extra_keys_for("sql", "s1")))
+    assert with_adapter != gateway.block_hashes(ids, "sql", None)
+    with pytest.raises(ValueError, match="unknown chat role"):
+        gateway.chat_ids([{"role": "robot", "content": "hi"}])
