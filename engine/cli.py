@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from kvfleet.bench import cli as bench_cli
 from kvfleet.engine import model_cache
 from kvfleet.engine.server import cli as server_cli
+from kvfleet.gateway import cli as gateway_cli
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_models_command(commands)
     server_cli.add_commands(commands)
+    gateway_cli.add_commands(commands)
     bench_cli.add_commands(commands)
     return parser
 

@@ -1,0 +1,84 @@
+"""API keys: only their sha256 is stored; each key has an id, rate limits and a fair-share weight.
+
+The file (locally) or the Secret's data (in a cluster) is JSON:
+`{"keys": [{"id": "team-a", "sha256": "<hex>", "requests_per_min": 60, "tokens_per_min": 100000,
+"weight": 1}]}`. Without keys the gateway runs open: every caller is the key "anonymous".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfleet.gateway.admission.rate_limit import KeyId, KeyLimits
+
+ANONYMOUS = KeyId("anonymous")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: KeyId
+    sha256: str
+    limits: KeyLimits
+    weight: float = 1.0
+
+
+def hash_key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class KeyStore:
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self.keys = {k.sha256: k for k in keys}
+
+    @property
+    def is_open(self) -> bool:
+        return not self.keys
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KeyStore:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the API keys file {str(path)!r}: {exc}") from exc
+        return cls.from_mapping(data)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> KeyStore:
+        keys = []
+        for entry in data.get("keys", []):
+            try:
+                keys.append(
+                    ApiKey(
+                        KeyId(str(entry["id"])),
+                        str(entry["sha256"]).lower(),
+                        KeyLimits(entry.get("requests_per_min"), entry.get("tokens_per_min")),
+                        float(entry.get("weight", 1.0)),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"a bad API key entry {entry!r}: {exc}") from exc
+        return cls(keys)
+
+    def authenticate(self, presented: str | None) -> KeyId | None:
+        """The key's id, or None for a missing or unknown key (open mode: ANONYMOUS)."""
+        if self.is_open:
+            return ANONYMOUS
+        if not presented:
+            return None
+        digest = hash_key(presented)
+        for stored, key in self.keys.items():
+            if hmac.compare_digest(stored, digest):
+                return key.key_id
+        return None
+
+    def limits(self) -> dict[KeyId, KeyLimits]:
+        return {k.key_id: k.limits for k in self.keys.values()}
+
+    def weights(self) -> dict[KeyId, float]:
+        return {k.key_id: k.weight for k in self.keys.values()}

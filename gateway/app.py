@@ -1,0 +1,339 @@
+"""create_gateway_app: the OpenAI front door over engine replicas — admit, route, proxy.
+
+A request is authenticated (API key or open mode), charged to its key's rate limits (one
+request and prompt + max_tokens tokens, settled with real usage when it ends), routed (see
+`routing.policy`), and proxied: the replica's response passes through byte for byte. A
+replica that fails before sending a byte is drained and the request tries the next one; a
+stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvfleet.engine.protocol import error_body
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware
+from kvfleet.gateway.admission.keys import KeyStore
+from kvfleet.gateway.admission.rate_limit import KeyId, KeyLimits, RateLimiter, Refusal
+from kvfleet.gateway.replicas import ReplicaPool
+from kvfleet.gateway.routing.policy import NoReplicaError, route
+from kvfleet.gateway.routing.prefix_index import PrefixIndex
+from kvfleet.gateway.routing.snapshot import Policy, ReplicaId, RouteConfig, RouteRequest
+from kvfleet.gateway.tokenizer import GatewayTokenizer
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-kvfleet-replica"  # which replica served the response
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_DEFAULT_MAX_TOKENS = 512  # reserved when a chat request names no limit
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    replicas: tuple[str, ...]
+    policy: Policy = Policy.PREFIX
+    max_imbalance: float = 8.0
+    keys: KeyStore = field(default_factory=lambda: KeyStore([]))
+    default_limits: KeyLimits = field(default_factory=KeyLimits)
+    max_body_bytes: int = 8 << 20
+    session_header: str = "x-session-id"
+    poll_interval_s: float = 0.5
+    request_timeout_s: float = 600.0
+
+
+class GatewayError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.headers: dict[str, str] = {}
+
+
+class _Gateway:
+    def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.client = client
+        self.index = PrefixIndex()
+        self.pool = ReplicaPool(
+            list(settings.replicas), client, self.index, settings.poll_interval_s
+        )
+        self.limiter = RateLimiter(settings.keys.limits(), settings.default_limits)
+        self.config = RouteConfig(settings.policy, settings.max_imbalance)
+        self.tokenizer: GatewayTokenizer | None = None
+        self._round_robin = 0
+
+    async def tokenizer_for_routing(self) -> GatewayTokenizer | None:
+        """The engines' tokenizer, fetched once from a ready replica (None until one is)."""
+        if self.tokenizer is None:
+            for replica in self.pool.snapshot().ready:
+                try:
+                    response = await self.client.get(
+                        f"{self.pool.url_of(replica.replica_id)}/tokenizer", timeout=30.0
+                    )
+                    if response.status_code == 200:
+                        self.tokenizer = GatewayTokenizer.from_info(response.json())
+                        break
+                except Exception as exc:  # routing goes on by load without it
+                    logger.warning("could not use the engines' tokenizer: %s", exc)
+        return self.tokenizer
+
+    def authenticate(self, request: Request) -> KeyId:
+        header = request.headers.get("authorization", "")
+        presented = header[7:].strip() if header.lower().startswith("bearer ") else None
+        key_id = self.settings.keys.authenticate(presented)
+        if key_id is None:
+            raise GatewayError(
+                401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        return key_id
+
+
+def create_gateway_app(
+    settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    state: dict[str, _Gateway] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
+        async with httpx.AsyncClient(transport=transport, limits=limits, timeout=None) as client:
+            gateway = _Gateway(settings, client)
+            state["gateway"] = gateway
+            gateway.pool.start()
+            yield
+            await gateway.pool.stop()
+
+    app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        body = error_body(exc.message, exc.type, exc.code)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = state["gateway"].pool.snapshot().ready
+        status = 200 if ready else 503
+        return JSONResponse({"status": "ok" if ready else "no ready replica"}, status_code=status)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": state["gateway"].pool.model_cards()}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(state["gateway"], request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(state["gateway"], request, "chat/completions")
+
+    return app
+
+
+async def _handle(gateway: _Gateway, request: Request, path: str) -> Response:
+    key_id = gateway.authenticate(request)
+    raw = await request.body()
+    body = _parse_json(raw)
+    model = body.get("model")
+    cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
+    if not gateway.pool.snapshot().ready:
+        raise GatewayError(503, "no engine replica is ready; retry shortly", "service_unavailable")
+    if not isinstance(model, str) or model not in cards:
+        raise GatewayError(
+            404,
+            f"the model {model!r} does not exist; served: {sorted(cards)}",
+            code="model_not_found",
+        )
+    adapter = model if cards[model].get("parent") else None
+    prompt_ids = await _prompt_ids(gateway, body, path)
+    max_tokens = _max_tokens(body, path)
+    now = time.monotonic()
+    reservation = gateway.limiter.reserve(key_id, len(prompt_ids) + max_tokens, now)
+    if isinstance(reservation, Refusal):
+        error = GatewayError(
+            429,
+            f"rate limit reached for {reservation.reason}"
+            + ("" if math.isfinite(reservation.retry_after_s) else ": the request exceeds it"),
+            "rate_limit_exceeded",
+            "rate_limit_exceeded",
+        )
+        if math.isfinite(reservation.retry_after_s):
+            error.headers["Retry-After"] = str(max(1, math.ceil(reservation.retry_after_s)))
+        raise error
+    tokenizer = gateway.tokenizer
+    hashes = (
+        tokenizer.block_hashes(prompt_ids, adapter, body.get("cache_salt")) if tokenizer else ()
+    )
+    session = request.headers.get(gateway.settings.session_header)
+    route_request = RouteRequest(tuple(hashes), adapter, session)
+    used = 0
+    try:
+        response, used = await _proxy(gateway, route_request, path, raw, bool(body.get("stream")))
+    except BaseException:
+        gateway.limiter.settle(reservation, used, time.monotonic())
+        raise
+    if not isinstance(response, StreamingResponse):
+        gateway.limiter.settle(reservation, used, time.monotonic())
+        return response
+
+    async def settle_after(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        generated = 0
+        try:
+            async for chunk in stream:
+                generated += chunk.count(b"data: {")
+                yield chunk
+        finally:
+            gateway.limiter.settle(reservation, len(prompt_ids) + generated, time.monotonic())
+
+    response.body_iterator = settle_after(response.body_iterator)  # type: ignore[arg-type]
+    return response
+
+
+async def _proxy(
+    gateway: _Gateway, route_request: RouteRequest, path: str, raw: bytes, stream: bool
+) -> tuple[Response, int]:
+    """Send to the routed replica; on failure before any byte, drain it and try another."""
+    tried: set[ReplicaId] = set()
+    last_error = "no engine replica is ready"
+    while True:
+        snapshot = gateway.pool.snapshot()
+        try:
+            decision = route(
+                route_request, snapshot, gateway.index, gateway.config, gateway._round_robin
+            )
+        except NoReplicaError:
+            raise GatewayError(503, last_error, "service_unavailable") from None
+        gateway._round_robin += 1
+        replica_id = decision.replica_id
+        if replica_id in tried:
+            raise GatewayError(503, last_error, "service_unavailable")
+        tried.add(replica_id)
+        url = f"{gateway.pool.url_of(replica_id)}/v1/{path}"
+        gateway.pool.add_in_flight(replica_id, 1)
+        gateway.index.record_route(replica_id, route_request.block_hashes)
+        try:
+            upstream = await gateway.client.send(
+                gateway.client.build_request(
+                    "POST", url, content=raw, headers={"content-type": "application/json"}
+                ),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            gateway.pool.add_in_flight(replica_id, -1)
+            gateway.pool.drain(replica_id, f"{type(exc).__name__}: {exc}")
+            last_error = f"the engine replicas failed: {type(exc).__name__}"
+            continue
+        if upstream.status_code >= 500 and upstream.status_code != 503:
+            await upstream.aclose()
+            gateway.pool.add_in_flight(replica_id, -1)
+            gateway.pool.drain(replica_id, f"status {upstream.status_code}")
+            last_error = f"an engine replica answered {upstream.status_code}"
+            continue
+        if stream and upstream.status_code == 200:
+            return _stream_through(gateway, replica_id, upstream), 0
+        try:
+            content = await upstream.aread()
+        finally:
+            await upstream.aclose()
+            gateway.pool.add_in_flight(replica_id, -1)
+        used = 0
+        if upstream.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                used = int(json.loads(content)["usage"]["total_tokens"])
+        media = upstream.headers.get("content-type", "application/json")
+        headers = {REPLICA_HEADER: replica_id}
+        response = Response(content, upstream.status_code, headers, media_type=media)
+        return response, used
+
+
+def _stream_through(
+    gateway: _Gateway, replica_id: ReplicaId, upstream: httpx.Response
+) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            gateway.pool.drain(replica_id, f"stream cut: {type(exc).__name__}")
+            error = error_body(
+                "the engine replica failed during the response",
+                "service_unavailable",
+                "replica_failed",
+            )
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await upstream.aclose()
+            gateway.pool.add_in_flight(replica_id, -1)
+
+    return StreamingResponse(
+        body(),
+        status_code=200,
+        media_type=upstream.headers.get("content-type", "text/event-stream"),
+    )
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise GatewayError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise GatewayError(
+            400,
+            f"the request body is not valid JSON: {exc.msg} "
+            f"at line {exc.lineno} column {exc.colno}",
+        ) from exc
+    if not isinstance(data, dict):
+        raise GatewayError(400, "the request body must be a JSON object")
+    return data
+
+
+async def _prompt_ids(gateway: _Gateway, body: dict[str, Any], path: str) -> list[int]:
+    """The first prompt's token ids, for routing and the token reservation (the engine checks
+    the request fully; a prompt the gateway cannot read routes by load)."""
+    tokenizer = await gateway.tokenizer_for_routing()
+    try:
+        if path == "chat/completions":
+            messages = body.get("messages")
+            if tokenizer is None or not isinstance(messages, list):
+                return []
+            return tokenizer.chat_ids(messages, bool(body.get("add_generation_prompt", True)))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, str) and tokenizer is not None:
+            return tokenizer.encode(prompt)
+    except (ValueError, TypeError) as exc:
+        raise GatewayError(400, str(exc)) from exc
+    return []
+
+
+def _max_tokens(body: dict[str, Any], path: str) -> int:
+    default = (
+        CHAT_DEFAULT_MAX_TOKENS if path == "chat/completions" else COMPLETIONS_DEFAULT_MAX_TOKENS
+    )
+    value = body.get("max_completion_tokens") or body.get("max_tokens") or default
+    n = body.get("n") or 1
+    if not isinstance(value, int) or not isinstance(n, int) or value < 0 or n < 1:
+        return default  # the engine answers 400 with the details
+    return value * n

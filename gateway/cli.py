@@ -1,0 +1,76 @@
+"""`kvfleet gateway`: the OpenAI front door over engine replicas. Light imports: the server loads
+only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+GATEWAY_HOST, GATEWAY_PORT = "0.0.0.0", 8000
+
+
+def add_commands(commands: Any) -> None:
+    gateway = commands.add_parser(
+        "gateway",
+        help="run the gateway in front of engine replicas",
+        description="Admit, route (prefix/KV/LoRA aware) and proxy OpenAI requests to engines.",
+    )
+    gateway.add_argument(
+        "--replica", action="append", default=[], metavar="URL", help="an engine URL (repeat)"
+    )
+    gateway.add_argument("--host", default=GATEWAY_HOST)
+    gateway.add_argument("--port", type=int, default=GATEWAY_PORT)
+    gateway.add_argument(
+        "--policy", default="prefix", choices=["prefix", "least-load", "round-robin"]
+    )
+    gateway.add_argument(
+        "--max-imbalance",
+        type=float,
+        default=8.0,
+        help="requests by which the prefix choice may exceed the least-loaded replica's load",
+    )
+    gateway.add_argument("--api-keys", help="JSON file of hashed API keys (default: open mode)")
+    gateway.add_argument("--requests-per-min", type=float, help="default per-key request limit")
+    gateway.add_argument("--tokens-per-min", type=float, help="default per-key token limit")
+    gateway.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    gateway.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    gateway.set_defaults(run=_run)
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    from kvfleet.gateway.admission.keys import KeyStore
+    from kvfleet.gateway.admission.rate_limit import KeyLimits
+    from kvfleet.gateway.app import GatewaySettings
+    from kvfleet.gateway.routing.snapshot import Policy
+
+    if not args.replica:
+        raise SystemExit("kvfleet: error: give at least one --replica URL")
+    try:
+        keys = KeyStore.from_file(args.api_keys) if args.api_keys else KeyStore([])
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet: error: {exc}") from exc
+    return GatewaySettings(
+        replicas=tuple(args.replica),
+        policy=Policy(args.policy),
+        max_imbalance=args.max_imbalance,
+        keys=keys,
+        default_limits=KeyLimits(args.requests_per_min, args.tokens_per_min),
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvfleet.gateway.app import create_gateway_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+
+    app = create_gateway_app(settings_from(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

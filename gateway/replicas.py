@@ -1,0 +1,200 @@
+"""ReplicaPool: the engine replicas as the gateway sees them — health, load, adapters, KV events.
+
+Per replica, one task polls `/health`, `/metrics` and `/v1/models`, and one follows `/kv/events`
+(a snapshot, then every change) into the shared PrefixIndex; a broken or gapped stream marks the
+replica's index stale and reconnects with backoff. `snapshot()` is what routing reads. A replica
+that fails a request is drained (not ready) until its health check passes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+
+from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.gateway.routing.prefix_index import PrefixIndex
+from kvfleet.gateway.routing.snapshot import ClusterSnapshot, ReplicaId, ReplicaState
+
+logger = logging.getLogger(__name__)
+
+_METRICS = {
+    "kvfleet:num_requests_running": "num_running",
+    "kvfleet:num_requests_waiting": "num_waiting",
+    "kvfleet:kv_cache_usage_perc": "kv_cache_usage",
+}
+
+
+@dataclass
+class Replica:
+    replica_id: ReplicaId
+    url: str
+    state: ReplicaState
+    models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
+    events_live: bool = False
+    polled: bool = False  # health checked at least once
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        urls: list[str],
+        client: httpx.AsyncClient,
+        index: PrefixIndex,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.client = client
+        self.index = index
+        self.poll_interval_s = poll_interval_s
+        self.replicas: dict[ReplicaId, Replica] = {}
+        for url in urls:
+            replica_id = ReplicaId(url.rstrip("/"))
+            state = ReplicaState(replica_id, ready=False)
+            self.replicas[replica_id] = Replica(replica_id, url.rstrip("/"), state)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.polled = asyncio.Event()  # set after the first round of health checks
+
+    def start(self) -> None:
+        for replica in self.replicas.values():
+            self._tasks.append(asyncio.create_task(self._poll_loop(replica)))
+            self._tasks.append(asyncio.create_task(self._events_loop(replica)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(tuple(r.state for r in self.replicas.values()))
+
+    def url_of(self, replica_id: ReplicaId) -> str:
+        return self.replicas[replica_id].url
+
+    def add_in_flight(self, replica_id: ReplicaId, delta: int) -> None:
+        replica = self.replicas[replica_id]
+        count = max(0, replica.state.num_in_flight + delta)
+        replica.state = replace(replica.state, num_in_flight=count)
+
+    def drain(self, replica_id: ReplicaId, reason: str) -> None:
+        """A request to the replica failed: stop routing to it until its health check passes."""
+        replica = self.replicas[replica_id]
+        if replica.state.ready:
+            logger.warning("replica %s drained: %s", replica.url, reason)
+        replica.state = replace(replica.state, ready=False)
+
+    def note_adapter(self, replica_id: ReplicaId, adapter: str) -> None:
+        replica = self.replicas[replica_id]
+        replica.state = replace(replica.state, adapters=replica.state.adapters | {adapter})
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of the ready replicas' models, first seen first."""
+        seen: dict[str, dict[str, Any]] = {}
+        for replica in self.replicas.values():
+            if replica.state.ready:
+                for card in replica.models:
+                    seen.setdefault(str(card.get("id")), card)
+        return list(seen.values())
+
+    # --- polling -----------------------------------------------------------------------
+
+    async def _poll_loop(self, replica: Replica) -> None:
+        while True:
+            await self._poll(replica)
+            replica.polled = True
+            if all(r.polled for r in self.replicas.values()):
+                self.polled.set()
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            health = await self.client.get(f"{replica.url}/health", timeout=2.0)
+            ready = health.status_code == 200
+            load: dict[str, float] = {}
+            if ready:
+                metrics = await self.client.get(f"{replica.url}/metrics", timeout=2.0)
+                load = parse_load(metrics.text)
+                models = await self.client.get(f"{replica.url}/v1/models", timeout=2.0)
+                replica.models = list(models.json().get("data", []))
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("replica %s: poll failed: %s", replica.url, exc)
+            ready, load = False, {}
+        adapters = frozenset(str(c["id"]) for c in replica.models if c.get("parent"))
+        # NOTE: the in-flight count restarts with each reading, which already counts them.
+        replica.state = ReplicaState(
+            replica.replica_id,
+            ready=ready,
+            kv_cache_usage=load.get("kv_cache_usage", 0.0),
+            num_running=int(load.get("num_running", 0)),
+            num_waiting=int(load.get("num_waiting", 0)),
+            num_in_flight=0,
+            adapters=adapters if ready else frozenset(),
+        )
+
+    # --- KV events -----------------------------------------------------------------------
+
+    async def _events_loop(self, replica: Replica) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                await self._follow_events(replica)
+                backoff = 0.2
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                logger.debug("replica %s: KV events stopped: %s", replica.url, exc)
+            replica.events_live = False
+            self.index.mark_stale(replica.replica_id)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _follow_events(self, replica: Replica) -> None:
+        async with self.client.stream("GET", f"{replica.url}/kv/events", timeout=None) as stream:
+            if stream.status_code != 200:
+                raise ValueError(f"/kv/events answered {stream.status_code}")
+            async for kind, data in _sse(stream.aiter_lines()):
+                if kind == "snapshot":
+                    hashes = [BlockHash(bytes.fromhex(b["block_hash"])) for b in data["blocks"]]
+                    self.index.load_snapshot(replica.replica_id, hashes, int(data["seq"]))
+                    replica.events_live = True
+                    continue
+                block = data.get("block_hash")
+                applied = self.index.apply_event(
+                    replica.replica_id,
+                    int(data["seq"]),
+                    str(data["type"]),
+                    BlockHash(bytes.fromhex(block)) if block else None,
+                )
+                if not applied:
+                    raise ValueError("a gap in the KV event sequence: resubscribing")
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """The load gauges from an engine's Prometheus text."""
+    load: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _METRICS.get(name)
+        if key is not None:
+            load[key] = load.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return load
+
+
+async def _sse(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """(event name, JSON data) from a server-sent event stream."""
+    kind, data = "message", ""
+    async for line in lines:
+        if line.startswith("event:"):
+            kind = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+        elif not line and data:
+            yield kind, json.loads(data)
+            kind, data = "message", ""

@@ -1,0 +1,164 @@
+"""The gateway in front of two real SmolLM2 engines, driven by the official `openai` client.
+
+Same answers through the gateway as from an engine directly (chat, completions, streaming,
+usage); requests sharing a long prefix follow the replica that holds it; API keys and bad input
+get OpenAI error bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvfleet.gateway.admission.keys import hash_key
+
+from .conftest import MODEL, Server, free_port, start_server, stop_server
+
+pytestmark = pytest.mark.timeout(900)
+REPLICA_HEADER = "x-kvfleet-replica"
+
+
+def start_gateway(tmp_path: Path, replicas: list[Server], *extra: str) -> Server:
+    port = free_port()
+    log = tmp_path / f"gateway-{port}.log"
+    command = [sys.executable, "-m", "kvfleet.engine.cli", "gateway", "--host", "127.0.0.1"]
+    command += ["--port", str(port), *extra]
+    for replica in replicas:
+        command += ["--replica", replica.url]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
+    gateway = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the gateway exited:\n{log.read_text()[-3000:]}")
+        try:
+            ready = httpx.get(f"{gateway.url}/health", timeout=2).status_code == 200
+            models = httpx.get(f"{gateway.base_url}/models", timeout=2).json()["data"]
+            if ready and models:
+                return gateway
+        except (httpx.TransportError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the gateway was not ready within 60 s:\n{log.read_text()[-3000:]}")
+
+
+def stop_gateway(gateway: Server) -> None:
+    gateway.process.terminate()
+    try:
+        gateway.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        gateway.process.kill()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    started = [start_server(tmp_path_factory.mktemp(f"replica-{i}")) for i in range(2)]
+    yield started
+    for engine in started:
+        stop_server(engine)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, engines: list[Server]) -> Iterator[Server]:
+    running = start_gateway(tmp_path_factory.mktemp("gateway"), engines)
+    yield running
+    stop_gateway(running)
+
+
+def _client(server: Server, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=120)
+
+
+def test_same_answers_as_an_engine_directly(gateway: Server, engines: list[Server]) -> None:
+    direct, through = _client(engines[0]), _client(gateway)
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a primary colour."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    a, b = direct.chat.completions.create(**chat), through.chat.completions.create(**chat)
+    assert b.choices[0].message.content == a.choices[0].message.content
+    assert b.usage == a.usage
+    completion = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0}
+    a2, b2 = direct.completions.create(**completion), through.completions.create(**completion)
+    assert b2.choices[0].text == a2.choices[0].text
+    assert b2.usage == a2.usage
+    streamed = through.chat.completions.create(
+        **chat, stream=True, stream_options={"include_usage": True}
+    )
+    pieces, usage = [], None
+    for chunk in streamed:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        usage = chunk.usage or usage
+    assert "".join(pieces) == a.choices[0].message.content
+    assert usage == a.usage
+    listed = [m.id for m in through.models.list().data]
+    assert listed == [MODEL]
+
+
+def test_requests_sharing_a_prefix_follow_the_replica_holding_it(gateway: Server) -> None:
+    groups = {
+        name: f"Document {name}: " + " ".join(f"{name}{i}" for i in range(300))
+        for name in ("alpha", "beta", "gamma", "delta")
+    }
+    served: dict[str, list[str]] = {name: [] for name in groups}
+    with httpx.Client(timeout=120) as client:
+        for round_ in range(4):
+            for name, document in groups.items():
+                response = client.post(
+                    f"{gateway.base_url}/completions",
+                    json={"model": MODEL, "prompt": f"{document}\nQ{round_}:", "max_tokens": 1},
+                )
+                assert response.status_code == 200, response.text
+                served[name].append(response.headers[REPLICA_HEADER])
+                time.sleep(0.3)  # let the engine's KV events reach the gateway
+    followed = sum(r == s[0] for s in served.values() for r in s[1:])
+    assert followed >= 0.9 * sum(len(s) - 1 for s in served.values()), served
+    assert len({s[0] for s in served.values()}) == 2  # the groups spread over both replicas
+
+
+def test_keys_and_bad_input(tmp_path: Path, engines: list[Server]) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(
+        json.dumps({"keys": [{"id": "team", "sha256": hash_key("s3cret"), "requests_per_min": 2}]})
+    )
+    gateway = start_gateway(tmp_path, engines, "--api-keys", str(keys))
+    try:
+        url = f"{gateway.base_url}/completions"
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        good = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["code"] == "invalid_api_key"
+        for _ in range(2):
+            assert httpx.post(url, json=body, headers=good, timeout=60).status_code == 200
+        limited = httpx.post(url, json=body, headers=good, timeout=60)
+        assert limited.status_code == 429
+        assert int(limited.headers["retry-after"]) >= 1
+        cases = [
+            (b'{"model": ', 400, "not valid JSON"),
+            (json.dumps({**body, "model": "nope"}).encode(), 404, "does not exist"),
+            (b"x" * (9 << 20), 413, "larger than"),
+        ]
+        for raw, status, message in cases:
+            response = httpx.post(url, content=raw, headers=good, timeout=60)
+            assert response.status_code == status, response.text
+            assert message in response.json()["error"]["message"]
+    finally:
+        stop_gateway(gateway)
