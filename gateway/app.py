@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-kvfleet-replica"  # which replica served the response
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+TOKENIZER_RETRY_S = 10.0
 CHAT_DEFAULT_MAX_TOKENS = 512  # reserved when a chat request names no limit
 
 
@@ -66,9 +68,12 @@ class GatewayError(Exception):
 
 
 class _Gateway:
-    def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, settings: GatewaySettings, client: httpx.AsyncClient, session: aiohttp.ClientSession
+    ) -> None:
         self.settings = settings
-        self.client = client
+        self.client = client  # polling, events, the tokenizer
+        self.session = session  # the proxied requests: aiohttp costs a third of httpx per hop
         self.index = PrefixIndex()
         self.pool = ReplicaPool(
             list(settings.replicas), client, self.index, settings.poll_interval_s
@@ -76,11 +81,15 @@ class _Gateway:
         self.limiter = RateLimiter(settings.keys.limits(), settings.default_limits)
         self.config = RouteConfig(settings.policy, settings.max_imbalance)
         self.tokenizer: GatewayTokenizer | None = None
+        self._tokenizer_tried_at = -math.inf
         self._round_robin = 0
 
     async def tokenizer_for_routing(self) -> GatewayTokenizer | None:
-        """The engines' tokenizer, fetched once from a ready replica (None until one is)."""
-        if self.tokenizer is None:
+        """The engines' tokenizer, fetched once from a ready replica (None until one is; tried
+        again at most every TOKENIZER_RETRY_S, so requests never wait on it in a loop)."""
+        now = time.monotonic()
+        if self.tokenizer is None and now - self._tokenizer_tried_at >= TOKENIZER_RETRY_S:
+            self._tokenizer_tried_at = now
             for replica in self.pool.snapshot().ready:
                 try:
                     response = await self.client.get(
@@ -111,9 +120,14 @@ def create_gateway_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
-        async with httpx.AsyncClient(transport=transport, limits=limits, timeout=None) as client:
-            gateway = _Gateway(settings, client)
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
+        connector = aiohttp.TCPConnector(limit=4096, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s, connect=5.0)
+        async with (
+            httpx.AsyncClient(transport=transport, limits=limits, timeout=None) as client,
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+        ):
+            gateway = _Gateway(settings, client, session)
             state["gateway"] = gateway
             gateway.pool.start()
             yield
@@ -230,48 +244,50 @@ async def _proxy(
         gateway.pool.add_in_flight(replica_id, 1)
         gateway.index.record_route(replica_id, route_request.block_hashes)
         try:
-            upstream = await gateway.client.send(
-                gateway.client.build_request(
-                    "POST", url, content=raw, headers={"content-type": "application/json"}
-                ),
-                stream=True,
+            upstream = await gateway.session.post(
+                url, data=raw, headers={"content-type": "application/json"}
             )
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             gateway.pool.add_in_flight(replica_id, -1)
             gateway.pool.drain(replica_id, f"{type(exc).__name__}: {exc}")
             last_error = f"the engine replicas failed: {type(exc).__name__}"
             continue
-        if upstream.status_code >= 500 and upstream.status_code != 503:
-            await upstream.aclose()
+        if upstream.status >= 500 and upstream.status != 503:
+            upstream.release()
             gateway.pool.add_in_flight(replica_id, -1)
-            gateway.pool.drain(replica_id, f"status {upstream.status_code}")
-            last_error = f"an engine replica answered {upstream.status_code}"
+            gateway.pool.drain(replica_id, f"status {upstream.status}")
+            last_error = f"an engine replica answered {upstream.status}"
             continue
-        if stream and upstream.status_code == 200:
+        if stream and upstream.status == 200:
             return _stream_through(gateway, replica_id, upstream), 0
         try:
-            content = await upstream.aread()
+            content = await upstream.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            gateway.pool.drain(replica_id, f"{type(exc).__name__}: {exc}")
+            raise GatewayError(
+                503, "an engine replica failed during the response", "service_unavailable"
+            ) from exc
         finally:
-            await upstream.aclose()
+            upstream.release()
             gateway.pool.add_in_flight(replica_id, -1)
         used = 0
-        if upstream.status_code == 200:
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
+        if upstream.status == 200:
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                 used = int(json.loads(content)["usage"]["total_tokens"])
         media = upstream.headers.get("content-type", "application/json")
         headers = {REPLICA_HEADER: replica_id}
-        response = Response(content, upstream.status_code, headers, media_type=media)
+        response = Response(content, upstream.status, headers, media_type=media)
         return response, used
 
 
 def _stream_through(
-    gateway: _Gateway, replica_id: ReplicaId, upstream: httpx.Response
+    gateway: _Gateway, replica_id: ReplicaId, upstream: aiohttp.ClientResponse
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             gateway.pool.drain(replica_id, f"stream cut: {type(exc).__name__}")
             error = error_body(
                 "the engine replica failed during the response",
@@ -280,12 +296,13 @@ def _stream_through(
             )
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            await upstream.aclose()
+            upstream.release()
             gateway.pool.add_in_flight(replica_id, -1)
 
     return StreamingResponse(
         body(),
         status_code=200,
+        headers={REPLICA_HEADER: replica_id},
         media_type=upstream.headers.get("content-type", "text/event-stream"),
     )
 
