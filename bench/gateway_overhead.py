@@ -31,7 +31,8 @@ from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 MODEL = "fake"
 
 
-def fake_engine(tokenizer_info: dict[str, Any]) -> FastAPI:
+def fake_engine(tokenizer_info: dict[str, Any] | None = None, delay_s: float = 0.0) -> FastAPI:
+    """A stand-in engine: every completion answers " ok" after `delay_s`."""
     app = FastAPI()
     answer = {
         "id": "cmpl-fake",
@@ -65,11 +66,15 @@ def fake_engine(tokenizer_info: dict[str, Any]) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions() -> dict[str, Any]:
+        if delay_s:
+            await asyncio.sleep(delay_s)
         return answer
 
     @app.get("/tokenizer")
-    async def tokenizer() -> dict[str, Any]:
-        return tokenizer_info
+    async def tokenizer() -> JSONResponse:
+        if tokenizer_info is None:
+            return JSONResponse({"error": {"message": "no tokenizer"}}, status_code=404)
+        return JSONResponse(tokenizer_info)
 
     return app
 

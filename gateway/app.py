@@ -26,7 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvfleet.engine.protocol import error_body
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.gateway.admission.keys import KeyStore
-from kvfleet.gateway.admission.rate_limit import KeyId, KeyLimits, RateLimiter, Refusal
+from kvfleet.gateway.admission.limiter import ConcurrencyGate, QueueFull, QueueTimeout
+from kvfleet.gateway.admission.rate_limit import (
+    KeyId,
+    KeyLimits,
+    RateLimiter,
+    Refusal,
+    Reservation,
+)
 from kvfleet.gateway.replicas import ReplicaPool
 from kvfleet.gateway.routing.policy import NoReplicaError, route
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
@@ -52,6 +59,11 @@ class GatewaySettings:
     session_header: str = "x-session-id"
     poll_interval_s: float = 0.5
     request_timeout_s: float = 600.0
+    # Requests proxied at once per ready replica; beyond, they wait in the fair queue.
+    max_in_flight_per_replica: int = 256
+    queue_capacity: int = 4096
+    queue_timeout_s: float = 60.0
+    priority_header: str = "x-priority"  # lower goes first, as the engine's priority
 
 
 class GatewayError(Exception):
@@ -80,6 +92,12 @@ class _Gateway:
         )
         self.limiter = RateLimiter(settings.keys.limits(), settings.default_limits)
         self.config = RouteConfig(settings.policy, settings.max_imbalance)
+        self.gate = ConcurrencyGate(
+            lambda: settings.max_in_flight_per_replica * len(self.pool.snapshot().ready),
+            settings.queue_capacity,
+            settings.keys.weights(),
+            time.monotonic,
+        )
         self.tokenizer: GatewayTokenizer | None = None
         self._tokenizer_tried_at = -math.inf
         self._round_robin = 0
@@ -198,13 +216,16 @@ async def _handle(gateway: _Gateway, request: Request, path: str) -> Response:
     )
     session = request.headers.get(gateway.settings.session_header)
     route_request = RouteRequest(tuple(hashes), adapter, session)
+    await _take_slot(gateway, request, key_id, reservation)
     used = 0
     try:
         response, used = await _proxy(gateway, route_request, path, raw, bool(body.get("stream")))
     except BaseException:
+        gateway.gate.release()
         gateway.limiter.settle(reservation, used, time.monotonic())
         raise
     if not isinstance(response, StreamingResponse):
+        gateway.gate.release()
         gateway.limiter.settle(reservation, used, time.monotonic())
         return response
 
@@ -215,10 +236,32 @@ async def _handle(gateway: _Gateway, request: Request, path: str) -> Response:
                 generated += chunk.count(b"data: {")
                 yield chunk
         finally:
+            gateway.gate.release()
             gateway.limiter.settle(reservation, len(prompt_ids) + generated, time.monotonic())
 
     response.body_iterator = settle_after(response.body_iterator)  # type: ignore[arg-type]
     return response
+
+
+async def _take_slot(
+    gateway: _Gateway, request: Request, key_id: KeyId, reservation: Reservation
+) -> None:
+    """Wait for a proxy slot (fair between keys); 503 with Retry-After when there is none."""
+    settings = gateway.settings
+    try:
+        priority = int(request.headers.get(settings.priority_header, "0"))
+    except ValueError:
+        raise GatewayError(400, f"{settings.priority_header} must be an integer") from None
+    try:
+        await gateway.gate.acquire(key_id, priority, settings.queue_timeout_s)
+    except (QueueFull, QueueTimeout) as exc:
+        gateway.limiter.settle(reservation, 0, time.monotonic())
+        error = GatewayError(503, f"the service is overloaded: {exc}", "service_unavailable")
+        error.headers["Retry-After"] = "1"
+        raise error from exc
+    except BaseException:
+        gateway.limiter.settle(reservation, 0, time.monotonic())
+        raise
 
 
 async def _proxy(

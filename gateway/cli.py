@@ -32,6 +32,14 @@ def add_commands(commands: Any) -> None:
     gateway.add_argument("--api-keys", help="JSON file of hashed API keys (default: open mode)")
     gateway.add_argument("--requests-per-min", type=float, help="default per-key request limit")
     gateway.add_argument("--tokens-per-min", type=float, help="default per-key token limit")
+    gateway.add_argument(
+        "--max-inflight-per-replica",
+        type=int,
+        default=256,
+        help="requests proxied at once per ready replica; more wait in the fair queue",
+    )
+    gateway.add_argument("--queue-capacity", type=int, default=4096)
+    gateway.add_argument("--queue-timeout", type=float, default=60.0, help="seconds")
     gateway.add_argument("--max-body-bytes", type=int, default=8 << 20)
     gateway.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -58,6 +66,9 @@ def settings_from(args: argparse.Namespace) -> Any:
         keys=keys,
         default_limits=KeyLimits(args.requests_per_min, args.tokens_per_min),
         max_body_bytes=args.max_body_bytes,
+        max_in_flight_per_replica=args.max_inflight_per_replica,
+        queue_capacity=args.queue_capacity,
+        queue_timeout_s=args.queue_timeout,
     )
 
 
