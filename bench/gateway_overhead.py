@@ -12,8 +12,6 @@ difference at each percentile.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import multiprocessing
 import socket
 import statistics
@@ -22,61 +20,10 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvfleet.bench.fake_engine import MODEL, fake_engine
 from kvfleet.bench.report import emit
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
-
-MODEL = "fake"
-
-
-def fake_engine(tokenizer_info: dict[str, Any] | None = None, delay_s: float = 0.0) -> FastAPI:
-    """A stand-in engine: every completion answers " ok" after `delay_s`."""
-    app = FastAPI()
-    answer = {
-        "id": "cmpl-fake",
-        "object": "text_completion",
-        "created": 0,
-        "model": MODEL,
-        "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-    }
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> JSONResponse:
-        return JSONResponse("")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-
-    @app.get("/kv/events")
-    async def events() -> StreamingResponse:
-        async def stream() -> Any:
-            snapshot = json.dumps({"seq": 0, "block_size": 16, "blocks": []})
-            yield f"event: snapshot\ndata: {snapshot}\n\n"
-            await asyncio.Event().wait()  # then no events: nothing is cached
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions() -> dict[str, Any]:
-        if delay_s:
-            await asyncio.sleep(delay_s)
-        return answer
-
-    @app.get("/tokenizer")
-    async def tokenizer() -> JSONResponse:
-        if tokenizer_info is None:
-            return JSONResponse({"error": {"message": "no tokenizer"}}, status_code=404)
-        return JSONResponse(tokenizer_info)
-
-    return app
 
 
 def _free_port() -> int:

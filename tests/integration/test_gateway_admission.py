@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from kvfleet.bench.gateway_overhead import MODEL, fake_engine
+from kvfleet.bench.fake_engine import MODEL, fake_engine
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
