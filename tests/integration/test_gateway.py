@@ -162,3 +162,31 @@ def test_keys_and_bad_input(tmp_path: Path, engines: list[Server]) -> None:
             assert message in response.json()["error"]["message"]
     finally:
         stop_gateway(gateway)
+
+
+def test_a_second_gateway_routes_the_same_requests_the_same_way(
+    tmp_path: Path, gateway: Server, engines: list[Server]
+) -> None:
+    documents = [f"Report {n}: " + " ".join(f"r{n}w{i}" for i in range(200)) for n in range(6)]
+    with httpx.Client(timeout=120) as client:
+
+        def ask(server: Server, document: str, question: int) -> str:
+            response = client.post(
+                f"{server.base_url}/completions",
+                json={"model": MODEL, "prompt": f"{document}\nQ{question}:", "max_tokens": 1},
+            )
+            assert response.status_code == 200, response.text
+            return response.headers[REPLICA_HEADER]
+
+        for document in documents:  # place each document on some replica
+            ask(gateway, document, 0)
+        time.sleep(1.0)  # KV events reach the gateways
+        first = [ask(gateway, d, 1) for d in documents]
+        second_gateway = start_gateway(tmp_path, engines)  # a fresh one: snapshots only
+        try:
+            time.sleep(1.0)
+            second = [ask(second_gateway, d, 2) for d in documents]
+        finally:
+            stop_gateway(second_gateway)
+    assert second == first
+    assert len(set(first)) == 2  # the documents are on both replicas
