@@ -101,6 +101,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, help="at most this many in flight")
     parser.add_argument("--prefix-len", type=int, default=3000, help="shared-prefix: document")
     parser.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix: documents (groups)"
+    )
+    parser.add_argument(
         "--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this"
     )
     parser.add_argument("--blocker-len", type=int, default=4096, help="blocker: its prompt")

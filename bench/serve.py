@@ -10,9 +10,10 @@ the first token (TTFT), the gaps between later chunks (ITL) and the total (e2e).
 Modes:
 - `random`: Poisson arrivals at `--request-rate` (all at once if inf), capped by
   `--max-concurrency`.
-- `shared-prefix`: one `--prefix-len`-token document, then `--num-prompts` questions of
-  `--input-len` tokens after it. One request primes the document first; the report covers the
-  questions. Run it against a server with and without prefix caching to compare.
+- `shared-prefix`: `--num-prefixes` documents (one by default) of `--prefix-len` tokens, then
+  `--num-prompts` questions of `--input-len` tokens, taking the documents in turn. One request
+  primes each document first; the report covers the questions. Run it against a server with
+  and without prefix caching, or a gateway with different routing policies, to compare.
 - `blocker`: `--num-prompts` streams run twice, alone and then with one `--blocker-len`-token
   prompt arriving once they are all decoding; the report gives their ITL percentiles both times.
 """
@@ -219,11 +220,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             )
             report |= summarize(results, elapsed)
         elif args.mode == "shared-prefix":
-            document = _tokens(rng, args.prefix_len, vocab)
-            primer = await client.complete(document + _tokens(rng, 8, vocab), 1)
-            report["primer_ttft_ms"] = round(primer.ttft * 1e3, 2)
+            documents = [_tokens(rng, args.prefix_len, vocab) for _ in range(args.num_prefixes)]
+            primers = [await client.complete(d + _tokens(rng, 8, vocab), 1) for d in documents]
+            report["primer_ttft_ms"] = round(statistics.mean(p.ttft for p in primers) * 1e3, 2)
             report["prefix_len"] = args.prefix_len
-            requests = [request(document) for _ in range(args.num_prompts)]
+            report["num_prefixes"] = args.num_prefixes
+            # Questions take the documents in turn, so groups interleave.
+            requests = [request(documents[i % len(documents)]) for i in range(args.num_prompts)]
             results, elapsed = await _run_batch(
                 client, requests, args.request_rate, args.max_concurrency, rng
             )

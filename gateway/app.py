@@ -280,6 +280,13 @@ async def _proxy(
             raise GatewayError(503, last_error, "service_unavailable") from None
         gateway._round_robin += 1
         replica_id = decision.replica_id
+        logger.debug(
+            "route: %s (%s, %d of %d blocks held)",
+            replica_id,
+            decision.reason,
+            decision.prefix_blocks,
+            len(route_request.block_hashes),
+        )
         if replica_id in tried:
             raise GatewayError(503, last_error, "service_unavailable")
         tried.add(replica_id)
@@ -376,16 +383,25 @@ async def _prompt_ids(gateway: _Gateway, body: dict[str, Any], path: str) -> lis
             if tokenizer is None or not isinstance(messages, list):
                 return []
             return tokenizer.chat_ids(messages, bool(body.get("add_generation_prompt", True)))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
-            prompt = prompt[0]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+        prompt = first_prompt(body.get("prompt"))
+        if isinstance(prompt, list):
+            return prompt
         if isinstance(prompt, str) and tokenizer is not None:
             return tokenizer.encode(prompt)
     except (ValueError, TypeError) as exc:
         raise GatewayError(400, str(exc)) from exc
     return []
+
+
+def first_prompt(prompt: Any) -> str | list[int] | None:
+    """The first prompt of a completions request: a string, token ids, or a batch of either."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    return None
 
 
 def _max_tokens(body: dict[str, Any], path: str) -> int:

@@ -4,8 +4,9 @@ Order of concerns: only ready replicas; a LoRA request prefers replicas that hol
 (else the least-loaded replica, which must load it first); a session id sticks to one replica
 by rendezvous hashing (the same on every gateway); then the policy. `prefix` takes the replica
 holding the most leading prompt blocks, unless it is more than `max_imbalance` requests busier
-than the least-loaded one. Ties break by load, then replica id: two gateways with the same
-snapshot and index make the same choice.
+than the least-loaded one; a prompt no replica holds goes to a replica about as idle as the
+least-loaded one, chosen by hashing its first block (so documents spread). Ties break by load,
+then replica id: two gateways with the same snapshot and index make the same choice.
 """
 
 from __future__ import annotations
@@ -68,10 +69,23 @@ def _pick(
     matches = {r.replica_id: index.match(r.replica_id, request.block_hashes) for r in ready}
     best = min(ready, key=lambda r: (-matches[r.replica_id], r.load, r.replica_id))
     if matches[best.replica_id] == 0:
-        return least, "least-load"
+        return _new_prefix(request, ready, least), "least-load"
     if best.load - least.load > config.max_imbalance:
         return least, "imbalance"
     return best, "prefix"
+
+
+def _new_prefix(
+    request: RouteRequest, ready: list[ReplicaState], least: ReplicaState
+) -> ReplicaState:
+    """A prompt no replica holds: among the replicas about as idle as the least-loaded one,
+    the one its first block hashes to, so new documents spread over replicas (and every
+    gateway picks the same one) instead of piling onto the first replica by id."""
+    if not request.block_hashes:
+        return least
+    calm = [r for r in ready if r.load - least.load < 1.0]
+    first = request.block_hashes[0].hex()
+    return max(calm, key=lambda r: _rendezvous(first, r))
 
 
 def _least_loaded(replicas: list[ReplicaState]) -> ReplicaState:

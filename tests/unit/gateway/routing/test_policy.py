@@ -47,10 +47,18 @@ def test_imbalance_guard_falls_back_to_least_loaded() -> None:
     assert route(RouteRequest(DOC), at_bound, index, PREFIX).replica_id == "b"
 
 
-def test_no_match_goes_to_least_loaded_and_ties_break_by_id() -> None:
+def test_new_prefixes_spread_over_the_idle_replicas_and_ties_break_by_id() -> None:
     snapshot = ClusterSnapshot((replica("b"), replica("a"), replica("c", running=1)))
     decision = route(RouteRequest(DOC), snapshot, indexed(), PREFIX)
-    assert (decision.replica_id, decision.reason) == ("a", "least-load")
+    assert decision.reason == "least-load"
+    assert decision.replica_id in ("a", "b")  # never the busier c
+    documents = [tuple(hash_full_blocks(list(range(n, n + 32)), 16)) for n in range(0, 3200, 100)]
+    picks = [route(RouteRequest(d), snapshot, indexed(), PREFIX).replica_id for d in documents]
+    assert set(picks) == {"a", "b"}  # spread, not piled onto "a"
+    again = [route(RouteRequest(d), snapshot, indexed(), PREFIX).replica_id for d in documents]
+    assert again == picks
+    short = route(RouteRequest(()), snapshot, indexed(), PREFIX)  # no full block: by id
+    assert (short.replica_id, short.reason) == ("a", "least-load")
     tie = route(RouteRequest(DOC), snapshot, indexed(a=3, b=3), PREFIX)
     assert (tie.replica_id, tie.reason) == ("a", "prefix")
 
