@@ -22,7 +22,9 @@ import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfleet.engine.core.hashing import BlockHash, extra_keys_for, hash_full_blocks
 from kvfleet.engine.protocol import error_body
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.gateway.admission.keys import KeyStore
@@ -34,6 +36,7 @@ from kvfleet.gateway.admission.rate_limit import (
     Refusal,
     Reservation,
 )
+from kvfleet.gateway.metrics import GatewayMetrics, GatewayStats
 from kvfleet.gateway.replicas import ReplicaPool
 from kvfleet.gateway.routing.policy import NoReplicaError, route
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
@@ -98,9 +101,14 @@ class _Gateway:
             settings.keys.weights(),
             time.monotonic,
         )
+        self.metrics = GatewayMetrics(self.stats)
         self.tokenizer: GatewayTokenizer | None = None
         self._tokenizer_tried_at = -math.inf
         self._round_robin = 0
+
+    def stats(self) -> GatewayStats:
+        replicas = [(r.url, r.state.ready, r.events_live) for r in self.pool.replicas.values()]
+        return GatewayStats(len(self.gate.queue), self.gate.in_flight, replicas)
 
     async def tokenizer_for_routing(self) -> GatewayTokenizer | None:
         """The engines' tokenizer, fetched once from a ready replica (None until one is; tried
@@ -169,22 +177,73 @@ def create_gateway_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": state["gateway"].pool.model_cards()}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        registry = state["gateway"].metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _handle(state["gateway"], request, "completions")
+        return await _observed(state["gateway"], request, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _handle(state["gateway"], request, "chat/completions")
+        return await _observed(state["gateway"], request, "chat/completions")
 
     return app
 
 
-async def _handle(gateway: _Gateway, request: Request, path: str) -> Response:
+@dataclass
+class _Labels:
+    """What the metrics of one request are labelled with, filled in as it is read."""
+
+    model: str = ""
+    key: str = ""
+
+
+async def _observed(gateway: _Gateway, request: Request, path: str) -> Response:
+    """_handle with the request counted and timed (a stream: when it ends)."""
+    began = time.monotonic()
+    labels = _Labels()
+    metrics = gateway.metrics
+
+    def done(status: int) -> None:
+        metrics.requests.labels(labels.model, labels.key, str(status)).inc()
+        metrics.latency.labels(labels.model).observe(time.monotonic() - began)
+
+    try:
+        response = await _handle(gateway, request, path, labels)
+    except GatewayError as exc:
+        if exc.status == 429:
+            metrics.rate_limited.labels(labels.key).inc()
+        done(exc.status)
+        raise
+    if not isinstance(response, StreamingResponse) or response.status_code != 200:
+        done(response.status_code)
+        return response
+
+    async def timed(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in stream:
+                if first and (b'"text"' in chunk or b'"content"' in chunk):
+                    metrics.ttft.labels(labels.model).observe(time.monotonic() - began)
+                    first = False
+                yield chunk
+        finally:
+            done(200)
+
+    response.body_iterator = timed(response.body_iterator)  # type: ignore[arg-type]
+    return response
+
+
+async def _handle(gateway: _Gateway, request: Request, path: str, labels: _Labels) -> Response:
     key_id = gateway.authenticate(request)
+    labels.key = key_id
     raw = await request.body()
     body = _parse_json(raw)
     model = body.get("model")
+    labels.model = model if isinstance(model, str) else ""
     cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
     if not gateway.pool.snapshot().ready:
         raise GatewayError(503, "no engine replica is ready; retry shortly", "service_unavailable")
@@ -210,13 +269,10 @@ async def _handle(gateway: _Gateway, request: Request, path: str) -> Response:
         if math.isfinite(reservation.retry_after_s):
             error.headers["Retry-After"] = str(max(1, math.ceil(reservation.retry_after_s)))
         raise error
-    tokenizer = gateway.tokenizer
-    hashes = (
-        tokenizer.block_hashes(prompt_ids, adapter, body.get("cache_salt")) if tokenizer else ()
-    )
-    session = request.headers.get(gateway.settings.session_header)
-    route_request = RouteRequest(tuple(hashes), adapter, session)
+    route_request = _route_request(gateway, request, body, prompt_ids, adapter)
+    waited = time.monotonic()
     await _take_slot(gateway, request, key_id, reservation)
+    gateway.metrics.queue_wait.observe(time.monotonic() - waited)
     used = 0
     try:
         response, used = await _proxy(gateway, route_request, path, raw, bool(body.get("stream")))
@@ -241,6 +297,23 @@ async def _handle(gateway: _Gateway, request: Request, path: str) -> Response:
 
     response.body_iterator = settle_after(response.body_iterator)  # type: ignore[arg-type]
     return response
+
+
+def _route_request(
+    gateway: _Gateway,
+    request: Request,
+    body: dict[str, Any],
+    prompt_ids: list[int],
+    adapter: str | None,
+) -> RouteRequest:
+    """The prompt's block hashes as the engines make them (block size from the tokenizer or
+    the engines' KV snapshots), its adapter and session."""
+    block_size = gateway.tokenizer.block_size if gateway.tokenizer else gateway.pool.block_size
+    hashes: tuple[BlockHash, ...] = ()
+    if block_size:
+        keys = extra_keys_for(adapter, body.get("cache_salt"))
+        hashes = tuple(hash_full_blocks(prompt_ids, block_size, keys))
+    return RouteRequest(hashes, adapter, request.headers.get(gateway.settings.session_header))
 
 
 async def _take_slot(
@@ -271,25 +344,7 @@ async def _proxy(
     tried: set[ReplicaId] = set()
     last_error = "no engine replica is ready"
     while True:
-        snapshot = gateway.pool.snapshot()
-        try:
-            decision = route(
-                route_request, snapshot, gateway.index, gateway.config, gateway._round_robin
-            )
-        except NoReplicaError:
-            raise GatewayError(503, last_error, "service_unavailable") from None
-        gateway._round_robin += 1
-        replica_id = decision.replica_id
-        logger.debug(
-            "route: %s (%s, %d of %d blocks held)",
-            replica_id,
-            decision.reason,
-            decision.prefix_blocks,
-            len(route_request.block_hashes),
-        )
-        if replica_id in tried:
-            raise GatewayError(503, last_error, "service_unavailable")
-        tried.add(replica_id)
+        replica_id = _choose(gateway, route_request, tried, last_error)
         url = f"{gateway.pool.url_of(replica_id)}/v1/{path}"
         gateway.pool.add_in_flight(replica_id, 1)
         gateway.index.record_route(replica_id, route_request.block_hashes)
@@ -328,6 +383,38 @@ async def _proxy(
         headers = {REPLICA_HEADER: replica_id}
         response = Response(content, upstream.status, headers, media_type=media)
         return response, used
+
+
+def _choose(
+    gateway: _Gateway, route_request: RouteRequest, tried: set[ReplicaId], last_error: str
+) -> ReplicaId:
+    """The next replica to try (never one tried already); 503 when none is left."""
+    try:
+        decision = route(
+            route_request,
+            gateway.pool.snapshot(),
+            gateway.index,
+            gateway.config,
+            gateway._round_robin,
+        )
+    except NoReplicaError:
+        raise GatewayError(503, last_error, "service_unavailable") from None
+    gateway._round_robin += 1
+    if decision.replica_id in tried:
+        raise GatewayError(503, last_error, "service_unavailable")
+    tried.add(decision.replica_id)
+    metrics = gateway.metrics
+    metrics.routes.labels(decision.reason).inc()
+    metrics.prefix_blocks.inc(decision.prefix_blocks)
+    metrics.prompt_blocks.inc(len(route_request.block_hashes))
+    logger.debug(
+        "route: %s (%s, %d of %d blocks held)",
+        decision.replica_id,
+        decision.reason,
+        decision.prefix_blocks,
+        len(route_request.block_hashes),
+    )
+    return decision.replica_id
 
 
 def _stream_through(

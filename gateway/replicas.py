@@ -58,6 +58,7 @@ class ReplicaPool:
             state = ReplicaState(replica_id, ready=False)
             self.replicas[replica_id] = Replica(replica_id, url.rstrip("/"), state)
         self._tasks: list[asyncio.Task[None]] = []
+        self.block_size: int | None = None  # the engines' KV block size, from their snapshots
         self.polled = asyncio.Event()  # set after the first round of health checks
 
     def start(self) -> None:
@@ -159,6 +160,7 @@ class ReplicaPool:
                 raise ValueError(f"/kv/events answered {stream.status_code}")
             async for kind, data in _sse(stream.aiter_lines()):
                 if kind == "snapshot":
+                    self.block_size = int(data["block_size"])
                     hashes = [BlockHash(bytes.fromhex(b["block_hash"])) for b in data["blocks"]]
                     self.index.load_snapshot(replica.replica_id, hashes, int(data["seq"]))
                     replica.events_live = True

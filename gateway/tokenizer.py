@@ -18,7 +18,6 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kvfleet.engine.core.hashing import BlockHash, extra_keys_for, hash_full_blocks
 from kvfleet.engine.protocol import Message, normalize_message
 
 
@@ -61,12 +60,6 @@ class GatewayTokenizer:
             **self.special_tokens,
         )
         return self.encode(text, add_special_tokens=False)
-
-    def block_hashes(
-        self, token_ids: Sequence[int], adapter: str | None, cache_salt: str | None
-    ) -> tuple[BlockHash, ...]:
-        keys = extra_keys_for(adapter, cache_salt)
-        return tuple(hash_full_blocks(token_ids, self.block_size, keys))
 
 
 def _compile(template: str) -> jinja2.Template:

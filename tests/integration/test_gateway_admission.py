@@ -117,3 +117,35 @@ def test_a_burst_beyond_the_queue_gets_503_with_a_body(engine_url: str, tmp_path
         refused = [body for _, status, body in results if status == 503]
         assert refused
         assert all("overloaded" in json.dumps(body) for body in refused)
+
+
+def test_metrics_count_requests_routing_and_replicas(engine_url: str) -> None:
+    with gateway(engine_url, max_in_flight_per_replica=4) as url:
+        headers = {"Authorization": "Bearer small"}
+        body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 1}  # 2 full blocks
+        for _ in range(3):
+            assert (
+                httpx.post(f"{url}/v1/completions", json=body, headers=headers).status_code == 200
+            )
+        missing = httpx.post(
+            f"{url}/v1/completions", json={**body, "model": "nope"}, headers=headers
+        )
+        assert missing.status_code == 404
+        text = httpx.get(f"{url}/metrics").text
+    samples = {
+        line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['kvfleet:gateway_requests_total{key="small",model="fake",status="200"}'] == 3
+    assert samples['kvfleet:gateway_requests_total{key="small",model="nope",status="404"}'] == 1
+    assert samples["kvfleet:gateway_prompt_blocks_total"] == 6
+    assert (
+        sum(
+            v for k, v in samples.items() if k.startswith("kvfleet:gateway_routing_decisions_total")
+        )
+        == 3
+    )
+    assert samples[f'kvfleet:gateway_replica_ready{{replica="{engine_url}"}}'] == 1
+    assert samples["kvfleet:gateway_queue_depth"] == 0
+    assert 'kvfleet:gateway_request_latency_seconds_count{model="fake"}' in samples
