@@ -34,6 +34,12 @@ def add_commands(commands: Any) -> None:
         "model", nargs="?", default="smollm2", help="what to serve (default smollm2)"
     )
     _add_server_arguments(serve, SERVE_HOST, SERVE_PORT)
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N > 1: N local engines on ports 8101.. behind the gateway on --port",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -153,7 +159,75 @@ def _run_engine(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.replicas > 1:
+        return _serve_replicas(args)
     return _serve(_settings(args, args.model), args, announce=True)
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """N engine processes on loopback, the gateway in this one in front of them."""
+    import subprocess
+    import sys
+
+    import uvicorn
+
+    from kvfleet.gateway.app import GatewaySettings, create_gateway_app
+
+    forwarded = _forwarded_engine_arguments(args)
+    ports = [ENGINE_PORT + 1 + i for i in range(args.replicas)]
+    engines = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvfleet.engine.cli",
+                "engine",
+                "--model",
+                args.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *forwarded,
+            ]
+        )
+        for port in ports
+    ]
+    replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
+    url = f"http://{args.host}:{args.port}"
+    print(f"kvfleet: {args.replicas} engines of {args.model} starting behind {url}/v1", flush=True)
+    try:
+        app = create_gateway_app(GatewaySettings(replicas=replicas))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        for engine in engines:
+            engine.terminate()
+        for engine in engines:
+            try:
+                engine.wait(timeout=args.shutdown_timeout + 20)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+    return 0
+
+
+def _forwarded_engine_arguments(args: argparse.Namespace) -> list[str]:
+    """The engine options given to `serve`, for each replica's `kvfleet engine`."""
+    forwarded = []
+    for name, value in vars(args).items():
+        if name in _NOT_FORWARDED or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            forwarded.append(flag)
+        elif isinstance(value, list):
+            if value:
+                forwarded += [flag, *map(str, value)]
+        else:
+            forwarded += [flag, str(value)]
+    return forwarded
+
+
+_NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served_model_name"}
 
 
 def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
