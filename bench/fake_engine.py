@@ -48,9 +48,27 @@ def fake_engine(
     async def metrics() -> JSONResponse:
         return JSONResponse("")
 
+    adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
+    app.state.adapter_loads = 0
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+        cards = [{"id": MODEL, "object": "model"}]
+        cards += [
+            {"id": n, "object": "model", "root": p, "parent": MODEL} for n, p in adapters.items()
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = await request.json()
+        name = body["lora_name"]
+        if name in adapters:
+            error = {"message": f"an adapter named {name!r} is already loaded"}
+            return JSONResponse({"error": error}, status_code=400)
+        adapters[name] = body["lora_path"]
+        app.state.adapter_loads += 1
+        return JSONResponse({"message": "loaded"})
 
     @app.get("/kv/events")
     async def events() -> StreamingResponse:
@@ -64,6 +82,9 @@ def fake_engine(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
+        if body.get("model") not in (MODEL, *adapters):
+            error = {"message": f"the model {body.get('model')!r} does not exist"}
+            return JSONResponse({"error": error}, status_code=404)
         if body.get("stream"):
             return StreamingResponse(_chunks(), media_type="text/event-stream")
         if delay_s:

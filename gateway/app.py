@@ -40,7 +40,13 @@ from kvfleet.gateway.metrics import GatewayMetrics, GatewayStats
 from kvfleet.gateway.replicas import ReplicaPool
 from kvfleet.gateway.routing.policy import NoReplicaError, route
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
-from kvfleet.gateway.routing.snapshot import Policy, ReplicaId, RouteConfig, RouteRequest
+from kvfleet.gateway.routing.snapshot import (
+    Policy,
+    ReplicaId,
+    RouteConfig,
+    RouteDecision,
+    RouteRequest,
+)
 from kvfleet.gateway.tokenizer import GatewayTokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +73,8 @@ class GatewaySettings:
     queue_capacity: int = 4096
     queue_timeout_s: float = 60.0
     priority_header: str = "x-priority"  # lower goes first, as the engine's priority
+    # LoRA adapters the gateway may load onto a replica (name -> folder on the engines' disk)
+    adapters: tuple[tuple[str, str], ...] = ()
 
 
 class GatewayError(Exception):
@@ -175,7 +183,22 @@ def create_gateway_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": state["gateway"].pool.model_cards()}
+        gateway = state["gateway"]
+        cards = gateway.pool.model_cards()
+        bases = [c["id"] for c in cards if not c.get("parent")]
+        listed = {c["id"] for c in cards}
+        cards += [  # adapters the gateway can load, though no replica holds them yet
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "kvfleet",
+                "root": path,
+                "parent": bases[0] if bases else None,
+            }
+            for name, path in settings.adapters
+            if name not in listed
+        ]
+        return {"object": "list", "data": cards}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -247,13 +270,14 @@ async def _handle(gateway: _Gateway, request: Request, path: str, labels: _Label
     cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
     if not gateway.pool.snapshot().ready:
         raise GatewayError(503, "no engine replica is ready; retry shortly", "service_unavailable")
-    if not isinstance(model, str) or model not in cards:
+    registry = dict(gateway.settings.adapters)
+    if not isinstance(model, str) or (model not in cards and model not in registry):
         raise GatewayError(
             404,
             f"the model {model!r} does not exist; served: {sorted(cards)}",
             code="model_not_found",
         )
-    adapter = model if cards[model].get("parent") else None
+    adapter = model if model in registry or cards[model].get("parent") else None
     prompt_ids = await _prompt_ids(gateway, body, path)
     max_tokens = _max_tokens(body, path)
     now = time.monotonic()
@@ -344,7 +368,10 @@ async def _proxy(
     tried: set[ReplicaId] = set()
     last_error = "no engine replica is ready"
     while True:
-        replica_id = _choose(gateway, route_request, tried, last_error)
+        decision = _choose(gateway, route_request, tried, last_error)
+        replica_id = decision.replica_id
+        if decision.load_adapter and route_request.adapter is not None:
+            await _load_adapter(gateway, replica_id, route_request.adapter)
         url = f"{gateway.pool.url_of(replica_id)}/v1/{path}"
         gateway.pool.add_in_flight(replica_id, 1)
         gateway.index.record_route(replica_id, route_request.block_hashes)
@@ -387,7 +414,7 @@ async def _proxy(
 
 def _choose(
     gateway: _Gateway, route_request: RouteRequest, tried: set[ReplicaId], last_error: str
-) -> ReplicaId:
+) -> RouteDecision:
     """The next replica to try (never one tried already); 503 when none is left."""
     try:
         decision = route(
@@ -414,7 +441,33 @@ def _choose(
         decision.prefix_blocks,
         len(route_request.block_hashes),
     )
-    return decision.replica_id
+    return decision
+
+
+async def _load_adapter(gateway: _Gateway, replica_id: ReplicaId, adapter: str) -> None:
+    """Load a registered adapter onto the replica chosen for it (no replica holds it yet)."""
+    path = dict(gateway.settings.adapters).get(adapter)
+    if path is None:
+        raise GatewayError(
+            404, f"the adapter {adapter!r} is loaded nowhere", code="model_not_found"
+        )
+    url = f"{gateway.pool.url_of(replica_id)}/v1/load_lora_adapter"
+    try:
+        response = await gateway.client.post(
+            url, json={"lora_name": adapter, "lora_path": path}, timeout=120.0
+        )
+    except httpx.HTTPError as exc:
+        raise GatewayError(
+            503, f"loading the adapter failed: {exc}", "service_unavailable"
+        ) from exc
+    message = response.text
+    if response.status_code != 200 and "already loaded" not in message:
+        raise GatewayError(
+            503 if response.status_code >= 500 else 400,
+            f"the replica could not load the adapter {adapter!r}: {message[:300]}",
+        )
+    logger.info("adapter %r loaded on %s", adapter, replica_id)
+    gateway.pool.note_adapter(replica_id, adapter)
 
 
 def _stream_through(

@@ -40,6 +40,13 @@ def add_commands(commands: Any) -> None:
     )
     gateway.add_argument("--queue-capacity", type=int, default=4096)
     gateway.add_argument("--queue-timeout", type=float, default=60.0, help="seconds")
+    gateway.add_argument(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="an adapter the gateway loads onto a replica when none holds it (repeat)",
+    )
     gateway.add_argument("--max-body-bytes", type=int, default=8 << 20)
     gateway.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -59,6 +66,12 @@ def settings_from(args: argparse.Namespace) -> Any:
         keys = KeyStore.from_file(args.api_keys) if args.api_keys else KeyStore([])
     except ValueError as exc:
         raise SystemExit(f"kvfleet: error: {exc}") from exc
+    adapters = []
+    for item in args.lora_adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"kvfleet: error: --lora-adapter takes NAME=PATH, got {item!r}")
+        adapters.append((name, path))
     return GatewaySettings(
         replicas=tuple(args.replica),
         policy=Policy(args.policy),
@@ -69,6 +82,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         max_in_flight_per_replica=args.max_inflight_per_replica,
         queue_capacity=args.queue_capacity,
         queue_timeout_s=args.queue_timeout,
+        adapters=tuple(adapters),
     )
 
 

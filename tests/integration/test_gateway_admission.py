@@ -149,3 +149,23 @@ def test_metrics_count_requests_routing_and_replicas(engine_url: str) -> None:
     assert samples[f'kvfleet:gateway_replica_ready{{replica="{engine_url}"}}'] == 1
     assert samples["kvfleet:gateway_queue_depth"] == 0
     assert 'kvfleet:gateway_request_latency_seconds_count{model="fake"}' in samples
+
+
+def test_a_registered_adapter_is_loaded_once_then_followed() -> None:
+    engines = [fake_engine(), fake_engine()]
+    with serve(engines[0]) as first, serve(engines[1]) as second:
+        settings = GatewaySettings(replicas=(first, second), adapters=(("sql", "/adapters/sql"),))
+        with serve(create_gateway_app(settings)) as url:
+            listed = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+            assert listed == [MODEL, "sql"]  # offered before any replica holds it
+            body = {"model": "sql", "prompt": "hi", "max_tokens": 1}
+            served = []
+            for _ in range(4):
+                response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                assert response.status_code == 200, response.text
+                served.append(response.headers["x-kvfleet-replica"])
+                time.sleep(0.6)  # the next poll sees the adapter listed there
+            unknown = httpx.post(f"{url}/v1/completions", json={**body, "model": "poet"})
+            assert unknown.status_code == 404
+    assert len(set(served)) == 1  # affinity: every request where the adapter is
+    assert sum(e.state.adapter_loads for e in engines) == 1  # loaded once, not per request
