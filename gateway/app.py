@@ -9,6 +9,7 @@ stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -36,6 +37,7 @@ from kvfleet.gateway.admission.rate_limit import (
     Refusal,
     Reservation,
 )
+from kvfleet.gateway.discovery import EndpointSliceWatcher
 from kvfleet.gateway.metrics import GatewayMetrics, GatewayStats
 from kvfleet.gateway.replicas import ReplicaPool
 from kvfleet.gateway.routing.policy import NoReplicaError, route
@@ -75,6 +77,8 @@ class GatewaySettings:
     priority_header: str = "x-priority"  # lower goes first, as the engine's priority
     # LoRA adapters the gateway may load onto a replica (name -> folder on the engines' disk)
     adapters: tuple[tuple[str, str], ...] = ()
+    # Cluster mode: follow the ready endpoints of this Service (namespace, name, port name)
+    discover: tuple[str, str, str | None] | None = None
 
 
 class GatewayError(Exception):
@@ -164,7 +168,20 @@ def create_gateway_app(
             gateway = _Gateway(settings, client, session)
             state["gateway"] = gateway
             gateway.pool.start()
+            watcher = None
+            if settings.discover is not None:
+                namespace, service, port_name = settings.discover
+                watcher = EndpointSliceWatcher(
+                    namespace,
+                    service,
+                    port_name,
+                    gateway.pool.set_replicas,
+                    asyncio.get_running_loop(),
+                )
+                watcher.start()
             yield
+            if watcher is not None:
+                watcher.stop()
             await gateway.pool.stop()
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)

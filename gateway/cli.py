@@ -18,6 +18,14 @@ def add_commands(commands: Any) -> None:
     gateway.add_argument(
         "--replica", action="append", default=[], metavar="URL", help="an engine URL (repeat)"
     )
+    gateway.add_argument(
+        "--discover",
+        choices=["k8s"],
+        help="k8s: follow the ready endpoints of --service (EndpointSlices) instead of --replica",
+    )
+    gateway.add_argument("--namespace", help="k8s: default the pod's own namespace")
+    gateway.add_argument("--service", help="k8s: the engines' Service")
+    gateway.add_argument("--port-name", default="http", help="k8s: the Service port's name")
     gateway.add_argument("--host", default=GATEWAY_HOST)
     gateway.add_argument("--port", type=int, default=GATEWAY_PORT)
     gateway.add_argument(
@@ -60,8 +68,13 @@ def settings_from(args: argparse.Namespace) -> Any:
     from kvfleet.gateway.app import GatewaySettings
     from kvfleet.gateway.routing.snapshot import Policy
 
-    if not args.replica:
-        raise SystemExit("kvfleet: error: give at least one --replica URL")
+    discover = None
+    if args.discover == "k8s":
+        if not args.service:
+            raise SystemExit("kvfleet: error: --discover k8s needs --service")
+        discover = (args.namespace or _pod_namespace(), args.service, args.port_name)
+    elif not args.replica:
+        raise SystemExit("kvfleet: error: give at least one --replica URL, or --discover k8s")
     try:
         keys = KeyStore.from_file(args.api_keys) if args.api_keys else KeyStore([])
     except ValueError as exc:
@@ -83,7 +96,17 @@ def settings_from(args: argparse.Namespace) -> Any:
         queue_capacity=args.queue_capacity,
         queue_timeout_s=args.queue_timeout,
         adapters=tuple(adapters),
+        discover=discover,
     )
+
+
+def _pod_namespace() -> str:
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return "default"
 
 
 def _run(args: argparse.Namespace) -> int:

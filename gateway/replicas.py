@@ -57,19 +57,48 @@ class ReplicaPool:
             replica_id = ReplicaId(url.rstrip("/"))
             state = ReplicaState(replica_id, ready=False)
             self.replicas[replica_id] = Replica(replica_id, url.rstrip("/"), state)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[ReplicaId, list[asyncio.Task[None]]] = {}
+        self._started = False
         self.block_size: int | None = None  # the engines' KV block size, from their snapshots
         self.polled = asyncio.Event()  # set after the first round of health checks
 
     def start(self) -> None:
+        self._started = True
         for replica in self.replicas.values():
-            self._tasks.append(asyncio.create_task(self._poll_loop(replica)))
-            self._tasks.append(asyncio.create_task(self._events_loop(replica)))
+            self._start_tasks(replica)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for replica_id in list(self._tasks):
+            await self._stop_tasks(replica_id)
+
+    async def set_replicas(self, urls: list[str]) -> None:
+        """Follow a new set of replica URLs (service discovery): start watching the added ones,
+        forget the removed ones and their part of the prefix index."""
+        wanted = {ReplicaId(u.rstrip("/")): u.rstrip("/") for u in urls}
+        for replica_id in [r for r in self.replicas if r not in wanted]:
+            await self._stop_tasks(replica_id)
+            del self.replicas[replica_id]
+            self.index.remove_replica(replica_id)
+            logger.info("replica %s removed", replica_id)
+        for replica_id, url in wanted.items():
+            if replica_id not in self.replicas:
+                replica = Replica(replica_id, url, ReplicaState(replica_id, ready=False))
+                self.replicas[replica_id] = replica
+                logger.info("replica %s added", url)
+                if self._started:
+                    self._start_tasks(replica)
+
+    def _start_tasks(self, replica: Replica) -> None:
+        self._tasks[replica.replica_id] = [
+            asyncio.create_task(self._poll_loop(replica)),
+            asyncio.create_task(self._events_loop(replica)),
+        ]
+
+    async def _stop_tasks(self, replica_id: ReplicaId) -> None:
+        tasks = self._tasks.pop(replica_id, [])
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
@@ -110,7 +139,7 @@ class ReplicaPool:
         while True:
             await self._poll(replica)
             replica.polled = True
-            if all(r.polled for r in self.replicas.values()):
+            if all(r.polled for r in list(self.replicas.values())):
                 self.polled.set()
             await asyncio.sleep(self.poll_interval_s)
 
