@@ -37,9 +37,11 @@ from kvfleet.gateway.admission.rate_limit import (
     Refusal,
     Reservation,
 )
+from kvfleet.gateway.autoscaler import Autoscaler, KubernetesScaleTarget
 from kvfleet.gateway.discovery import EndpointSliceWatcher
 from kvfleet.gateway.metrics import GatewayMetrics, GatewayStats
 from kvfleet.gateway.replicas import ReplicaPool
+from kvfleet.gateway.routing.autoscale import AutoscalePolicy
 from kvfleet.gateway.routing.policy import NoReplicaError, route
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
 from kvfleet.gateway.routing.snapshot import (
@@ -79,6 +81,9 @@ class GatewaySettings:
     adapters: tuple[tuple[str, str], ...] = ()
     # Cluster mode: follow the ready endpoints of this Service (namespace, name, port name)
     discover: tuple[str, str, str | None] | None = None
+    # Cluster mode: scale this LLMDeployment (namespace, name) with this policy
+    autoscale: tuple[str, str, AutoscalePolicy] | None = None
+    autoscale_interval_s: float = 15.0
 
 
 class GatewayError(Exception):
@@ -179,7 +184,18 @@ def create_gateway_app(
                     asyncio.get_running_loop(),
                 )
                 watcher.start()
+            scaling = None
+            if settings.autoscale is not None:
+                namespace, name, policy = settings.autoscale
+                autoscaler = Autoscaler(
+                    policy, KubernetesScaleTarget(namespace, name), gateway.pool.snapshot
+                )
+                scaling = asyncio.create_task(
+                    autoscaler.run(settings.autoscale_interval_s, time.monotonic)
+                )
             yield
+            if scaling is not None:
+                scaling.cancel()
             if watcher is not None:
                 watcher.stop()
             await gateway.pool.stop()

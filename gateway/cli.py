@@ -26,6 +26,16 @@ def add_commands(commands: Any) -> None:
     gateway.add_argument("--namespace", help="k8s: default the pod's own namespace")
     gateway.add_argument("--service", help="k8s: the engines' Service")
     gateway.add_argument("--port-name", default="http", help="k8s: the Service port's name")
+    gateway.add_argument(
+        "--autoscale",
+        metavar="NAMESPACE/NAME",
+        help="k8s: scale this LLMDeployment from the engines' load (its scale subresource)",
+    )
+    gateway.add_argument("--min-replicas", type=int, default=1)
+    gateway.add_argument("--max-replicas", type=int, default=4)
+    gateway.add_argument("--target-kv-usage", type=float, default=0.7)
+    gateway.add_argument("--target-waiting", type=float, default=2.0, help="per replica")
+    gateway.add_argument("--scale-down-window", type=float, default=300.0, help="seconds")
     gateway.add_argument("--host", default=GATEWAY_HOST)
     gateway.add_argument("--port", type=int, default=GATEWAY_PORT)
     gateway.add_argument(
@@ -66,6 +76,7 @@ def settings_from(args: argparse.Namespace) -> Any:
     from kvfleet.gateway.admission.keys import KeyStore
     from kvfleet.gateway.admission.rate_limit import KeyLimits
     from kvfleet.gateway.app import GatewaySettings
+    from kvfleet.gateway.routing.autoscale import AutoscalePolicy
     from kvfleet.gateway.routing.snapshot import Policy
 
     discover = None
@@ -79,6 +90,22 @@ def settings_from(args: argparse.Namespace) -> Any:
         keys = KeyStore.from_file(args.api_keys) if args.api_keys else KeyStore([])
     except ValueError as exc:
         raise SystemExit(f"kvfleet: error: {exc}") from exc
+    autoscale = None
+    if args.autoscale:
+        namespace, sep, name = args.autoscale.partition("/")
+        if not sep or not namespace or not name:
+            raise SystemExit("kvfleet: error: --autoscale takes NAMESPACE/NAME")
+        try:
+            policy = AutoscalePolicy(
+                args.min_replicas,
+                args.max_replicas,
+                args.target_kv_usage,
+                args.target_waiting,
+                scale_down_window_s=args.scale_down_window,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"kvfleet: error: {exc}") from exc
+        autoscale = (namespace, name, policy)
     adapters = []
     for item in args.lora_adapter:
         name, sep, path = item.partition("=")
@@ -97,6 +124,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         queue_timeout_s=args.queue_timeout,
         adapters=tuple(adapters),
         discover=discover,
+        autoscale=autoscale,
     )
 
 

@@ -1,0 +1,87 @@
+"""The autoscaling loop (cluster mode): engine load -> replica count -> the LLMDeployment's
+`scale` subresource, which the operator turns into engine pods.
+
+The decision is `routing.autoscale` (pure); here it is run on a timer against a ScaleTarget. The
+Kubernetes target reads and writes `.../llmdeployments/NAME/scale` through the API server (the
+same subresource an HPA or KEDA would use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvfleet.gateway.routing.autoscale import (
+    AutoscalePolicy,
+    Recommendation,
+    recommend,
+    stabilize,
+)
+from kvfleet.gateway.routing.snapshot import ClusterSnapshot
+
+logger = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "kvfleet.dev", "v1alpha1", "llmdeployments"
+
+
+class ScaleTarget(Protocol):
+    def get_replicas(self) -> int: ...
+
+    def set_replicas(self, replicas: int) -> None: ...
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        policy: AutoscalePolicy,
+        target: ScaleTarget,
+        snapshot: Callable[[], ClusterSnapshot],
+    ) -> None:
+        self.policy = policy
+        self.target = target
+        self.snapshot = snapshot
+        self.history: list[Recommendation] = []
+
+    def step(self, now: float) -> int:
+        """One decision: read the current count, recommend, stabilize, write if it changed."""
+        current = self.target.get_replicas()
+        desired = recommend(self.snapshot().replicas, current, self.policy)
+        replicas, self.history = stabilize(desired, now, self.history, current, self.policy)
+        if replicas != current:
+            logger.info(
+                "autoscaling: %d -> %d replicas (recommended %d)", current, replicas, desired
+            )
+            self.target.set_replicas(replicas)
+        return replicas
+
+    async def run(self, interval_s: float, clock: Callable[[], float]) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.step, clock())
+            except Exception:  # the API server may be away: decide again next time
+                logger.exception("autoscaling step failed")
+            await asyncio.sleep(interval_s)
+
+
+class KubernetesScaleTarget:
+    """The `scale` subresource of one LLMDeployment, through the in-cluster API."""
+
+    def __init__(self, namespace: str, name: str) -> None:
+        from kubernetes import client, config
+
+        config.load_incluster_config()
+        self.api = client.CustomObjectsApi()
+        self.namespace, self.name = namespace, name
+
+    def get_replicas(self) -> int:
+        scale: Any = self.api.get_namespaced_custom_object_scale(
+            GROUP, VERSION, self.namespace, PLURAL, self.name
+        )
+        return int(scale.get("spec", {}).get("replicas", 0))
+
+    def set_replicas(self, replicas: int) -> None:
+        self.api.patch_namespaced_custom_object_scale(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, {"spec": {"replicas": replicas}}
+        )
