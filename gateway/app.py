@@ -124,7 +124,16 @@ class _Gateway:
         self._round_robin = 0
 
     def stats(self) -> GatewayStats:
-        replicas = [(r.url, r.state.ready, r.events_live) for r in self.pool.replicas.values()]
+        now = time.monotonic()
+        replicas = [
+            (
+                r.url,
+                r.state.ready,
+                r.events_live,
+                0.0 if r.stale_since is None else now - r.stale_since,
+            )
+            for r in self.pool.replicas.values()
+        ]
         return GatewayStats(len(self.gate.queue), self.gate.in_flight, replicas)
 
     async def tokenizer_for_routing(self) -> GatewayTokenizer | None:

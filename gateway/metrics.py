@@ -21,7 +21,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class GatewayStats:
     queue_depth: int
     in_flight: int
-    replicas: list[tuple[str, bool, bool]]  # url, ready, KV events live
+    replicas: list[tuple[str, bool, bool, float]]  # url, ready, KV events live, their lag (s)
 
 
 class _GaugeCollector(Collector):
@@ -47,11 +47,18 @@ class _GaugeCollector(Collector):
             "index of past requests).",
             labels=["replica"],
         )
-        for url, is_ready, is_live in stats.replicas:
+        lag = GaugeMetricFamily(
+            "kvfleet:gateway_replica_kv_events_lag_seconds",
+            "How long the replica's KV event stream has been lost (0 while followed).",
+            labels=["replica"],
+        )
+        for url, is_ready, is_live, lag_s in stats.replicas:
             ready.add_metric([url], float(is_ready))
             live.add_metric([url], float(is_live))
+            lag.add_metric([url], lag_s)
         yield ready
         yield live
+        yield lag
 
 
 class GatewayMetrics:

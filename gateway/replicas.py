@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,6 +39,7 @@ class Replica:
     state: ReplicaState
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
     events_live: bool = False
+    stale_since: float | None = None  # monotonic time the KV event stream was lost
     polled: bool = False  # health checked at least once
 
 
@@ -179,6 +181,8 @@ class ReplicaPool:
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 logger.debug("replica %s: KV events stopped: %s", replica.url, exc)
             replica.events_live = False
+            if replica.stale_since is None:
+                replica.stale_since = time.monotonic()
             self.index.mark_stale(replica.replica_id)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
@@ -193,6 +197,7 @@ class ReplicaPool:
                     hashes = [BlockHash(bytes.fromhex(b["block_hash"])) for b in data["blocks"]]
                     self.index.load_snapshot(replica.replica_id, hashes, int(data["seq"]))
                     replica.events_live = True
+                    replica.stale_since = None
                     continue
                 block = data.get("block_hash")
                 applied = self.index.apply_event(

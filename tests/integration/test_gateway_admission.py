@@ -169,3 +169,32 @@ def test_a_registered_adapter_is_loaded_once_then_followed() -> None:
             assert unknown.status_code == 404
     assert len(set(served)) == 1  # affinity: every request where the adapter is
     assert sum(e.state.adapter_loads for e in engines) == 1  # loaded once, not per request
+
+
+def test_a_cancelled_stream_is_charged_only_what_was_sent() -> None:
+    with serve(fake_engine(stream_chunks=40, chunk_delay_s=0.05)) as engine:
+        keys = KeyStore.from_mapping(
+            {"keys": [{"id": "k", "sha256": hash_key("k"), "tokens_per_min": 100}]}
+        )
+        settings = GatewaySettings(replicas=(engine,), keys=keys)
+        with serve(create_gateway_app(settings)) as url:
+            headers = {"Authorization": "Bearer k"}
+            body = {"model": MODEL, "prompt": [5] * 4, "max_tokens": 40, "stream": True}
+            with httpx.Client(timeout=30) as client:
+                with client.stream(
+                    "POST", f"{url}/v1/completions", json=body, headers=headers
+                ) as response:
+                    assert response.status_code == 200
+                    lines = response.iter_lines()
+                    next(line for line in lines if line.startswith("data: {"))
+                    next(line for line in lines if line.startswith("data: {"))
+                # Closed after ~2 chunks: 4 + (a few) charged, the rest of the 44 reserved back,
+                # so 84 fit again (without the refund only 56 would be free).
+                time.sleep(0.5)
+                bigger = {**body, "max_tokens": 80, "stream": False}
+                assert (
+                    client.post(f"{url}/v1/completions", json=bigger, headers=headers).status_code
+                    == 200
+                )
+                again = client.post(f"{url}/v1/completions", json=bigger, headers=headers)
+                assert again.status_code == 429  # the first one's 9 are used: 84 do not fit
