@@ -191,10 +191,11 @@ def test_a_cancelled_stream_is_charged_only_what_was_sent() -> None:
                 # Closed after ~2 chunks: 4 + (a few) charged, the rest of the 44 reserved back,
                 # so 84 fit again (without the refund only 56 would be free).
                 time.sleep(0.5)
-                bigger = {**body, "max_tokens": 80, "stream": False}
+                too_big = {**body, "max_tokens": 95, "stream": False}  # 99: more than is free
+                refused = client.post(f"{url}/v1/completions", json=too_big, headers=headers)
+                assert refused.status_code == 429
+                bigger = {**body, "max_tokens": 80, "stream": False}  # 84: fits after the refund
                 assert (
                     client.post(f"{url}/v1/completions", json=bigger, headers=headers).status_code
                     == 200
                 )
-                again = client.post(f"{url}/v1/completions", json=bigger, headers=headers)
-                assert again.status_code == 429  # the first one's 9 are used: 84 do not fit
