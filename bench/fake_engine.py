@@ -91,6 +91,16 @@ def fake_engine(
             await asyncio.sleep(delay_s)
         return answer
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await request.json()
+        if body.get("model") not in (MODEL, *adapters):
+            error = {"message": f"the model {body.get('model')!r} does not exist"}
+            return JSONResponse({"error": error}, status_code=404)
+        message = {"role": "assistant", "content": "ok"}
+        choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
+        return {**answer, "object": "chat.completion", "choices": [choice]}
+
     async def _chunks() -> AsyncIterator[str]:
         for i in range(stream_chunks):
             await asyncio.sleep(chunk_delay_s)

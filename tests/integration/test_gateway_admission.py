@@ -199,3 +199,38 @@ def test_a_cancelled_stream_is_charged_only_what_was_sent() -> None:
                     client.post(f"{url}/v1/completions", json=bigger, headers=headers).status_code
                     == 200
                 )
+
+
+def test_client_mistakes_never_get_a_500(engine_url: str) -> None:
+    with gateway(engine_url) as url:
+        headers = {"Authorization": "Bearer small", "content-type": "application/json"}
+        bodies: list[bytes] = [
+            b"",
+            b"not json",
+            b"[1, 2]",
+            b'"a string"',
+            b"\xff\xfe",
+            json.dumps({"prompt": "hi"}).encode(),  # no model
+            json.dumps({"model": 5, "prompt": "hi"}).encode(),
+            json.dumps({"model": MODEL, "prompt": {"x": 1}}).encode(),
+            json.dumps({"model": MODEL, "prompt": [1.5, "a"]}).encode(),
+            json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": -5, "n": "x"}).encode(),
+            json.dumps({"model": MODEL, "messages": "hi"}).encode(),
+            json.dumps({"model": MODEL, "prompt": "hi", "cache_salt": ["x"]}).encode(),
+        ]
+        with httpx.Client(timeout=30) as client:
+            for path in ("completions", "chat/completions"):
+                for raw in bodies:
+                    response = client.post(f"{url}/v1/{path}", content=raw, headers=headers)
+                    assert response.status_code < 500, (path, raw, response.text)
+                    if response.status_code >= 400:
+                        assert "message" in response.json()["error"]
+            bad_priority = {**headers, "x-priority": "soon"}
+            body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+            response = client.post(f"{url}/v1/completions", content=body, headers=bad_priority)
+            assert response.status_code == 400
+            for auth in ("", "Bearer", "Basic abc", "Bearer wrong"):
+                response = client.post(
+                    f"{url}/v1/completions", content=body, headers={"Authorization": auth}
+                )
+                assert response.status_code == 401
