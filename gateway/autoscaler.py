@@ -68,11 +68,13 @@ class Autoscaler:
 class KubernetesScaleTarget:
     """The `scale` subresource of one LLMDeployment, through the in-cluster API."""
 
-    def __init__(self, namespace: str, name: str) -> None:
+    def __init__(self, namespace: str, name: str, api_client: Any = None) -> None:
         from kubernetes import client, config
 
-        config.load_incluster_config()
-        self.api = client.CustomObjectsApi()
+        if api_client is None:  # in the cluster: the pod's service account
+            config.load_incluster_config()
+            api_client = client.ApiClient()
+        self.api = client.CustomObjectsApi(api_client)
         self.namespace, self.name = namespace, name
 
     def get_replicas(self) -> int:

@@ -50,8 +50,10 @@ class EndpointSliceWatcher:
         port_name: str | None,
         on_change: Callable[[list[str]], Any],
         loop: asyncio.AbstractEventLoop,
+        api_client: Any = None,  # a kubernetes.client.ApiClient; default: the in-cluster one
     ) -> None:
         self.namespace, self.service, self.port_name = namespace, service, port_name
+        self.api_client = api_client
         self.on_change = on_change
         self.loop = loop
         self._stop = threading.Event()
@@ -67,9 +69,11 @@ class EndpointSliceWatcher:
     def _run(self) -> None:
         from kubernetes import client, config, watch
 
-        config.load_incluster_config()
-        api = client.DiscoveryV1Api()
-        serializer = client.ApiClient()
+        if self.api_client is None:
+            config.load_incluster_config()
+            self.api_client = client.ApiClient()
+        api = client.DiscoveryV1Api(self.api_client)
+        serializer = self.api_client
         selector = f"kubernetes.io/service-name={self.service}"
         backoff = 1.0
         while not self._stop.is_set():
