@@ -288,12 +288,16 @@ async def _observed(gateway: _Gateway, request: Request, path: str) -> Response:
         return response
 
     async def timed(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        first = True
+        last: float | None = None  # when the previous token chunk passed
         try:
             async for chunk in stream:
-                if first and (b'"text"' in chunk or b'"content"' in chunk):
-                    metrics.ttft.labels(labels.model).observe(time.monotonic() - began)
-                    first = False
+                if b'"text"' in chunk or b'"content"' in chunk:
+                    now = time.monotonic()
+                    if last is None:
+                        metrics.ttft.labels(labels.model).observe(now - began)
+                    else:
+                        metrics.itl.labels(labels.model).observe(now - last)
+                    last = now
                 yield chunk
         finally:
             done(200)
@@ -388,7 +392,8 @@ async def _take_slot(
     """Wait for a proxy slot (fair between keys); 503 with Retry-After when there is none."""
     settings = gateway.settings
     try:
-        priority = int(request.headers.get(settings.priority_header, "0"))
+        default = settings.keys.priority_of(key_id)
+        priority = int(request.headers.get(settings.priority_header, default))
     except ValueError:
         raise GatewayError(400, f"{settings.priority_header} must be an integer") from None
     try:

@@ -84,6 +84,13 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.itl = Histogram(
+            "kvfleet:gateway_inter_token_latency_seconds",
+            "Gaps between streamed chunks after the first.",
+            ["model"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
         self.queue_wait = Histogram(
             "kvfleet:gateway_queue_wait_seconds",
             "Time spent waiting for a slot.",

@@ -2,7 +2,8 @@
 
 The file (locally) or the Secret's data (in a cluster) is JSON:
 `{"keys": [{"id": "team-a", "sha256": "<hex>", "requests_per_min": 60, "tokens_per_min": 100000,
-"weight": 1}]}`. Without keys the gateway runs open: every caller is the key "anonymous".
+"weight": 1, "priority": 0}]}`. Without keys the gateway runs open: every caller is the key
+"anonymous".
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class ApiKey:
     sha256: str
     limits: KeyLimits
     weight: float = 1.0
+    priority: int = 0  # queue priority when the request names none (lower goes first)
 
 
 def hash_key(secret: str) -> str:
@@ -59,6 +61,7 @@ class KeyStore:
                         str(entry["sha256"]).lower(),
                         KeyLimits(entry.get("requests_per_min"), entry.get("tokens_per_min")),
                         float(entry.get("weight", 1.0)),
+                        int(entry.get("priority", 0)),
                     )
                 )
             except (KeyError, TypeError, ValueError) as exc:
@@ -79,6 +82,9 @@ class KeyStore:
 
     def limits(self) -> dict[KeyId, KeyLimits]:
         return {k.key_id: k.limits for k in self.keys.values()}
+
+    def priority_of(self, key_id: KeyId) -> int:
+        return next((k.priority for k in self.keys.values() if k.key_id == key_id), 0)
 
     def weights(self) -> dict[KeyId, float]:
         return {k.key_id: k.weight for k in self.keys.values()}

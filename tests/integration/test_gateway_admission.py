@@ -123,29 +123,31 @@ def test_metrics_count_requests_routing_and_replicas(engine_url: str) -> None:
     with gateway(engine_url, max_in_flight_per_replica=4) as url:
         headers = {"Authorization": "Bearer small"}
         body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 1}  # 2 full blocks
+        completions = f"{url}/v1/completions"
         for _ in range(3):
-            assert (
-                httpx.post(f"{url}/v1/completions", json=body, headers=headers).status_code == 200
-            )
-        missing = httpx.post(
-            f"{url}/v1/completions", json={**body, "model": "nope"}, headers=headers
-        )
+            assert httpx.post(completions, json=body, headers=headers).status_code == 200
+        missing = httpx.post(completions, json={**body, "model": "nope"}, headers=headers)
         assert missing.status_code == 404
+        stream = {**body, "stream": True}
+        with httpx.stream("POST", completions, json=stream, headers=headers) as streamed:
+            chunks = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) == 8
         text = httpx.get(f"{url}/metrics").text
     samples = {
         line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
         for line in text.splitlines()
         if line and not line.startswith("#")
     }
-    assert samples['kvfleet:gateway_requests_total{key="small",model="fake",status="200"}'] == 3
+    ok = 'kvfleet:gateway_requests_total{key="small",model="fake",status="200"}'
+    assert samples[ok] == 4
     assert samples['kvfleet:gateway_requests_total{key="small",model="nope",status="404"}'] == 1
-    assert samples["kvfleet:gateway_prompt_blocks_total"] == 6
-    assert (
-        sum(
-            v for k, v in samples.items() if k.startswith("kvfleet:gateway_routing_decisions_total")
-        )
-        == 3
-    )
+    assert samples['kvfleet:gateway_time_to_first_token_seconds_count{model="fake"}'] == 1
+    assert samples['kvfleet:gateway_inter_token_latency_seconds_count{model="fake"}'] == 7
+    assert samples["kvfleet:gateway_prompt_blocks_total"] == 8
+    decisions = [
+        v for k, v in samples.items() if k.startswith("kvfleet:gateway_routing_decisions_total")
+    ]
+    assert sum(decisions) == 4
     assert samples[f'kvfleet:gateway_replica_ready{{replica="{engine_url}"}}'] == 1
     assert samples["kvfleet:gateway_queue_depth"] == 0
     assert 'kvfleet:gateway_request_latency_seconds_count{model="fake"}' in samples

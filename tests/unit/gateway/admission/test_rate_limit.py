@@ -70,3 +70,26 @@ def test_unlimited_key_and_oversized_request() -> None:
     refused = limiter.reserve(ALICE, 51, now=0.0)
     assert isinstance(refused, Refusal)
     assert math.isinf(refused.retry_after_s)
+
+
+def test_key_store_authenticates_by_hash_with_limits_weights_priorities() -> None:
+    from kvfleet.gateway.admission.keys import ANONYMOUS, KeyStore, hash_key
+
+    store = KeyStore.from_mapping(
+        {
+            "keys": [
+                {"id": "batch", "sha256": hash_key("b"), "tokens_per_min": 10, "priority": 5},
+                {"id": "live", "sha256": hash_key("l").upper(), "weight": 3},
+            ]
+        }
+    )
+    assert store.authenticate("b") == "batch"
+    assert store.authenticate("l") == "live"  # hex case does not matter
+    assert store.authenticate("x") is None
+    assert store.authenticate(None) is None
+    assert store.limits()[KeyId("batch")] == KeyLimits(None, 10)
+    assert store.weights() == {"batch": 1.0, "live": 3.0}
+    assert (store.priority_of(KeyId("batch")), store.priority_of(KeyId("live"))) == (5, 0)
+    assert KeyStore([]).authenticate(None) == ANONYMOUS  # open mode
+    with pytest.raises(ValueError, match="bad API key entry"):
+        KeyStore.from_mapping({"keys": [{"id": "no-hash"}]})
