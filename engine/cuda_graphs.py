@@ -127,7 +127,6 @@ class DecodeGraphs:
                 token_order=self.token_order[:bucket],
                 slot_starts=self.slot_starts,
                 slot_starts_cpu=[],  # read by the torch reference only, never in a graph
-                num_tokens=bucket,
             )
 
         def forward() -> torch.Tensor:

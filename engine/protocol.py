@@ -5,6 +5,7 @@ Pure pydantic, no torch: the gateway imports this module too.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -157,6 +158,21 @@ def error_body(
     return ErrorResponse(
         error=ErrorInfo(message=message, type=type_, param=param, code=code)
     ).model_dump()
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; ValueError saying what is wrong (HTTP 400)."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the request body is not valid UTF-8 (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ValueError("the request body must be a JSON object")
+    return data
 
 
 def normalize_message(message: Message) -> dict[str, str]:

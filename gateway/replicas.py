@@ -40,7 +40,6 @@ class Replica:
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
     events_live: bool = False
     stale_since: float | None = None  # monotonic time the KV event stream was lost
-    polled: bool = False  # health checked at least once
 
 
 class ReplicaPool:
@@ -62,7 +61,6 @@ class ReplicaPool:
         self._tasks: dict[ReplicaId, list[asyncio.Task[None]]] = {}
         self._started = False
         self.block_size: int | None = None  # the engines' KV block size, from their snapshots
-        self.polled = asyncio.Event()  # set after the first round of health checks
 
     def start(self) -> None:
         self._started = True
@@ -140,9 +138,6 @@ class ReplicaPool:
     async def _poll_loop(self, replica: Replica) -> None:
         while True:
             await self._poll(replica)
-            replica.polled = True
-            if all(r.polled for r in list(self.replicas.values())):
-                self.polled.set()
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll(self, replica: Replica) -> None:

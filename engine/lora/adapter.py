@@ -53,10 +53,6 @@ class LoRAAdapter:
     # (layer index, target module) -> (A [rank, in], B [out, rank] times `scaling`), float32 CPU
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each target module's (in_features, out_features) in the base model."""

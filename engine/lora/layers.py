@@ -12,17 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvfleet.engine.lora.adapter import LoRAAdapter, target_shapes
+from kvfleet.engine.lora.adapter import TARGET_LAYERS, LoRAAdapter, target_shapes
 from kvfleet.engine.lora.ops import LoRABatch, add_lora_reference
 from kvfleet.engine.models.llama import LlamaForCausalLM
-
-# Each wrapped base layer and the adapter target modules it holds, in output order.
-WRAPPED_LAYERS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
 
 
 @dataclass
@@ -114,15 +106,24 @@ class LoRALinear(nn.Module):
         return out
 
 
+def wrapped_layers() -> dict[str, tuple[str, ...]]:
+    """Each fused base layer and the adapter target modules it holds, in output order."""
+    layers: dict[str, tuple[str, ...]] = {}
+    for target, layer in TARGET_LAYERS.items():
+        layers[layer] = (*layers.get(layer, ()), target)
+    return layers
+
+
 def attach_lora(
     model: LlamaForCausalLM, max_loras: int, max_rank: int, context: LoRAContext
 ) -> list[LoRALinear]:
     """Wrap every layer's projections in place; returns the wrappers."""
     shapes = target_shapes(model.config)
+    fused = wrapped_layers()
     wrappers = []
     for index, layer in enumerate(model.layers):
         for parent in (layer.self_attn, layer.mlp):
-            for name, targets in WRAPPED_LAYERS.items():
+            for name, targets in fused.items():
                 base = getattr(parent, name, None)
                 if not isinstance(base, nn.Linear):
                     continue

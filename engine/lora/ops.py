@@ -26,7 +26,6 @@ class LoRABatch:
     # [max_loras + 1] int32: slot s owns token_order[slot_starts[s]:slot_starts[s + 1]]
     slot_starts: torch.Tensor
     slot_starts_cpu: list[int]
-    num_tokens: int
 
     @classmethod
     def build(
@@ -44,7 +43,6 @@ class LoRABatch:
             token_order=ints[: len(order)],
             slot_starts=ints[len(order) :],
             slot_starts_cpu=starts.tolist(),
-            num_tokens=len(token_slots),
         )
 
 

@@ -31,6 +31,7 @@ from kvfleet.engine.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
     error_body,
+    parse_json_object,
 )
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
@@ -261,19 +262,10 @@ def _ready_engine(state: _State) -> AsyncEngine:
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
-    raw = await request.body()
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from exc
-    except json.JSONDecodeError as exc:
-        raise APIError(
-            400,
-            f"the request body is not valid JSON: {exc.msg} "
-            f"at line {exc.lineno} column {exc.colno}",
-        ) from exc
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        data = parse_json_object(await request.body())
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -9,7 +9,6 @@ The file (locally) or the Secret's data (in a cluster) is JSON:
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ def hash_key(secret: str) -> str:
 
 class KeyStore:
     def __init__(self, keys: list[ApiKey]) -> None:
-        self.keys = {k.sha256: k for k in keys}
+        self.keys = {k.sha256: k for k in keys}  # by hash: a presented key is one lookup
+        self._by_id = {k.key_id: k for k in keys}
 
     @property
     def is_open(self) -> bool:
@@ -74,17 +74,15 @@ class KeyStore:
             return ANONYMOUS
         if not presented:
             return None
-        digest = hash_key(presented)
-        for stored, key in self.keys.items():
-            if hmac.compare_digest(stored, digest):
-                return key.key_id
-        return None
+        key = self.keys.get(hash_key(presented))
+        return key.key_id if key is not None else None
 
     def limits(self) -> dict[KeyId, KeyLimits]:
         return {k.key_id: k.limits for k in self.keys.values()}
 
     def priority_of(self, key_id: KeyId) -> int:
-        return next((k.priority for k in self.keys.values() if k.key_id == key_id), 0)
+        key = self._by_id.get(key_id)
+        return key.priority if key is not None else 0
 
     def weights(self) -> dict[KeyId, float]:
         return {k.key_id: k.weight for k in self.keys.values()}

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +46,41 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def launch(
+    tmp_path: Path,
+    name: str,
+    port: int,
+    command: list[str],
+    timeout_s: float,
+    is_ready: Callable[[Server], bool],
+) -> Server:
+    """Start `command` (its output in a log), wait until `is_ready`; the log's tail on failure."""
+    log = tmp_path / f"{name}-{port}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"the {name} exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+            )
+        try:
+            if is_ready(server):
+                return server
+        except (httpx.TransportError, ValueError, KeyError):
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError(
+        f"the {name} was not ready within {timeout_s:g} s:\n{log.read_text()[-3000:]}"
+    )
+
+
 def start_server(tmp_path: Path, *extra: str) -> Server:
     port = free_port()
-    log = tmp_path / f"engine-{port}.log"
     command = [
         sys.executable,
         "-m",
@@ -68,25 +100,14 @@ def start_server(tmp_path: Path, *extra: str) -> Server:
         "1024",
         *extra,
     ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()
-        )
-    server = Server(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"the engine exited with {process.returncode}:\n{log.read_text()[-3000:]}"
-            )
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    process.kill()
-    raise RuntimeError(f"the engine was not ready within 180 s:\n{log.read_text()[-3000:]}")
+    return launch(
+        tmp_path,
+        "engine",
+        port,
+        command,
+        180,
+        lambda server: httpx.get(f"{server.url}/health", timeout=2).status_code == 200,
+    )
 
 
 def stop_server(server: Server) -> None:

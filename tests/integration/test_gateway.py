@@ -8,7 +8,6 @@ get OpenAI error bodies.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from kvfleet.gateway.admission.keys import hash_key
 
-from .conftest import MODEL, Server, free_port, start_server, stop_server
+from .conftest import MODEL, Server, free_port, launch, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(900)
 REPLICA_HEADER = "x-kvfleet-replica"
@@ -29,30 +28,16 @@ REPLICA_HEADER = "x-kvfleet-replica"
 
 def start_gateway(tmp_path: Path, replicas: list[Server], *extra: str) -> Server:
     port = free_port()
-    log = tmp_path / f"gateway-{port}.log"
     command = [sys.executable, "-m", "kvfleet.engine.cli", "gateway", "--host", "127.0.0.1"]
     command += ["--port", str(port), *extra]
     for replica in replicas:
         command += ["--replica", replica.url]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()
-        )
-    gateway = Server(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited:\n{log.read_text()[-3000:]}")
-        try:
-            ready = httpx.get(f"{gateway.url}/health", timeout=2).status_code == 200
-            models = httpx.get(f"{gateway.base_url}/models", timeout=2).json()["data"]
-            if ready and models:
-                return gateway
-        except (httpx.TransportError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"the gateway was not ready within 60 s:\n{log.read_text()[-3000:]}")
+
+    def ready(gateway: Server) -> bool:
+        healthy = httpx.get(f"{gateway.url}/health", timeout=2).status_code == 200
+        return healthy and bool(httpx.get(f"{gateway.base_url}/models", timeout=2).json()["data"])
+
+    return launch(tmp_path, "gateway", port, command, 60, ready)
 
 
 def stop_gateway(gateway: Server) -> None:

@@ -185,6 +185,15 @@ def test_health_is_503_while_loading_and_vllm_names(
         text_prompt = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "words"})
         assert text_prompt.status_code == 400
         assert "no tokenizer" in text_prompt.json()["error"]["message"]
+        no_tokenizer = httpx.get(f"{url}/tokenizer")
+        assert no_tokenizer.status_code == 404
+        assert no_tokenizer.json()["error"]["code"] == "no_tokenizer"
+        load = {"lora_name": "a", "lora_path": str(folder)}
+        no_lora = httpx.post(f"{url}/v1/load_lora_adapter", json=load)
+        assert no_lora.status_code == 400
+        assert "enable_lora" in no_lora.json()["error"]["message"]
+        unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert unload.status_code == 404
         metrics = httpx.get(f"{url}/metrics").text
         assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics
         assert 'kvfleet:generation_tokens_total{model_name="tiny"} 3.0' in metrics
