@@ -17,7 +17,26 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 
 
-Message = Mapping[str, Any]  # a chat message as sent: {"role": ..., "content": ...}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+Message = Mapping[str, Any]
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body (engine and gateway alike)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.headers: dict[
+            str, str
+        ] = {}  # e.g. Retry-After  # a chat message as sent: {"role": ..., "content": ...}
 
 
 class OpenAIBaseModel(BaseModel):

@@ -25,7 +25,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet.engine.core.hashing import BlockHash, extra_keys_for, hash_full_blocks
-from kvfleet.engine.protocol import error_body, parse_json_object
+from kvfleet.engine.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    APIError,
+    error_body,
+    parse_json_object,
+)
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
@@ -33,13 +38,12 @@ from kvfleet.gateway.autoscaler import Autoscaler, KubernetesScaleTarget
 from kvfleet.gateway.discovery import EndpointSliceWatcher
 from kvfleet.gateway.proxy import REPLICA_HEADER, proxy
 from kvfleet.gateway.routing.snapshot import RouteRequest
-from kvfleet.gateway.state import Gateway, GatewayError, GatewaySettings
+from kvfleet.gateway.state import Gateway, GatewaySettings
 
 __all__ = ["REPLICA_HEADER", "GatewaySettings", "create_gateway_app", "first_prompt"]
 
 logger = logging.getLogger(__name__)
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 512  # reserved when a chat request names no limit
 
 
@@ -90,8 +94,8 @@ def create_gateway_app(
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
-    @app.exception_handler(GatewayError)
-    async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+    @app.exception_handler(APIError)
+    async def gateway_error(_: Request, exc: APIError) -> JSONResponse:
         body = error_body(exc.message, exc.type, exc.code)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
@@ -156,7 +160,7 @@ async def _observed(gateway: Gateway, request: Request, path: str) -> Response:
 
     try:
         response = await _handle(gateway, request, path, labels)
-    except GatewayError as exc:
+    except APIError as exc:
         if exc.status == 429:
             metrics.rate_limited.labels(labels.key).inc()
         done(exc.status)
@@ -193,10 +197,10 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     labels.model = model if isinstance(model, str) else ""
     cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
     if not gateway.pool.snapshot().ready:
-        raise GatewayError(503, "no engine replica is ready; retry shortly", "service_unavailable")
+        raise APIError(503, "no engine replica is ready; retry shortly", "service_unavailable")
     registry = dict(gateway.settings.adapters)
     if not isinstance(model, str) or (model not in cards and model not in registry):
-        raise GatewayError(
+        raise APIError(
             404,
             f"the model {model!r} does not exist; served: {sorted(cards)}",
             code="model_not_found",
@@ -207,7 +211,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     now = time.monotonic()
     reservation = gateway.limiter.reserve(key_id, len(prompt_ids) + max_tokens, now)
     if isinstance(reservation, Refusal):
-        error = GatewayError(
+        error = APIError(
             429,
             f"rate limit reached for {reservation.reason}"
             + ("" if math.isfinite(reservation.retry_after_s) else ": the request exceeds it"),
@@ -273,12 +277,12 @@ async def _take_slot(
         default = settings.keys.priority_of(key_id)
         priority = int(request.headers.get(settings.priority_header, default))
     except ValueError:
-        raise GatewayError(400, f"{settings.priority_header} must be an integer") from None
+        raise APIError(400, f"{settings.priority_header} must be an integer") from None
     try:
         await gateway.gate.acquire(key_id, priority, settings.queue_timeout_s)
     except (QueueFull, QueueTimeout) as exc:
         gateway.limiter.settle(reservation, 0, time.monotonic())
-        error = GatewayError(503, f"the service is overloaded: {exc}", "service_unavailable")
+        error = APIError(503, f"the service is overloaded: {exc}", "service_unavailable")
         error.headers["Retry-After"] = "1"
         raise error from exc
     except BaseException:
@@ -302,7 +306,7 @@ async def _prompt_ids(gateway: Gateway, body: dict[str, Any], path: str) -> list
         if isinstance(prompt, str) and tokenizer is not None:
             return tokenizer.encode(prompt)
     except (ValueError, TypeError) as exc:
-        raise GatewayError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
     return []
 
 
@@ -332,4 +336,4 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         return parse_json_object(raw)
     except ValueError as exc:
-        raise GatewayError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc

@@ -15,10 +15,10 @@ import aiohttp
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvfleet.engine.protocol import error_body
+from kvfleet.engine.protocol import APIError, error_body
 from kvfleet.gateway.routing.policy import NoReplicaError, route
 from kvfleet.gateway.routing.snapshot import ReplicaId, RouteDecision, RouteRequest
-from kvfleet.gateway.state import Gateway, GatewayError
+from kvfleet.gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ async def proxy(
             content = await upstream.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             gateway.pool.drain(replica_id, f"{type(exc).__name__}: {exc}")
-            raise GatewayError(
+            raise APIError(
                 503, "an engine replica failed during the response", "service_unavailable"
             ) from exc
         finally:
@@ -89,10 +89,10 @@ def _choose(
             gateway.round_robin,
         )
     except NoReplicaError:
-        raise GatewayError(503, last_error, "service_unavailable") from None
+        raise APIError(503, last_error, "service_unavailable") from None
     gateway.round_robin += 1
     if decision.replica_id in tried:
-        raise GatewayError(503, last_error, "service_unavailable")
+        raise APIError(503, last_error, "service_unavailable")
     tried.add(decision.replica_id)
     metrics = gateway.metrics
     metrics.routes.labels(decision.reason).inc()
@@ -112,21 +112,17 @@ async def _load_adapter(gateway: Gateway, replica_id: ReplicaId, adapter: str) -
     """Load a registered adapter onto the replica chosen for it (no replica holds it yet)."""
     path = dict(gateway.settings.adapters).get(adapter)
     if path is None:
-        raise GatewayError(
-            404, f"the adapter {adapter!r} is loaded nowhere", code="model_not_found"
-        )
+        raise APIError(404, f"the adapter {adapter!r} is loaded nowhere", code="model_not_found")
     url = f"{gateway.pool.url_of(replica_id)}/v1/load_lora_adapter"
     try:
         response = await gateway.client.post(
             url, json={"lora_name": adapter, "lora_path": path}, timeout=120.0
         )
     except httpx.HTTPError as exc:
-        raise GatewayError(
-            503, f"loading the adapter failed: {exc}", "service_unavailable"
-        ) from exc
+        raise APIError(503, f"loading the adapter failed: {exc}", "service_unavailable") from exc
     message = response.text
     if response.status_code != 200 and "already loaded" not in message:
-        raise GatewayError(
+        raise APIError(
             503 if response.status_code >= 500 else 400,
             f"the replica could not load the adapter {adapter!r}: {message[:300]}",
         )

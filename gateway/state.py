@@ -11,6 +11,7 @@ import aiohttp
 import httpx
 from fastapi import Request
 
+from kvfleet.engine.protocol import APIError
 from kvfleet.gateway.admission.keys import KeyStore
 from kvfleet.gateway.admission.limiter import ConcurrencyGate
 from kvfleet.gateway.admission.rate_limit import KeyId, KeyLimits, RateLimiter
@@ -49,19 +50,6 @@ class GatewaySettings:
     # Cluster mode: scale this LLMDeployment (namespace, name) with this policy
     autoscale: tuple[str, str, AutoscalePolicy] | None = None
     autoscale_interval_s: float = 15.0
-
-
-class GatewayError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-        self.headers: dict[str, str] = {}
 
 
 class Gateway:
@@ -124,7 +112,7 @@ class Gateway:
         presented = header[7:].strip() if header.lower().startswith("bearer ") else None
         key_id = self.settings.keys.authenticate(presented)
         if key_id is None:
-            raise GatewayError(
+            raise APIError(
                 401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
         return key_id

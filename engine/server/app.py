@@ -24,6 +24,7 @@ from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
@@ -35,7 +36,7 @@ from kvfleet.engine.protocol import (
 )
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
-from kvfleet.engine.server.serving import APIError, OpenAIServing
+from kvfleet.engine.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status)
+        body = error_body(exc.message, exc.type, exc.code)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -13,6 +13,8 @@ from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -21,25 +23,6 @@ from kvfleet.engine.protocol import (
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.metrics import EngineMetrics
 from kvfleet.engine.tokenizer import Tokenizer
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
 
 
 @dataclass
