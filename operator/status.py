@@ -116,11 +116,9 @@ def build_status(
     ready = engine_ok and gateway_ok
     if want == 0:
         phase = Phase.SCALED_TO_ZERO
-    elif ready and not rolling and engines.ready >= want:
-        phase = Phase.READY
     elif ready and not rolling:
-        phase = Phase.DEGRADED
-    elif engines.ready > 0 or engines.updated > 0 or rolling and engine is not None:
+        phase = Phase.READY if engines.ready >= want else Phase.DEGRADED
+    elif ready or engines.updated > 0:
         phase = Phase.PROGRESSING
     else:
         phase = Phase.PENDING
