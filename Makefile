@@ -71,3 +71,15 @@ test: venv models lint
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# Pinned dependency sets of the container images (engine/, gateway/, operator/ Dockerfiles):
+# the full resolution of each extra for Python 3.11, kvfleet itself and torch/triton left out.
+.PHONY: locks
+locks: venv
+	@for extra in engine gateway operator; do \
+		echo "==> $$extra/requirements.lock"; \
+		$(BIN)/python -m pip install -q --dry-run --ignore-installed \
+			--report $(VENV)/lock-$$extra.json ".[$$extra]" \
+			$$( [ $$extra = engine ] && echo "$(TORCH_CPU)" ); \
+		$(BIN)/python .ci/lock_images.py $(VENV)/lock-$$extra.json $$extra > $$extra/requirements.lock; \
+	done

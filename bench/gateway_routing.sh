@@ -31,7 +31,7 @@ print(int(h), int(q))'
 seed=1
 for policy in prefix round-robin; do
   $KV gateway --replica http://127.0.0.1:8301 --replica http://127.0.0.1:8302 --host 127.0.0.1 \
-    --port 8300 --policy "$policy" --log-level ${GATEWAY_LOG_LEVEL:-warning} > "$OUT/gateway-$policy.log" 2>&1 &
+    --port 8300 --policy "$policy" --log-level "${GATEWAY_LOG_LEVEL:-warning}" > "$OUT/gateway-$policy.log" 2>&1 &
   gw=$!
   until curl -sf http://127.0.0.1:8300/health > /dev/null; do sleep 0.3; done
   sleep 1

@@ -21,7 +21,7 @@ from kvfleet.operator.common import (
     http_probe,
     pod_security_context,
 )
-from kvfleet.operator.spec import LLMDeploymentSpec, LoadFormat
+from kvfleet.operator.spec import LLMDeploymentSpec
 
 CACHE_DIR = "/var/cache/kvfleet"
 PVC_ROOT = "/mnt/pvc"
@@ -134,7 +134,9 @@ def _resources(spec: LLMDeploymentSpec) -> dict[str, Any]:
 
 def _scheduling(spec: LLMDeploymentSpec) -> dict[str, Any]:
     node_selector = dict(spec.resources.node_selector)
-    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations]
+    tolerations = [
+        t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations
+    ]
     if spec.gpus > 0:
         if spec.resources.gpu_type:
             node_selector.setdefault("nvidia.com/gpu.product", spec.resources.gpu_type)
@@ -154,7 +156,12 @@ def _init_containers(owner: Owner, image: str, pull_policy: str) -> list[dict[st
     spec = owner.spec
     if not spec.model.source.startswith(("http://", "https://")):
         return []
-    args = ["models", "download", spec.model.source, f"--output={url_download_path(spec.model.source)}"]
+    args = [
+        "models",
+        "download",
+        spec.model.source,
+        f"--output={url_download_path(spec.model.source)}",
+    ]
     if spec.model.sha256:
         args.append(f"--sha256={spec.model.sha256}")
     return [
@@ -217,7 +224,10 @@ def build_engine_deployment(owner: Owner, config: OperatorConfig) -> dict[str, A
         "containers": [container],
         "volumes": [
             {"name": "model-cache", "emptyDir": {"sizeLimit": spec.model.cache_size}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size},
+            },
             {"name": "tmp", "emptyDir": {}},
             *mounts.volumes(),
         ],
@@ -229,7 +239,9 @@ def build_engine_deployment(owner: Owner, config: OperatorConfig) -> dict[str, A
     if spec.images.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.images.pull_secrets]
     # GPUs are scarce: a surge pod would wait for a free GPU, so replace in place instead.
-    rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.gpus else {"maxSurge": 1, "maxUnavailable": 0}
+    rolling = (
+        {"maxSurge": 0, "maxUnavailable": 1} if spec.gpus else {"maxSurge": 1, "maxUnavailable": 0}
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -253,7 +265,9 @@ def build_engine_service(owner: Owner) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "selector": owner.selector(ENGINE),
-            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
             "publishNotReadyAddresses": False,
         },
     }

@@ -181,7 +181,12 @@ def build_gateway_deployment(owner: Owner, config: OperatorConfig) -> dict[str, 
 
 def build_gateway_service(owner: Owner) -> dict[str, Any]:
     """The endpoint clients call: named after the LLMDeployment itself."""
-    port = {"name": "http", "port": owner.spec.gateway.port, "targetPort": "http", "protocol": "TCP"}
+    port = {
+        "name": "http",
+        "port": owner.spec.gateway.port,
+        "targetPort": "http",
+        "protocol": "TCP",
+    }
     return {
         "apiVersion": "v1",
         "kind": "Service",

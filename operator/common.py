@@ -90,7 +90,7 @@ class Owner:
 
 
 def config_hash(data: Any) -> str:
-    """A short stable digest: a pod-template annotation that rolls pods when their config changes."""
+    """A short stable digest: a pod-template annotation that rolls pods when config changes."""
     encoded = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(encoded).hexdigest()[:16]
 

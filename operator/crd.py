@@ -37,20 +37,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
         return structural(merged, defs)
     if "anyOf" in schema:
-        branches = [b for b in schema["anyOf"] if b.get("type") != "null"]
-        rest = {k: v for k, v in schema.items() if k not in ("anyOf", "default")}
-        if schema.get("default") is not None:
-            rest["default"] = schema["default"]
-        types = {structural(b, defs).get("type") for b in branches}
-        if types == {"integer", "string"}:
-            node = {k: v for k, v in rest.items() if k not in _DROPPED}
-            return {**node, "x-kubernetes-int-or-string": True}
-        if len(branches) != 1:
-            raise ValueError(f"no structural form for a union of {sorted(map(str, types))}")
-        node = structural({**branches[0], **rest}, defs)
-        if schema.get("default") is None:
-            node.pop("default", None)  # an optional object stays absent unless given
-        return node
+        return _union(schema, defs)
     node: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _DROPPED or key == "$defs" or (key == "default" and value is None):
@@ -59,11 +46,6 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             node[key] = {name: structural(sub, defs) for name, sub in value.items()}
         elif key == "items":
             node[key] = structural(value, defs)
-        elif key in ("minLength", "maxLength", "minItems", "maxItems") or key in (
-            "minimum",
-            "maximum",
-        ):
-            node[key] = value
         elif key == "exclusiveMinimum":  # JSON Schema 2020 number -> OpenAPI 3.0 boolean form
             node["minimum"], node["exclusiveMinimum"] = value, True
         else:
@@ -74,11 +56,29 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "enum" in schema and "type" not in node:
         kinds = {type(v) for v in schema["enum"]}
         node["type"] = "integer" if kinds == {int} else "string"
-    if node.get("type") == "object" and "properties" in node:
-        if not node.get("required") and "default" not in node:
-            node["default"] = {}
+    optional_fields = not node.get("required") and "default" not in node
+    if node.get("type") == "object" and "properties" in node and optional_fields:
+        node["default"] = {}
     first = [k for k in _KEY_ORDER if k in node]
     return {**{k: node[k] for k in first}, **{k: v for k, v in node.items() if k not in first}}
+
+
+def _union(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """`X | None` becomes X (absent unless given); `int | str` becomes int-or-string."""
+    branches = [b for b in schema["anyOf"] if b.get("type") != "null"]
+    rest = {k: v for k, v in schema.items() if k not in ("anyOf", "default")}
+    if schema.get("default") is not None:
+        rest["default"] = schema["default"]
+    types = {structural(b, defs).get("type") for b in branches}
+    if types == {"integer", "string"}:
+        node = {k: v for k, v in rest.items() if k not in _DROPPED}
+        return {**node, "x-kubernetes-int-or-string": True}
+    if len(branches) != 1:
+        raise ValueError(f"no structural form for a union of {sorted(map(str, types))}")
+    node = structural({**branches[0], **rest}, defs)
+    if schema.get("default") is None:
+        node.pop("default", None)  # an optional object stays absent unless given
+    return node
 
 
 def _model_schema(model: type[Any]) -> dict[str, Any]:

@@ -4,8 +4,8 @@ These models are the single source of truth: `crd.py` turns them into the checke
 structural schema, and the operator parses every object through them before it builds anything.
 Field names are the CRD's (camelCase through aliases); Python code uses snake_case.
 
-NOTE: a rule the API server must enforce across fields goes in `x-kubernetes-validations` (CEL) *and*
-in a pydantic validator with the same message, so `kubectl apply` and the operator agree.
+NOTE: a rule the API server must enforce across fields goes in `x-kubernetes-validations` (CEL)
+*and* in a pydantic validator with the same message, so `kubectl apply` and the operator agree.
 """
 
 from __future__ import annotations
@@ -102,17 +102,20 @@ class ModelSpec(CrdModel):
         ),
     )
     served_model_name: str | None = Field(
-        None, min_length=1, description="the name clients send as `model` (default: source)"
+        default=None, min_length=1, description="the name clients send as `model` (default: source)"
     )
-    load_format: LoadFormat = Field(LoadFormat.AUTO, description="dummy: random weights")
-    tokenizer: str | None = Field(None, description="a tokenizer other than the model's")
+    load_format: LoadFormat = Field(default=LoadFormat.AUTO, description="dummy: random weights")
+    tokenizer: str | None = Field(default=None, description="a tokenizer other than the model's")
     sha256: str | None = Field(
-        None, pattern=r"^[0-9a-f]{64}$", description="checked after downloading a URL source"
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="checked after downloading a URL source",
     )
     hub_token_secret: SecretKeyRef | None = Field(
-        None, description="Secret key holding a Hugging Face token (HF_TOKEN) for gated models"
+        default=None,
+        description="Secret key holding a Hugging Face token (HF_TOKEN) for gated models",
     )
-    cache_size: Quantity = Field("50Gi", description="size limit of the model cache volume")
+    cache_size: Quantity = Field(default="50Gi", description="size limit of the model cache volume")
 
 
 class SpeculativeMethod(enum.StrEnum):
@@ -122,10 +125,10 @@ class SpeculativeMethod(enum.StrEnum):
 
 class SpeculativeSpec(CrdModel):
     method: SpeculativeMethod
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
-    draft_model: str | None = Field(None, description="draft method: the proposer model")
-    prompt_lookup_min: int | None = Field(None, ge=1, le=16, description="ngram: min n")
-    prompt_lookup_max: int | None = Field(None, ge=1, le=16, description="ngram: max n")
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    draft_model: str | None = Field(default=None, description="draft method: the proposer model")
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=16, description="ngram: min n")
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=16, description="ngram: max n")
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -152,16 +155,16 @@ class SpeculativeSpec(CrdModel):
 
 class EngineSpec(CrdModel):
     tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
-        1, description="GPUs one replica spans (a power of two)"
+        default=1, description="GPUs one replica spans (a power of two)"
     )
     dtype: Dtype = Dtype.AUTO
-    max_model_len: int | None = Field(None, ge=16, le=1 << 20)
+    max_model_len: int | None = Field(default=None, ge=16, le=1 << 20)
     block_size: Literal[8, 16, 32, 64] = 16
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     prefix_caching: bool = True
-    max_num_seqs: int = Field(256, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20)
-    gpu_memory_utilization: float = Field(0.9, ge=0.05, le=0.99)
+    max_num_seqs: int = Field(default=256, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    gpu_memory_utilization: float = Field(default=0.9, ge=0.05, le=0.99)
     speculative: SpeculativeSpec | None = None
     extra_args: list[str] = Field(
         default_factory=list, description="more `kvfleet engine` arguments, passed as given"
@@ -178,26 +181,34 @@ class Toleration(CrdModel):
 
 class ResourcesSpec(CrdModel):
     gpus: int | None = Field(
-        None, ge=0, le=16, description="GPUs per replica (default tensorParallelSize; 0: CPU)"
+        default=None,
+        ge=0,
+        le=16,
+        description="GPUs per replica (default tensorParallelSize; 0: CPU)",
     )
     gpu_type: str | None = Field(
-        None, description="node label nvidia.com/gpu.product to schedule on (e.g. NVIDIA-H100)"
+        default=None,
+        description="node label nvidia.com/gpu.product to schedule on (e.g. NVIDIA-H100)",
     )
-    gpu_resource: str = Field("nvidia.com/gpu", description="the extended resource name")
-    cpu: IntOrQuantity | None = Field(None, description="CPU request per replica")
-    memory: Quantity | None = Field(None, description="memory request and limit per replica")
-    shm_size: Quantity = Field("2Gi", description="/dev/shm size (NCCL needs room)")
+    gpu_resource: str = Field(default="nvidia.com/gpu", description="the extended resource name")
+    cpu: IntOrQuantity | None = Field(default=None, description="CPU request per replica")
+    memory: Quantity | None = Field(
+        default=None, description="memory request and limit per replica"
+    )
+    shm_size: Quantity = Field(default="2Gi", description="/dev/shm size (NCCL needs room)")
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
 
 
 class AutoscalingSpec(CrdModel):
-    enabled: bool = Field(False, description="the gateway scales replicas from engine load")
-    min_replicas: int = Field(1, ge=0, le=1000)
-    max_replicas: int = Field(4, ge=1, le=1000)
-    target_kv_cache_usage: float = Field(0.7, ge=0.05, le=1.0)
-    target_queue_length: float = Field(2.0, ge=0.0, description="waiting requests per replica")
-    scale_down_window_seconds: int = Field(300, ge=0, le=3600)
+    enabled: bool = Field(default=False, description="the gateway scales replicas from engine load")
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    target_kv_cache_usage: float = Field(default=0.7, ge=0.05, le=1.0)
+    target_queue_length: float = Field(
+        default=2.0, ge=0.0, description="waiting requests per replica"
+    )
+    scale_down_window_seconds: int = Field(default=300, ge=0, le=3600)
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -227,15 +238,15 @@ class LoRAAdapterSpec(CrdModel):
 
 
 class LoRASpec(CrdModel):
-    max_loras: int = Field(4, ge=1, le=256, description="adapters in GPU slots at once")
-    max_cpu_loras: int | None = Field(None, ge=1, le=4096)
+    max_loras: int = Field(default=4, ge=1, le=256, description="adapters in GPU slots at once")
+    max_cpu_loras: int | None = Field(default=None, ge=1, le=4096)
     max_lora_rank: Literal[8, 16, 32, 64, 128] = 16
     adapters: list[LoRAAdapterSpec] = Field(default_factory=list, max_length=256)
 
 
 class RateLimits(CrdModel):
-    requests_per_minute: float | None = Field(None, ge=0)
-    tokens_per_minute: float | None = Field(None, ge=0)
+    requests_per_minute: float | None = Field(default=None, ge=0)
+    tokens_per_minute: float | None = Field(default=None, ge=0)
 
 
 class GatewayResources(CrdModel):
@@ -244,31 +255,32 @@ class GatewayResources(CrdModel):
 
 
 class GatewaySpec(CrdModel):
-    replicas: int = Field(1, ge=0, le=100)
+    replicas: int = Field(default=1, ge=0, le=100)
     routing_policy: RoutingPolicy = RoutingPolicy.PREFIX
-    max_imbalance: float = Field(8.0, ge=0.0)
+    max_imbalance: float = Field(default=8.0, ge=0.0)
     rate_limits: RateLimits = Field(default_factory=RateLimits, description="per API key")
     api_keys_secret: SecretKeyRef | None = Field(
-        None, description="Secret key holding the hashed API keys file (default: open mode)"
+        default=None, description="Secret key holding the hashed API keys file (default: open mode)"
     )
     service_type: ServiceType = ServiceType.CLUSTER_IP
-    port: int = Field(80, ge=1, le=65535)
-    max_inflight_per_replica: int = Field(256, ge=1)
-    queue_capacity: int = Field(4096, ge=0)
-    queue_timeout_seconds: float = Field(60.0, gt=0)
+    port: int = Field(default=80, ge=1, le=65535)
+    max_inflight_per_replica: int = Field(default=256, ge=1)
+    queue_capacity: int = Field(default=4096, ge=0)
+    queue_timeout_seconds: float = Field(default=60.0, gt=0)
     resources: GatewayResources = Field(default_factory=GatewayResources)
 
 
 class MonitoringSpec(CrdModel):
     enabled: bool = Field(
-        True, description="PodMonitor/ServiceMonitor and PrometheusRule, when their CRDs exist"
+        default=True,
+        description="PodMonitor/ServiceMonitor and PrometheusRule, when their CRDs exist",
     )
-    interval: str = Field("15s", pattern=DURATION_PATTERN, description="scrape interval")
+    interval: str = Field(default="15s", pattern=DURATION_PATTERN, description="scrape interval")
 
 
 class ImagesSpec(CrdModel):
-    engine: str | None = Field(None, description="default: the operator's engine image")
-    gateway: str | None = Field(None, description="default: the operator's gateway image")
+    engine: str | None = Field(default=None, description="default: the operator's engine image")
+    gateway: str | None = Field(default=None, description="default: the operator's gateway image")
     pull_policy: PullPolicy = PullPolicy.IF_NOT_PRESENT
     pull_secrets: list[str] = Field(default_factory=list)
 
@@ -277,9 +289,11 @@ class LLMDeploymentSpec(CrdModel):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    replicas: int = Field(1, ge=0, le=1000, description="engine replicas (the scale subresource)")
+    replicas: int = Field(
+        default=1, ge=0, le=1000, description="engine replicas (the scale subresource)"
+    )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
-    lora: LoRASpec | None = Field(None, description="serve LoRA adapters (multi-LoRA)")
+    lora: LoRASpec | None = Field(default=None, description="serve LoRA adapters (multi-LoRA)")
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     images: ImagesSpec = Field(default_factory=ImagesSpec)
@@ -347,19 +361,19 @@ class Condition(CrdModel):
     type: ConditionType
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
-    message: str = Field("", max_length=32768)
+    message: str = Field(default="", max_length=32768)
     last_transition_time: str = Field(description="RFC 3339")
-    observed_generation: int | None = Field(None, ge=0)
+    observed_generation: int | None = Field(default=None, ge=0)
 
 
 class LLMDeploymentStatus(CrdModel):
     phase: Phase | None = None
-    replicas: int | None = Field(None, ge=0, description="engine pods (scale subresource)")
-    ready_replicas: int | None = Field(None, ge=0)
-    updated_replicas: int | None = Field(None, ge=0)
-    selector: str | None = Field(None, description="engine pods' label selector (scale)")
-    endpoint: str | None = Field(None, description="the OpenAI base URL inside the cluster")
-    observed_generation: int | None = Field(None, ge=0)
+    replicas: int | None = Field(default=None, ge=0, description="engine pods (scale subresource)")
+    ready_replicas: int | None = Field(default=None, ge=0)
+    updated_replicas: int | None = Field(default=None, ge=0)
+    selector: str | None = Field(default=None, description="engine pods' label selector (scale)")
+    endpoint: str | None = Field(default=None, description="the OpenAI base URL inside the cluster")
+    observed_generation: int | None = Field(default=None, ge=0)
     conditions: list[Condition] = Field(default_factory=list)
 
 

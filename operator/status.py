@@ -86,7 +86,9 @@ def build_status(
     gateways = RolloutState.of(gateway, spec.gateway.replicas)
 
     def condition(kind: ConditionType, ok: bool, reason: str, message: str) -> Condition:
-        return _condition(kind, "True" if ok else "False", reason, message, generation, previous, now)
+        return _condition(
+            kind, "True" if ok else "False", reason, message, generation, previous, now
+        )
 
     if want == 0:
         engine_ok, engine_reason = False, "ScaledToZero"
@@ -126,7 +128,9 @@ def build_status(
         condition(
             ConditionType.READY,
             ready,
-            "Serving" if ready else ("EngineUnavailable" if not engine_ok else "GatewayUnavailable"),
+            "Serving"
+            if ready
+            else ("EngineUnavailable" if not engine_ok else "GatewayUnavailable"),
             f"{engine_message}; {gateway_message}",
         ),
         condition(ConditionType.SPEC_VALID, True, "Accepted", "the spec is valid"),

@@ -68,16 +68,24 @@ def _check_node(value: Any, schema: dict[str, Any], path: str) -> list[str]:
         kinds = _TYPES[schema["type"]]
         if not isinstance(value, kinds) or (schema["type"] != "boolean" and _is_bool(value)):
             return [f"{where}: Invalid value: {value!r}: must be of type {schema['type']}"]
+    errors = _check_value(value, schema, where)
+    if isinstance(value, dict):
+        errors += _check_fields(value, schema, path)
+    return errors
+
+
+def _check_value(value: Any, schema: dict[str, Any], where: str) -> list[str]:
     errors = []
     if "enum" in schema and value not in schema["enum"]:
         supported = ", ".join(f'"{v}"' for v in schema["enum"])
         errors.append(f"{where}: Unsupported value: {value!r}: supported values: {supported}")
-    if "minimum" in schema and isinstance(value, int | float) and value < schema["minimum"]:
+    number = isinstance(value, int | float)
+    if number and "minimum" in schema and value < schema["minimum"]:
         errors.append(
             f"{where}: Invalid value: {value!r}: should be greater than or equal to "
             f"{schema['minimum']}"
         )
-    if "maximum" in schema and isinstance(value, int | float) and value > schema["maximum"]:
+    if number and "maximum" in schema and value > schema["maximum"]:
         errors.append(
             f"{where}: Invalid value: {value!r}: should be less than or equal to "
             f"{schema['maximum']}"
@@ -91,15 +99,16 @@ def _check_node(value: Any, schema: dict[str, Any], path: str) -> list[str]:
             errors.append(f"{where}: Too long: may not be longer than {schema['maxLength']}")
     if isinstance(value, list) and len(value) > schema.get("maxItems", len(value)):
         errors.append(f"{where}: Too many: {len(value)}: must have at most {schema['maxItems']}")
-    if isinstance(value, dict):
-        for name in schema.get("required", []):
-            if name not in value:
-                errors.append(f"{path + '.' if path else ''}{name}: Required value")
-        known = schema.get("properties")
-        if known is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
-            for name in value:
-                if name not in known:
-                    errors.append(f'unknown field "{path + "." if path else ""}{name}"')
+    return errors
+
+
+def _check_fields(value: dict[str, Any], schema: dict[str, Any], path: str) -> list[str]:
+    prefix = f"{path}." if path else ""
+    required = schema.get("required", [])
+    errors = [f"{prefix}{name}: Required value" for name in required if name not in value]
+    known = schema.get("properties")
+    if known is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        errors += [f'unknown field "{prefix}{name}"' for name in value if name not in known]
     return errors
 
 

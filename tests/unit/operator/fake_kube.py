@@ -149,28 +149,30 @@ class FakeKube:
             if match is None or (match["prefix"], match["plural"]) not in self.resources():
                 return _problem(404, f"the server could not find the requested resource: {path}")
             key = (match["prefix"], match["plural"], match["ns"], match["name"] or "")
+            if request.method == "PATCH":
+                body = json.loads(await request.body())
+                return self._patch(key, match["sub"], request, body)
+            if key not in self.objects:
+                return _problem(404, f'{match["plural"]} "{match["name"]}" not found')
             if request.method == "GET":
-                found = self.objects.get(key)
-                if found is None:
-                    return _problem(404, f'{match["plural"]} "{match["name"]}" not found')
-                return JSONResponse(found)
-            if request.method == "DELETE":
-                if key not in self.objects:
-                    return _problem(404, f'{match["plural"]} "{match["name"]}" not found')
-                self.delete(key)
-                self.writes.append(("delete", match["plural"], key[3]))
-                return JSONResponse({"kind": "Status", "status": "Success"})
-            body = json.loads(await request.body())
-            content_type = request.headers.get("content-type", "")
-            if match["sub"] == "status" and content_type.startswith("application/merge-patch"):
-                return self._patch_status(key, body)
-            if content_type.startswith("application/apply-patch"):
-                if request.query_params.get("fieldManager") is None:
-                    return _problem(422, "fieldManager is required for apply requests")
-                return self._apply(key, body)
-            return _problem(415, f"unsupported patch type {content_type}")
+                return JSONResponse(self.objects[key])
+            self.delete(key)
+            self.writes.append(("delete", match["plural"], key[3]))
+            return JSONResponse({"kind": "Status", "status": "Success"})
 
         return app
+
+    def _patch(
+        self, key: Key, subresource: str | None, request: Request, body: dict[str, Any]
+    ) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if subresource == "status" and content_type.startswith("application/merge-patch"):
+            return self._patch_status(key, body)
+        if not content_type.startswith("application/apply-patch"):
+            return _problem(415, f"unsupported patch type {content_type}")
+        if request.query_params.get("fieldManager") is None:
+            return _problem(422, "fieldManager is required for apply requests")
+        return self._apply(key, body)
 
     def _patch_status(self, key: Key, body: dict[str, Any]) -> JSONResponse:
         obj = self.objects.get(key)

@@ -149,7 +149,8 @@ def test_cpu_engine_has_no_gpu_and_uses_the_cpu_image() -> None:
     assert container["image"] == CONFIG.engine_cpu_image
     assert container["resources"] == {"requests": {"memory": "3Gi"}, "limits": {"memory": "3Gi"}}
     pod = build_engine_deployment(o, CONFIG)["spec"]["template"]["spec"]
-    assert "tolerations" not in pod and "nodeSelector" not in pod
+    assert "tolerations" not in pod
+    assert "nodeSelector" not in pod
 
 
 def test_gpu_engine_limits_gpus_and_lands_on_gpu_nodes() -> None:
@@ -218,9 +219,7 @@ def test_gateway_args_parse_into_gateway_settings(tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": []}))
     # the gateway reads the ConfigMap through `@FILE`; the keys path is the Secret's mount
-    lines = [
-        f"--api-keys={keys}" if a.startswith("--api-keys=") else a for a in gateway_args(o)
-    ]
+    lines = [f"--api-keys={keys}" if a.startswith("--api-keys=") else a for a in gateway_args(o)]
     assert "--api-keys=/etc/kvfleet/keys/keys.json" in gateway_args(o)
     args_file.write_text("\n".join(lines) + "\n")
     parsed = build_parser().parse_args(["gateway", f"@{args_file}"])

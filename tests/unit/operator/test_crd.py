@@ -26,7 +26,9 @@ def crd(repo_root: Path) -> dict[str, Any]:
 
 
 def sample_objects(repo_root: Path) -> list[dict[str, Any]]:
-    return [yaml.safe_load(p.read_text()) for p in sorted(repo_root.glob("manifests/samples/*.yaml"))]
+    return [
+        yaml.safe_load(p.read_text()) for p in sorted(repo_root.glob("manifests/samples/*.yaml"))
+    ]
 
 
 def llmd(spec: dict[str, Any], name: str = "chat") -> dict[str, Any]:
@@ -59,9 +61,9 @@ def _walk(node: Any, path: str = "") -> list[str]:
     references, unions or `additionalProperties: false`."""
     bad = []
     if isinstance(node, dict):
-        if "properties" in node or "items" in node:
-            if node.get("type") not in ("object", "array"):
-                bad.append(f"{path}: untyped")
+        typed = node.get("type") in ("object", "array")
+        if ("properties" in node or "items" in node) and not typed:
+            bad.append(f"{path}: untyped")
         for key in ("$ref", "anyOf", "oneOf", "allOf", "title"):
             if key in node:
                 bad.append(f"{path}: {key}")

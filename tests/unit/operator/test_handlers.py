@@ -124,7 +124,9 @@ def test_create_makes_every_child_owned_and_valid(cluster: Cluster) -> None:
     assert status["phase"] == "Pending"
     assert status["observedGeneration"] == 1
     assert status["endpoint"] == "http://chat.llm.svc.cluster.local/v1"
-    assert status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/component=engine"
+    assert (
+        status["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/component=engine"
+    )
     assert cluster.conditions()["SpecValid"] == ("True", "Accepted")
     assert cluster.conditions()["Ready"] == ("False", "EngineUnavailable")
 
@@ -136,7 +138,9 @@ def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
     cluster.reconcile()
     main.refresh_status(body=cluster.body(), memo=cluster.memo)
     assert cluster.fake.writes == writes
-    assert {k: o["metadata"]["resourceVersion"] for k, o in cluster.fake.objects.items()} == versions
+    assert {
+        k: o["metadata"]["resourceVersion"] for k, o in cluster.fake.objects.items()
+    } == versions
 
 
 def test_status_follows_the_children(cluster: Cluster) -> None:

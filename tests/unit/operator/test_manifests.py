@@ -55,7 +55,8 @@ def test_kustomization_renders_valid_objects(repo_root: Path, base: str) -> None
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             for group in obj["spec"]["groups"]:
                 for rule in group["rules"]:
-                    assert ("record" in rule) != ("alert" in rule) and rule["expr"], rule
+                    assert ("record" in rule) != ("alert" in rule), rule
+                    assert rule["expr"], rule
             continue
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
     kubectl = shutil.which("kubectl")
@@ -106,8 +107,7 @@ def _cluster_role(repo_root: Path) -> list[dict[str, Any]]:
 
 def _allows(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
     return any(
-        group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-        for r in rules
+        group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules
     )
 
 
@@ -168,8 +168,10 @@ def test_operator_deployment_is_non_root_and_pinned(repo_root: Path) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     images = [container["image"]] + [e["value"] for e in container["env"] if "IMAGE" in e["name"]]
     for image in images:
-        assert ":" in image and not image.endswith(":latest"), image
+        assert ":" in image, image
+        assert not image.endswith(":latest"), image
     assert container["args"][0] == "operator"
-    assert OperatorConfig.from_environment(
-        {e["name"]: e["value"] for e in container["env"]}
-    ) == OperatorConfig()
+    assert (
+        OperatorConfig.from_environment({e["name"]: e["value"] for e in container["env"]})
+        == OperatorConfig()
+    )

@@ -1,0 +1,137 @@
+"""The whole life of an LLMDeployment on a kind cluster, CPU only (manifests/samples/smollm2-cpu).
+
+In order: apply -> Ready -> chat through the gateway with the openai client -> `kubectl scale` ->
+autoscaling under load -> rolling update -> delete and nothing left. The session fixture builds
+the images from this checkout and installs kvfleet (`e2e/kind.sh all`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import Cluster, sample
+
+NAMESPACE = "kvfleet-e2e"
+NAME = "smollm2"
+INSTANCE = f"app.kubernetes.io/instance={NAME}"
+
+
+@pytest.fixture(scope="module")
+def deployed(kind_cluster: Cluster) -> Iterator[Cluster]:
+    kind_cluster.run("create", "namespace", NAMESPACE)
+    kind_cluster.apply(sample("smollm2-cpu.yaml", NAMESPACE))
+    yield kind_cluster
+    kind_cluster.run("-n", NAMESPACE, "delete", "llmd", NAME, "--wait=false")
+
+
+def llmd(cluster: Cluster) -> dict[str, Any]:
+    return cluster.json("-n", NAMESPACE, "get", "llmd", NAME)
+
+
+def patch(cluster: Cluster, spec: dict[str, Any]) -> None:
+    body = json.dumps({"spec": spec})
+    cluster.ok("-n", NAMESPACE, "patch", "llmd", NAME, "--type=merge", "-p", body)
+
+
+def wait_ready(cluster: Cluster, timeout_s: float = 900) -> None:
+    def ready() -> bool:
+        obj = llmd(cluster)
+        status = obj.get("status") or {}
+        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+        return (
+            conditions.get("Ready") == "True"
+            and status.get("phase") == "Ready"
+            and status.get("observedGeneration") == obj["metadata"]["generation"]
+        )
+
+    cluster.wait_for(f"llmd/{NAME} Ready", ready, timeout_s)
+
+
+def chat(base_url: str, prompt: str = "Say hello.", max_tokens: int = 16) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_sample_becomes_ready_and_answers(deployed: Cluster) -> None:
+    wait_ready(deployed)
+    status = llmd(deployed)["status"]
+    assert status["endpoint"] == f"http://{NAME}.{NAMESPACE}.svc.cluster.local/v1"
+    printed = deployed.ok("-n", NAMESPACE, "get", "llmd", NAME)
+    assert "Ready" in printed
+    assert "smollm2" in printed
+    with deployed.port_forward(NAMESPACE, f"svc/{NAME}", 80) as url:
+        assert chat(url).strip()
+
+
+def test_kubectl_scale_sets_engine_replicas(deployed: Cluster) -> None:
+    patch(deployed, {"autoscaling": {"enabled": False}})
+    deployed.ok("-n", NAMESPACE, "scale", "llmd", NAME, "--replicas=2")
+
+    def two_ready() -> bool:
+        engine = deployed.json("-n", NAMESPACE, "get", "deployment", f"{NAME}-engine")
+        return (engine.get("status") or {}).get("availableReplicas") == 2
+
+    deployed.wait_for("2 engine replicas", two_ready, 600)
+    wait_ready(deployed)
+    assert llmd(deployed)["status"]["readyReplicas"] == 2
+    deployed.ok("-n", NAMESPACE, "scale", "llmd", NAME, "--replicas=1")
+
+
+def test_autoscaler_adds_a_replica_under_load(deployed: Cluster) -> None:
+    patch(deployed, {"replicas": 1, "autoscaling": {"enabled": True, "maxReplicas": 2}})
+    wait_ready(deployed)
+    with (
+        deployed.port_forward(NAMESPACE, f"svc/{NAME}", 80) as url,
+        concurrent.futures.ThreadPoolExecutor(48) as pool,
+    ):
+        load = [pool.submit(chat, url, f"Count to {i * 50}.", 200) for i in range(48)]
+        deployed.wait_for(
+            "the gateway to scale llmd to 2",
+            lambda: llmd(deployed)["spec"]["replicas"] == 2,
+            300,
+        )
+        for future in load:
+            future.result()
+
+
+def test_spec_change_rolls_out(deployed: Cluster) -> None:
+    before = deployed.json("-n", NAMESPACE, "get", "deployment", f"{NAME}-engine")
+    patch(deployed, {"engine": {"maxNumSeqs": 16}})
+
+    def rolled() -> bool:
+        engine = deployed.json("-n", NAMESPACE, "get", "deployment", f"{NAME}-engine")
+        return engine["metadata"]["generation"] > before["metadata"]["generation"]
+
+    deployed.wait_for("the engine Deployment to change", rolled, 120)
+    deployed.ok("-n", NAMESPACE, "rollout", "status", f"deployment/{NAME}-engine", timeout=900)
+    wait_ready(deployed)
+    engines = f"{INSTANCE},app.kubernetes.io/component=engine"
+    pods = deployed.json("-n", NAMESPACE, "get", "pods", "-l", engines)
+    for pod in pods["items"]:
+        assert "--max-num-seqs=16" in pod["spec"]["containers"][0]["args"]
+    with deployed.port_forward(NAMESPACE, f"svc/{NAME}", 80) as url:
+        assert chat(url).strip()
+
+
+def test_delete_removes_every_child(deployed: Cluster) -> None:
+    deployed.ok("-n", NAMESPACE, "delete", "llmd", NAME, "--wait=true", timeout=300)
+    kinds = "deployments,services,configmaps,serviceaccounts,roles,rolebindings,pdb"
+
+    def gone() -> bool:
+        left = deployed.json("-n", NAMESPACE, "get", kinds, "-l", INSTANCE)
+        return not left["items"]
+
+    deployed.wait_for("the children to be garbage-collected", gone, 300)
