@@ -18,7 +18,9 @@ from kvfleet.operator.reconcile import Reconciler, owner_reference
 from kvfleet.operator.spec import GROUP, PLURAL, VERSION, InvalidSpecError
 
 LLMD = (GROUP, VERSION, PLURAL)
-STATUS_INTERVAL_S = 30.0  # children's status is also followed through their events
+# Children's changes arrive as events; the resync puts back what someone changed or deleted
+# by hand and catches up on any event missed.
+RESYNC_INTERVAL_S = 60.0
 
 
 @kopf.on.login()
@@ -60,25 +62,36 @@ def reconcile(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
         raise _temporary(exc) from exc
 
 
-@kopf.timer(*LLMD, interval=STATUS_INTERVAL_S, initial_delay=STATUS_INTERVAL_S)
-def refresh_status(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+@kopf.timer(*LLMD, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
+def resync(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
     try:
-        memo.reconciler.refresh_status(body)
+        memo.reconciler.reconcile(body)
+    except InvalidSpecError:
+        return  # reported when the spec changed; nothing to apply until it is fixed
     except KubeError as exc:
         raise _temporary(exc) from exc
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-def child_changed(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
-    """A Deployment we own changed (pods became ready, a rollout moved): refresh its owner."""
+def child_changed(
+    body: Mapping[str, Any], memo: kopf.Memo, type: str | None = None, **_: Any
+) -> None:
+    """A Deployment we own changed (pods became ready, a rollout moved): refresh its owner's
+    status; one deleted by hand is put back."""
     owner = owner_reference(body)
     if owner is None:
         return
     reconciler: Reconciler = memo.reconciler
     try:
         parent = reconciler.api.get("LLMDeployment", *owner)
-        if parent is not None and parent["metadata"].get("deletionTimestamp") is None:
+        if parent is None or parent["metadata"].get("deletionTimestamp") is not None:
+            return
+        if type == "DELETED":
+            reconciler.reconcile(parent)
+        else:
             reconciler.refresh_status(parent)
+    except InvalidSpecError:
+        return
     except KubeError as exc:
         # event handlers are not retried; the status timer catches up
         logging.getLogger(__name__).warning("status of %s/%s not refreshed: %s", *owner, exc)

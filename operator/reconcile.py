@@ -73,13 +73,16 @@ def desired_children(
         build_gateway_service(owner),
     ]
     if owner.spec.monitoring.enabled:
-        monitoring = [
-            build_engine_pod_monitor(owner),
-            build_gateway_service_monitor(owner),
-            build_prometheus_rule(owner),
-        ]
-        children += [m for m in monitoring if m["kind"] in monitoring_kinds]
+        children += [m for m in monitoring_children(owner) if m["kind"] in monitoring_kinds]
     return children
+
+
+def monitoring_children(owner: Owner) -> list[dict[str, Any]]:
+    return [
+        build_engine_pod_monitor(owner),
+        build_gateway_service_monitor(owner),
+        build_prometheus_rule(owner),
+    ]
 
 
 @dataclass
@@ -112,11 +115,12 @@ class Reconciler:
             result = self.api.apply(child)
             applied[(child["kind"], child["metadata"]["name"])] = result
         wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
-        for kind in self.monitoring_kinds():
-            for name in (owner.names(ENGINE), owner.names(GATEWAY), owner.name):
-                if (kind, name) not in wanted and self._owned(kind, owner, name):
-                    logger.info("deleting %s %s/%s: monitoring is off", kind, owner.namespace, name)
-                    self.api.delete(kind, owner.namespace, name)
+        for unwanted in monitoring_children(owner):
+            kind, name = unwanted["kind"], unwanted["metadata"]["name"]
+            stale = kind in self.monitoring_kinds() and (kind, name) not in wanted
+            if stale and self._owned(kind, owner, name):
+                logger.info("deleting %s %s/%s: monitoring is off", kind, owner.namespace, name)
+                self.api.delete(kind, owner.namespace, name)
         engine = applied[("Deployment", owner.names(ENGINE))]
         gateway = applied[("Deployment", owner.names(GATEWAY))]
         return self._write_status(body, owner, engine, gateway)

@@ -262,3 +262,39 @@ def test_cli_list_and_errors(
         cli.main(["--version"])
     assert excinfo.value.code == 0
     assert capsys.readouterr().out.startswith("kvfleet 0.")
+
+
+def _serve_folder(folder: Path) -> tuple[str, object]:
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_download_url_checks_sha256_and_keeps_a_present_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "m.gguf").write_bytes(PAYLOAD)
+    url, server = _serve_folder(served)
+    try:
+        digest = hashlib.sha256(PAYLOAD).hexdigest()
+        output = tmp_path / "cache" / "downloads" / "m.gguf"
+        argv = ["models", "download", f"{url}/m.gguf", f"--output={output}", f"--sha256={digest}"]
+        assert cli.main([*argv, "-q"]) == 0
+        assert output.read_bytes() == PAYLOAD
+        assert cli.main([*argv, "-q"]) == 0
+        assert "already present" in capsys.readouterr().out
+        with pytest.raises(ModelHashMismatchError):
+            model_cache.download_url(f"{url}/m.gguf", tmp_path / "x.gguf", "0" * 64, progress=False)
+        with pytest.raises(ModelDownloadError, match="404"):
+            model_cache.download_url(f"{url}/missing.gguf", tmp_path / "y.gguf", progress=False)
+        # nothing half-written is left behind
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "served"]
+    finally:
+        server.shutdown()  # type: ignore[attr-defined]

@@ -136,7 +136,7 @@ def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
     writes = list(cluster.fake.writes)
     versions = {k: o["metadata"]["resourceVersion"] for k, o in cluster.fake.objects.items()}
     cluster.reconcile()
-    main.refresh_status(body=cluster.body(), memo=cluster.memo)
+    main.resync(body=cluster.body(), memo=cluster.memo)
     assert cluster.fake.writes == writes
     assert {
         k: o["metadata"]["resourceVersion"] for k, o in cluster.fake.objects.items()
@@ -169,7 +169,7 @@ def test_status_follows_the_children(cluster: Cluster) -> None:
     now = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
     assert now["Ready"] == ready_since["Ready"]
     writes = len(cluster.fake.writes)
-    main.refresh_status(body=cluster.body(), memo=cluster.memo)
+    main.resync(body=cluster.body(), memo=cluster.memo)
     assert len(cluster.fake.writes) == writes
 
 
@@ -225,7 +225,7 @@ def test_bad_spec_fails_permanently_with_a_condition(cluster: Cluster) -> None:
     assert cluster.deployment("engine") == engine_before  # the last good spec keeps serving
     # the status timer leaves a failed object alone
     writes = len(cluster.fake.writes)
-    main.refresh_status(body=cluster.body(), memo=cluster.memo)
+    main.resync(body=cluster.body(), memo=cluster.memo)
     assert len(cluster.fake.writes) == writes
     # fixing the spec recovers
     cluster.fake.update_spec(cluster.key, copy.deepcopy(SPEC))
@@ -285,3 +285,15 @@ def test_startup_without_a_cluster_says_so(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(kopf.PermanentError, match="no Kubernetes cluster is reachable"):
         main.startup(settings=settings, memo=kopf.Memo())
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
+
+
+def test_a_child_deleted_by_hand_is_put_back(cluster: Cluster) -> None:
+    cluster.reconcile()
+    gone = copy.deepcopy(cluster.deployment("engine"))
+    cluster.fake.delete((*DEPLOYMENTS, "llm", "chat-engine"))
+    main.child_changed(body=gone, memo=cluster.memo, type="DELETED")
+    assert cluster.deployment("engine")["spec"]["replicas"] == 2
+    # the resync puts back anything else, e.g. the engine Service
+    cluster.fake.delete(("/api/v1", "services", "llm", "chat-engine"))
+    main.resync(body=cluster.body(), memo=cluster.memo)
+    assert cluster.fake.get("/api/v1", "services", "llm", "chat-engine") is not None
