@@ -55,7 +55,8 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         node["additionalProperties"] = structural(extra, defs)
     if "enum" in schema and "type" not in node:
         kinds = {type(v) for v in schema["enum"]}
-        node["type"] = "integer" if kinds == {int} else "string"
+        numeric = "integer" if kinds == {int} else "number"
+        node["type"] = numeric if kinds <= {int, float} else "string"
     optional_fields = not node.get("required") and "default" not in node
     if node.get("type") == "object" and "properties" in node and optional_fields:
         node["default"] = {}

@@ -270,12 +270,34 @@ class GatewaySpec(CrdModel):
     resources: GatewayResources = Field(default_factory=GatewayResources)
 
 
+# TTFT thresholds a latency SLO can use: bounds of the gateway's TTFT histogram buckets, so the
+# share of requests under the threshold is read off one bucket exactly.
+TTFT_THRESHOLDS = {"100ms": 0.1, "250ms": 0.25, "500ms": 0.5, "1s": 1.0, "2.5s": 2.5, "5s": 5.0}
+
+
+class SLOSpec(CrdModel):
+    availability: float = Field(
+        default=0.999, ge=0.9, le=0.99999, description="objective: share of non-5xx answers"
+    )
+    latency: float = Field(
+        default=0.99, ge=0.5, le=0.99999, description="objective: share of streams under the TTFT"
+    )
+    ttft_threshold: Literal["100ms", "250ms", "500ms", "1s", "2.5s", "5s"] = Field(
+        default="1s", description="time to first token a stream must beat (a histogram bucket)"
+    )
+
+    @property
+    def ttft_threshold_seconds(self) -> float:
+        return TTFT_THRESHOLDS[self.ttft_threshold]
+
+
 class MonitoringSpec(CrdModel):
     enabled: bool = Field(
         default=True,
         description="PodMonitor/ServiceMonitor and PrometheusRule, when their CRDs exist",
     )
     interval: str = Field(default="15s", pattern=DURATION_PATTERN, description="scrape interval")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="SLOs with burn-rate alerts")
 
 
 class ImagesSpec(CrdModel):
