@@ -27,7 +27,8 @@ def render(folder: Path) -> list[dict[str, Any]]:
     """What `kustomize build` makes of our kustomizations: resources, recursively, and the
     namespace of namespaced objects (the only transformer they use)."""
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    assert set(kustomization) <= {"apiVersion", "kind", "resources", "namespace"}, folder
+    used = {"apiVersion", "kind", "resources", "namespace", "configMapGenerator"}
+    assert set(kustomization) <= used | {"generatorOptions"}, folder
     objects: list[dict[str, Any]] = []
     for entry in kustomization["resources"]:
         path = (folder / entry).resolve()
@@ -35,6 +36,13 @@ def render(folder: Path) -> list[dict[str, Any]]:
             objects += render(path)
         else:
             objects += [o for o in yaml.safe_load_all(path.read_text()) if o]
+    options = kustomization.get("generatorOptions", {})
+    for generator in kustomization.get("configMapGenerator", []):
+        assert options.get("disableNameSuffixHash"), "names stay stable for Grafana's sidecar"
+        data = {Path(f).name: (folder / f).read_text() for f in generator["files"]}
+        metadata = {"name": generator["name"], "labels": options.get("labels", {})}
+        config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+        objects.append(config_map)
     if "namespace" in kustomization:
         for obj in objects:
             if obj["kind"] not in CLUSTER_SCOPED:
