@@ -283,3 +283,18 @@ def test_engine_refuses_features_it_lacks_clearly(capsys: pytest.CaptureFixture[
         args = build_parser().parse_args(["engine", *extra])
         with pytest.raises(SystemExit, match="not available"):
             _settings(args, args.model)
+
+
+def test_prometheus_rule_carries_the_deployments_slos() -> None:
+    from kvfleet.operator.build_monitoring import build_prometheus_rule
+
+    slo = {"availability": 0.995, "latency": 0.9, "ttftThreshold": "250ms"}
+    o = owner({"model": {"source": "smollm2"}, "monitoring": {"slo": slo}})
+    rules = [r for g in build_prometheus_rule(o)["spec"]["groups"] for r in g["rules"]]
+    exprs = [r["expr"] for r in rules]
+    assert "vector(0.995)" in exprs
+    assert "vector(0.9)" in exprs
+    assert any('le="0.25"' in e for e in exprs)
+    page = next(r for r in rules if r.get("alert") == "KvfleetAvailabilityBurnRateCritical")
+    assert "> 0.072" in page["expr"]  # 14.4 x the 0.5% budget
+    assert all('namespace="llm"' in e for e in exprs if "kvfleet_slo:error_ratio" in e)

@@ -147,6 +147,18 @@ BAD_SPECS = [
         "spec.model.source",
     ),
     (
+        "a TTFT threshold that is no histogram bucket",
+        {"monitoring": {"slo": {"ttftThreshold": "300ms"}}},
+        "spec.monitoring.slo.ttftThreshold: Unsupported value: '300ms'",
+        "spec.monitoring.slo.ttftThreshold",
+    ),
+    (
+        "an availability objective of 100%",
+        {"monitoring": {"slo": {"availability": 1.0}}},
+        "spec.monitoring.slo.availability: Invalid value: 1.0: should be less than or equal to",
+        "spec.monitoring.slo.availability",
+    ),
+    (
         "draft speculation without a draft model",
         {"engine": {"speculative": {"method": "draft"}}},
         "spec.engine.speculative.draftModel: Invalid value: method draft needs draftModel",
