@@ -267,3 +267,24 @@ def test_no_traffic_is_not_an_outage(tmp_path: Path) -> None:
         owner(),
         [{"interval": "1m", "input_series": idle, "alert_rule_test": silent("3h")}],
     )
+
+
+def test_fleet_rules_and_the_operators_rules_pass_promtool_check(
+    tmp_path: Path, repo_root: Path
+) -> None:
+    fleet = yaml.safe_load((repo_root / "manifests/monitoring/fleet-rules.yaml").read_text())
+    samples = sorted(repo_root.glob("manifests/samples/*.yaml"))
+    files = [tmp_path / "fleet.yaml"]
+    files[0].write_text(yaml.safe_dump({"groups": fleet["spec"]["groups"]}))
+    for path in samples:
+        obj = yaml.safe_load(path.read_text())
+        sample = Owner(obj["metadata"]["name"], "default", "uid", parse_spec(obj["spec"]))
+        files.append(tmp_path / path.name)
+        files[-1].write_text(yaml.safe_dump({"groups": rule_groups(sample)}))
+    result = subprocess.run(
+        [promtool(), "check", "rules", *map(str, files)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
