@@ -226,6 +226,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere; or "torch", "triton"
     enable_kv_events: bool = False
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    tensor_parallel_size: int = 1  # processes (GPUs) one model is split across
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -236,6 +237,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,12 +24,15 @@ from kvfleet.engine.core.outputs import SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.loader.model_loader import load_model
-from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.loader.source import ModelSource, resolve_model_source
 from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.lora.manager import LoRAManager
-from kvfleet.engine.models.llama import AttentionFactory
+from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.parallel.group import TPGroup
+from kvfleet.engine.parallel.partition import TPPlan
+from kvfleet.engine.parallel.worker import WorkerPool, free_port
 from kvfleet.engine.runner import ModelRunner, kv_cache_bytes_per_block
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer
@@ -39,33 +44,104 @@ _GIB = 1 << 30
 _GRAPHS_RESERVE = _GIB // 2
 
 
+@dataclass(frozen=True)
+class RankSetup:
+    """What every tensor-parallel rank derives alike from the EngineConfig."""
+
+    source: ModelSource
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    attention_backend: str
+
+
+def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
+    device = _pick_device(config.device)
+    if device.type == "cuda" and config.tensor_parallel_size > 1:
+        device = torch.device("cuda", rank)  # one GPU per rank
+    source = resolve_model_source(config.model, config.load_format)
+    model_config = source.read_config()
+    return RankSetup(
+        source=source,
+        model_config=model_config,
+        dtype=_pick_dtype(config.dtype, model_config, device),
+        device=device,
+        max_model_len=_max_model_len(config, model_config),
+        attention_backend=_pick_attention_backend(config.attention_backend, device),
+    )
+
+
+def join_group(setup: RankSetup, rank: int, world_size: int, port: int) -> TPGroup | None:
+    """This rank's place in the tensor-parallel group (None without tensor parallelism)."""
+    if world_size == 1:
+        return None
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)
+    else:  # ranks share the cores instead of each taking all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    plan = TPPlan.build(setup.model_config, rank, world_size)
+    return TPGroup.initialize(plan, setup.device, port)
+
+
+def load_rank_model(config: EngineConfig, setup: RankSetup, tp: TPGroup | None) -> LlamaForCausalLM:
+    torch.manual_seed(config.seed)
+    return load_model(
+        setup.source,
+        setup.model_config,
+        setup.dtype,
+        setup.device,
+        _attention_factory(setup.attention_backend),
+        config.seed,
+        fused=setup.attention_backend == "triton",
+        tp=tp,
+    )
+
+
+def build_rank(
+    config: EngineConfig, rank: int, world_size: int, port: int
+) -> tuple[ModelRunner, TPGroup]:
+    """A tensor-parallel worker's runner: its model shard and KV cache, built in the same order
+    (and so with the same collectives) as rank 0's engine builds its own."""
+    setup = resolve_setup(config, rank)
+    tp = join_group(setup, rank, world_size, port)
+    assert tp is not None
+    model = load_rank_model(config, setup, tp)
+    runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
+    runner.allocate_kv_cache(tp.min_int(_num_blocks(config, runner, setup)))
+    return runner, tp
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = _pick_device(config.device)
-        torch.manual_seed(config.seed)
-        self.source = resolve_model_source(config.model, config.load_format)
-        self.model_config = self.source.read_config()
-        self.dtype = _pick_dtype(config.dtype, self.model_config, self.device)
-        self.max_model_len = _max_model_len(config, self.model_config)
+        setup = resolve_setup(config)
+        self.device = setup.device
+        self.source = setup.source
+        self.model_config = setup.model_config
+        self.dtype = setup.dtype
+        self.max_model_len = setup.max_model_len
+        self.attention_backend = setup.attention_backend
         wants_tokenizer = self.source.format != "dummy" or config.tokenizer is not None
         self.tokenizer = (
             Tokenizer.load(self.source, config.tokenizer)
             if wants_tokenizer and not config.skip_tokenizer_init
             else None
         )
-        self.attention_backend = _pick_attention_backend(config.attention_backend, self.device)
-        model = load_model(
-            self.source,
-            self.model_config,
-            self.dtype,
-            self.device,
-            _attention_factory(self.attention_backend),
-            config.seed,
-            fused=self.attention_backend == "triton",
-        )
-        self.lora: LoRAManager | None = None
         lora = config.lora
+        self.workers: WorkerPool | None = None
+        self.tp: TPGroup | None = None
+        if config.tensor_parallel_size > 1:
+            if lora.enable_lora:
+                raise ValueError("LoRA adapters are not available with tensor parallelism yet")
+            TPPlan.build(self.model_config, 0, config.tensor_parallel_size)  # fail before spawning
+            port = free_port()
+            self.workers = WorkerPool(config, config.tensor_parallel_size, port)
+            self.workers.start()
+            size = config.tensor_parallel_size
+            self.tp = self.workers.run_while_alive(lambda: join_group(setup, 0, size, port))
+        model = load_rank_model(config, setup, self.tp)
+        self.lora: LoRAManager | None = None
         if lora.enable_lora:
             # NOTE: before the KV cache is sized, so the slots count as weights.
             self.lora = LoRAManager(
@@ -79,9 +155,14 @@ class LLMEngine:
                 self.lora.add(name, path)
         block_size = config.cache.block_size
         self.runner = ModelRunner(model, block_size, self.dtype, self.device, self.lora)
-        num_blocks = self._num_blocks()
+        num_blocks = _num_blocks(config, self.runner, setup)
+        if self.tp is not None and self.workers is not None:
+            tp, own = self.tp, num_blocks  # every rank holds the same blocks
+            num_blocks = self.workers.run_while_alive(lambda: tp.min_int(own))
         self.runner.allocate_kv_cache(num_blocks)
-        if self.attention_backend == "triton" and not config.enforce_eager:
+        # TODO(issue 10): decode CUDA graphs around NCCL all-reduces; eager with TP for now.
+        graphs = self.attention_backend == "triton" and not config.enforce_eager
+        if graphs and self.tp is None:
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events
@@ -222,8 +303,28 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine cannot serve any more (a tensor-parallel worker died), else None."""
+        return self.workers.dead if self.workers is not None else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
+        if self.workers is None or self.tp is None:
+            return
+        if self.workers.dead is None:
+            try:
+                self.tp.broadcast_stop()
+            except RuntimeError:
+                logger.warning("a tensor-parallel worker did not take the stop signal")
+        self.workers.stop()
+        self.tp.close()
+        self.tp = None
+
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step; the requests it advanced (only those it finished if `final_only`)."""
+        if self.workers is not None:
+            self.workers.check()  # WorkerDiedError: no step can run any more
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
         now = time.monotonic()
@@ -265,44 +366,43 @@ class LLMEngine:
             if t != self.eos_token_id and t not in params.stop_token_ids
         )
 
-    def _num_blocks(self) -> int:
-        """The configured count; else what fits in `gpu_memory_utilization` of the GPU once the
-        weights, the largest step's activations (profiled) and the CUDA context are counted."""
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        if self.device.type == "cuda":
-            sched = self.config.scheduler
-            peak = self.runner.profile_peak_bytes(
-                min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs
-            )
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Memory the CUDA context, libraries and other processes hold outside our allocator.
-            outside = total - free - torch.cuda.memory_reserved(self.device)
-            weights = torch.cuda.memory_allocated(self.device)
-            budget = (
-                total * cache.gpu_memory_utilization - outside - weights - peak - _GRAPHS_RESERVE
-            )
-            logger.info(
-                "memory: %.2f GiB total, weights %.2f GiB, largest step %.2f GiB, outside "
-                "torch %.2f GiB; %.2f GiB for the KV cache at utilization %.2f",
-                total / _GIB,
-                weights / _GIB,
-                peak / _GIB,
-                outside / _GIB,
-                budget / _GIB,
-                cache.gpu_memory_utilization,
-            )
-        else:
-            budget = cache.cpu_kv_cache_gib * _GIB
-        num_blocks = int(budget // per_block)
-        if num_blocks < 2:
-            raise ValueError(
-                f"no memory is left for the KV cache (budget {budget / _GIB:.2f} GiB); raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens"
-            )
-        return num_blocks
+
+def _num_blocks(config: EngineConfig, runner: ModelRunner, setup: RankSetup) -> int:
+    """The configured count; else what fits in `gpu_memory_utilization` of the GPU once the
+    weights, the largest step's activations (profiled) and the CUDA context are counted."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_cache_bytes_per_block(runner.config, cache.block_size, setup.dtype)
+    if setup.device.type == "cuda":
+        sched = config.scheduler
+        peak = runner.profile_peak_bytes(
+            min(sched.max_num_batched_tokens, setup.max_model_len), sched.max_num_seqs
+        )
+        free, total = torch.cuda.mem_get_info(setup.device)
+        # Memory the CUDA context, libraries and other processes hold outside our allocator.
+        outside = total - free - torch.cuda.memory_reserved(setup.device)
+        weights = torch.cuda.memory_allocated(setup.device)
+        budget = total * cache.gpu_memory_utilization - outside - weights - peak - _GRAPHS_RESERVE
+        logger.info(
+            "memory: %.2f GiB total, weights %.2f GiB, largest step %.2f GiB, outside "
+            "torch %.2f GiB; %.2f GiB for the KV cache at utilization %.2f",
+            total / _GIB,
+            weights / _GIB,
+            peak / _GIB,
+            outside / _GIB,
+            budget / _GIB,
+            cache.gpu_memory_utilization,
+        )
+    else:
+        budget = cache.cpu_kv_cache_gib * _GIB
+    num_blocks = int(budget // per_block)
+    if num_blocks < 2:
+        raise ValueError(
+            f"no memory is left for the KV cache (budget {budget / _GIB:.2f} GiB); raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return num_blocks
 
 
 def _attention_factory(backend: str) -> AttentionFactory:

@@ -22,6 +22,7 @@ from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
+from kvfleet.engine.parallel.group import StepInputs, TPGroup
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -157,6 +158,12 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [], [])
         inputs = self._prepare_inputs(scheduler_output)
+        if self.model.tp is not None:  # the other ranks run the same forward
+            self.model.tp.broadcast_step(
+                StepInputs(
+                    inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
+                )
+            )
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
         # NOTE: built before the forward is queued: its host-to-device copies must not wait
         # for the forward to finish.
@@ -177,6 +184,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = self.sampler(logits, sampling)
         return self._outputs(scheduler_output, inputs.sampled_req_ids, states, sampled)
+
+    @torch.inference_mode()
+    def serve_steps(self, tp: TPGroup) -> None:
+        """Ranks > 0: run every step rank 0 broadcasts (forward and logits, for their
+        collectives; rank 0 samples) until it stops."""
+        while (step := tp.receive_step()) is not None:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+            self.model.compute_logits(hidden[step.logits_indices])
 
     def _update_states(self, out: SchedulerOutput) -> None:
         if out.finished_req_ids or out.scheduled_new_reqs:

@@ -1,9 +1,16 @@
-"""load_model: build a model on its device in its dtype, then fill its weights."""
+"""load_model: build a model on its device in its dtype, then fill its weights.
+
+With tensor parallelism each rank keeps only its slices: safetensors are read slice by slice;
+GGUF tensors are dequantized whole and then cut; random (dummy) weights are drawn per
+checkpoint tensor from a seed of its own, so every tensor-parallel size sees the same model.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -11,6 +18,10 @@ from tqdm import tqdm
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.loader.source import ModelSource
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
+from kvfleet.engine.parallel.partition import Slice
+
+if TYPE_CHECKING:
+    from kvfleet.engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -23,30 +34,49 @@ def load_model(
     attention: AttentionFactory,
     seed: int = 0,
     fused: bool = False,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """`config` is the whole model's; with `tp`, this rank's part of it is built and filled."""
     default_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)  # parameters are born in the model's dtype
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, attention, fused)
+            model = LlamaForCausalLM(config, attention, fused, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
+    slice_for = tp.plan.slice_for if tp is not None else _whole
     if source.format == "dummy":
-        _init_dummy_weights(model, seed)
+        weights = _dummy_weights(model, config, seed, slice_for)
     else:
-        model.load_weights(_with_progress(_weights(source, config), f"loading {source.name}"))
+        weights = _weights(source, config, slice_for)
+    with torch.no_grad():
+        model.load_weights(_with_progress(weights, f"loading {source.name}"))
     return model.eval()
 
 
-def _weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _whole(hf_name: str) -> Slice | None:
+    return None
+
+
+def cut(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
+    """The part of a checkpoint tensor a rank keeps (all of it for None)."""
+    if part is None:
+        return tensor
+    dim, start, length = part
+    return tensor.narrow(dim, start, length)
+
+
+def _weights(
+    source: ModelSource, config: ModelConfig, slice_for: Callable[[str], Slice | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
     if source.format == "gguf":
         from kvfleet.engine.loader.gguf import iterate_gguf_weights
 
-        return iterate_gguf_weights(source.path, config)
+        return ((n, cut(t, slice_for(n))) for n, t in iterate_gguf_weights(source.path, config))
     from kvfleet.engine.loader.safetensors_folder import iterate_safetensors_weights
 
-    return iterate_safetensors_weights(source.path)
+    return iterate_safetensors_weights(source.path, slice_for)
 
 
 def _with_progress(
@@ -58,15 +88,58 @@ def _with_progress(
             bar.update()
 
 
-@torch.no_grad()
-def _init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights at real shapes (benchmarks): N(0, 0.02) matrices, unit norms, zero biases."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+def checkpoint_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor a Hugging Face checkpoint of this config holds, with its shape."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    yield "model.embed_tokens.weight", (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        for name, rows, bias in (
+            ("self_attn.q_proj", q, config.qkv_bias),
+            ("self_attn.k_proj", kv, config.qkv_bias),
+            ("self_attn.v_proj", kv, config.qkv_bias),
+            ("mlp.gate_proj", inter, config.mlp_bias),
+            ("mlp.up_proj", inter, config.mlp_bias),
+        ):
+            yield f"{layer}.{name}.weight", (rows, hidden)
+            if bias:
+                yield f"{layer}.{name}.bias", (rows,)
+        yield f"{layer}.self_attn.o_proj.weight", (hidden, q)
+        if config.o_bias:
+            yield f"{layer}.self_attn.o_proj.bias", (hidden,)
+        yield f"{layer}.mlp.down_proj.weight", (hidden, inter)
+        if config.mlp_bias:
+            yield f"{layer}.mlp.down_proj.bias", (hidden,)
+        yield f"{layer}.input_layernorm.weight", (hidden,)
+        yield f"{layer}.post_attention_layernorm.weight", (hidden,)
+    yield "model.norm.weight", (hidden,)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", (config.vocab_size, hidden)
+
+
+def _dummy_weights(
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    seed: int,
+    slice_for: Callable[[str], Slice | None],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights at real shapes (benchmarks): N(0, 0.02) matrices, unit norms, zero
+    biases; each tensor drawn whole from its own seed, then cut to this rank's slice."""
+    param = next(model.parameters())
+    for name, shape in checkpoint_shapes(config):
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, 0.02, generator=generator)
+            yield name, torch.ones(shape, dtype=param.dtype, device=param.device)
+            continue
+        if name.endswith(".bias"):
+            yield (
+                name,
+                cut(torch.zeros(shape, dtype=param.dtype, device=param.device), slice_for(name)),
+            )
+            continue
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(shape, dtype=param.dtype, device=param.device)
+        full.normal_(0.0, 0.02, generator=generator)
+        yield name, cut(full, slice_for(name))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,8 +26,19 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors_weights(
+    folder: Path, slice_for: Callable[[str], tuple[int, int, int] | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor; with `slice_for`, only the (dim, start, length) slice
+    it names is read from the file (tensor parallelism)."""
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+                part = slice_for(name) if slice_for is not None else None
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = part
+                lazy = f.get_slice(name)
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, lazy[index]

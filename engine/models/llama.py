@@ -8,20 +8,43 @@ Hugging Face tensor names and fills the fused parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionBackend, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
+if TYPE_CHECKING:
+    from kvfleet.engine.parallel.group import TPGroup
+
 AttentionFactory = Callable[[ModelConfig], AttentionBackend]
 
 
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """A linear layer whose input features are split over the ranks: partial products are
+    summed (all-reduce), then the (replicated) bias is added once."""
+    if tp is None:
+        out: torch.Tensor = linear(x)
+        return out
+    out = tp.all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TPGroup | None = None,
+    ):
+        """`config` has this rank's heads (all of them without tensor parallelism)."""
         super().__init__()
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -48,30 +71,34 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata)
-        projected: torch.Tensor = self.o_proj(out.view(num_tokens, self.q_size))
-        return projected
+        return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, fused: bool = False):
+    def __init__(self, config: ModelConfig, fused: bool = False, tp: TPGroup | None = None):
         super().__init__()
         self.fused = fused
+        self.tp = tp
         size, inner = config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Linear(size, 2 * inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
-        return out
+        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x), self.fused), self.tp)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, fused: bool
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        fused: bool,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = LlamaMLP(config, fused)
+        self.self_attn = LlamaAttention(config, rotary, backend, tp)
+        self.mlp = LlamaMLP(config, fused, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -90,10 +117,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFactory, fused: bool = False):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionFactory,
+        fused: bool = False,
+        tp: TPGroup | None = None,
+    ):
         """`fused`: Triton kernels for norms and RoPE on CUDA (the fast path); the torch
-        layers otherwise (the reference)."""
+        layers otherwise (the reference). `tp`: this rank's part of a tensor-parallel model
+        (`self.config` then has this rank's head and MLP sizes; the vocabulary stays whole)."""
         super().__init__()
+        self.tp = tp
+        self.full_config = config
+        config = tp.plan.local_config(config) if tp is not None else config
         self.config = config
         rotary = RotaryEmbedding(
             config.head_dim,
@@ -102,16 +139,17 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             fused,
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        vocab_rows = tp.plan.vocab_per_rank if tp is not None else config.vocab_size
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, attention(config), fused)
+            LlamaDecoderLayer(config, rotary, attention(config), fused, tp)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         )
 
     def forward(
@@ -121,12 +159,24 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden]; with tensor parallelism each rank looks up the
+        ids in its vocabulary shard and the rows are summed."""
+        if self.tp is None:
+            found: torch.Tensor = self.embed_tokens(input_ids)
+            return found
+        vocab = self.tp.plan.vocab
+        local = input_ids - vocab.start
+        outside = (local < 0) | (local >= vocab.size)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits."""
@@ -134,8 +184,12 @@ class LlamaForCausalLM(nn.Module):
         if hidden.is_cuda and hidden.dtype != torch.float32:
             # NOTE: float32 out of the matmul itself: bf16 logits near 20 are 0.125 apart, so
             # greedy near-ties would be decided by rounding noise rather than by the model.
-            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-        return (hidden @ weight.t()).float()
+            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        else:
+            logits = (hidden @ weight.t()).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_vocab(logits)[:, : self.config.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every one must be set."""
@@ -150,6 +204,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
             param = params[name]
             dest = param.data if shard is None else param.data.narrow(0, *shard)
+            if self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight"):
+                dest[tensor.shape[0] :].zero_()  # the padding rows of the last vocabulary shard
+                dest = dest[: tensor.shape[0]]
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "

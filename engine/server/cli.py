@@ -92,7 +92,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="GPUs one engine spans (this build: 1; an LLMDeployment passes it when > 1)",
+        help="GPUs (or, on the CPU, processes) one model is split across",
     )
     parser.add_argument(
         "--speculative-config",
@@ -116,12 +116,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
     from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
     from kvfleet.engine.server.app import ServerSettings
 
-    # NOTE: refused here, clearly, until the engine has them; never silently ignored.
-    if args.tensor_parallel_size != 1:
-        raise SystemExit(
-            f"kvfleet: error: --tensor-parallel-size {args.tensor_parallel_size}: this engine "
-            "build runs one GPU per engine (tensor parallelism is not available yet)"
-        )
+    # NOTE: refused here, clearly, until the engine has it; never silently ignored.
     if args.speculative_config:
         raise SystemExit(
             "kvfleet: error: --speculative-config: speculative decoding is not available in "
@@ -145,6 +140,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
             enable_kv_events=True,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

@@ -1,0 +1,136 @@
+"""TPGroup: the collectives tensor-parallel ranks run, and the per-step broadcast of inputs.
+
+Rank 0 (the engine process) schedules and samples. Each step it broadcasts the flattened model
+inputs as three tensors (a small header, one int64 and one int32 buffer: the same buffers the
+runner already builds), never pickled requests; the other ranks rebuild the attention metadata
+from them and join the forward's collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.parallel.partition import TPPlan
+
+STEP, STOP = 1, 0
+# header: op, num_tokens, num_seqs, max_blocks, num_sampled, max_seqlen_q, max_seqlen_k
+_HEADER = 7
+# A collective with a dead peer fails (gloo) or is abandoned (NCCL) after this long.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every rank needs for one forward pass."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64
+
+
+class TPGroup:
+    def __init__(self, plan: TPPlan, device: torch.device, group: Any = None) -> None:
+        self.plan = plan
+        self.rank = plan.rank
+        self.world_size = plan.world_size
+        self.device = device
+        self.group = group
+
+    @classmethod
+    def initialize(cls, plan: TPPlan, device: torch.device, port: int) -> TPGroup:
+        """Join the group (rank 0 listens on 127.0.0.1:`port`): NCCL on CUDA, gloo on the CPU."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=plan.rank,
+            world_size=plan.world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        return cls(plan, device, dist.group.WORLD)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab_per_rank] on every rank -> [rows, vocab_size] (padding dropped)."""
+        parts = [torch.empty_like(logits) for _ in range(self.world_size)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (KV-cache blocks all ranks can hold)."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def broadcast_step(self, inputs: StepInputs) -> None:
+        """Rank 0: send one step's inputs to the other ranks."""
+        meta = inputs.metadata
+        num_seqs, max_blocks = meta.block_tables.shape
+        header = [
+            STEP,
+            inputs.input_ids.numel(),
+            num_seqs,
+            max_blocks,
+            inputs.logits_indices.numel(),
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+        ]
+        longs = torch.cat(
+            (inputs.input_ids, inputs.positions, meta.slot_mapping, inputs.logits_indices)
+        )
+        ints = torch.cat((meta.block_tables.reshape(-1), meta.cu_seqlens_q, meta.seq_lens))
+        self._broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+        self._broadcast(longs)
+        self._broadcast(ints)
+
+    def broadcast_stop(self) -> None:
+        header = [STOP] + [0] * (_HEADER - 1)
+        self._broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+
+    def receive_step(self) -> StepInputs | None:
+        """Ranks > 0: the next step's inputs, or None when rank 0 stops."""
+        header_tensor = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        self._broadcast(header_tensor)
+        op, n, num_seqs, max_blocks, num_sampled, max_q, max_k = header_tensor.tolist()
+        if op == STOP:
+            return None
+        longs = torch.empty(3 * n + num_sampled, dtype=torch.int64, device=self.device)
+        ints = torch.empty(
+            num_seqs * max_blocks + 2 * num_seqs + 1, dtype=torch.int32, device=self.device
+        )
+        self._broadcast(longs)
+        self._broadcast(ints)
+        table_size = num_seqs * max_blocks
+        cu_seqlens_q = ints[table_size : table_size + num_seqs + 1]
+        seq_lens = ints[table_size + num_seqs + 1 :]
+        bounds = cu_seqlens_q.tolist()
+        metadata = AttentionMetadata(
+            slot_mapping=longs[2 * n : 3 * n],
+            block_tables=ints[:table_size].view(num_seqs, max_blocks),
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            query_lens_cpu=[b - a for a, b in itertools.pairwise(bounds)],
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(longs[:n], longs[n : 2 * n], metadata, longs[3 * n :])
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=0, group=self.group)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
