@@ -68,12 +68,19 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self.num_step_errors = 0
+        if engine.workers is not None:  # a dying worker wakes the loop, which then stops
+            engine.workers.on_death(lambda _: self._wake.set())
         self._lora_names: tuple[str, ...] = ()
         self._refresh_lora_names()
 
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine stopped for good (a tensor-parallel worker died), else None."""
+        return self.engine.fatal_error
 
     @property
     def num_in_flight(self) -> int:
@@ -160,6 +167,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.engine.close)
 
     # --- the engine thread -------------------------------------------------------------
 
@@ -171,6 +179,10 @@ class AsyncEngine:
         logger.info("engine loop started")
         while not self._stop.is_set():
             self._handle_commands()
+            if self.engine.fatal_error is not None:
+                logger.critical("the engine cannot go on: %s", self.engine.fatal_error)
+                self._fail_in_flight(RuntimeError(self.engine.fatal_error))
+                break
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
@@ -179,12 +191,15 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:
                 self._fail_in_flight(exc)
+                if self.engine.fatal_error is not None:
+                    break
                 continue
             for output in outputs:
                 self._deliver(output)
             if any(o.finished for o in outputs):
                 self._refresh_lora_names()  # an unloaded adapter's last request may be done
             self._publish_kv_events(self.engine.kv_cache_manager.block_pool.take_events())
+        self._stop.set()
         self._handle_commands()
         logger.info("engine loop stopped")
 
@@ -259,8 +274,10 @@ class AsyncEngine:
 
     def _fail_in_flight(self, exc: Exception) -> None:
         self.num_step_errors += 1
-        logger.exception(
-            "an engine step failed; aborting the %d requests in flight", len(self._streams)
+        logger.error(
+            "an engine step failed; aborting the %d requests in flight",
+            len(self._streams),
+            exc_info=exc,
         )
         request_ids = list(self._streams)
         try:

@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed(input_ids)
+        hidden: torch.Tensor = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)

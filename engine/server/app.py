@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ from kvfleet.engine.server.serving import OpenAIServing
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+FATAL_GRACE_S = 2.0  # /health answers 503 this long before a failed engine's server exits
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
@@ -66,6 +68,7 @@ class _State:
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.load_error: BaseException | None = None
+        self.fatal_error: str | None = None  # set when the engine died for good
         self.metrics = EngineMetrics(
             settings.model_name, self.read_stats, settings.metrics_compat == "vllm"
         )
@@ -112,7 +115,10 @@ def create_app(
     settings: ServerSettings,
     engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
     on_ready: Callable[[], None] | None = None,
+    on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
+    """`on_fatal`: how to stop serving once the engine died for good (the CLI stops its
+    uvicorn server; by default the process gets SIGTERM)."""
     state = _State(settings)
 
     async def load() -> None:
@@ -132,11 +138,28 @@ def create_app(
         if on_ready is not None:
             on_ready()
 
+    async def watch() -> None:
+        """A dead engine (a tensor-parallel worker exited) ends the server: /health has been
+        answering 503 since the loop stopped; after a grace period for probes to see it, the
+        process shuts down and `kvfleet engine` exits with code 1."""
+        while state.fatal_error is None:
+            await asyncio.sleep(0.25)
+            if state.engine is not None and not state.engine.is_running:
+                state.fatal_error = state.engine.fatal_error or "the engine loop stopped"
+        logger.critical("the engine failed (%s); shutting the server down", state.fatal_error)
+        await asyncio.sleep(FATAL_GRACE_S)
+        if on_fatal is not None:
+            on_fatal()
+        else:
+            signal.raise_signal(signal.SIGTERM)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(load())
+        watching = asyncio.create_task(watch())
         app.state.loading = loading
         yield
+        watching.cancel()
         loading.cancel()
         if state.engine is not None:
             await state.engine.shutdown(settings.shutdown_timeout_s)

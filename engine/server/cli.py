@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,6 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _serve_replicas(args: argparse.Namespace) -> int:
     """N engine processes on loopback, the gateway in this one in front of them."""
     import subprocess
-    import sys
 
     import uvicorn
 
@@ -266,7 +266,10 @@ def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
                 flush=True,
             )
 
-    app = create_app(settings, on_ready=on_ready)
+    def on_fatal() -> None:
+        server.should_exit = True  # then `kvfleet engine` exits with code 1 (below)
+
+    app = create_app(settings, on_ready=on_ready, on_fatal=on_fatal)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -278,4 +281,8 @@ def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
     server = uvicorn.Server(config)
     logger.info("starting on %s (the model loads in the background; /health says when ready)", url)
     server.run()
-    return 0 if not getattr(app.state.kvfleet, "load_error", None) else 1
+    state = app.state.kvfleet
+    if state.fatal_error is not None:
+        print(f"kvfleet: error: the engine failed: {state.fatal_error}", file=sys.stderr)
+        return 1
+    return 0 if state.load_error is None else 1

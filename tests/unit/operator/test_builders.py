@@ -276,13 +276,14 @@ def test_engine_replicas_follow_spec_within_autoscaling_bounds(
     assert build_engine_deployment(owner(spec), CONFIG)["spec"]["replicas"] == expected
 
 
-def test_engine_refuses_features_it_lacks_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+def test_engine_takes_tensor_parallelism_and_refuses_speculation_clearly() -> None:
     from kvfleet.engine.server.cli import _settings
 
-    for extra in (["--tensor-parallel-size=2"], ['--speculative-config={"method":"ngram"}']):
-        args = build_parser().parse_args(["engine", *extra])
-        with pytest.raises(SystemExit, match="not available"):
-            _settings(args, args.model)
+    args = build_parser().parse_args(["engine", "--tensor-parallel-size=2"])
+    assert _settings(args, args.model).engine.tensor_parallel_size == 2
+    args = build_parser().parse_args(["engine", '--speculative-config={"method":"ngram"}'])
+    with pytest.raises(SystemExit, match="not available"):
+        _settings(args, args.model)
 
 
 def test_prometheus_rule_carries_the_deployments_slos() -> None:

@@ -1,0 +1,175 @@
+"""Tensor parallelism on the CPU with gloo: real worker processes, real collectives.
+
+SmolLM2 split over 2 ranks (its 3 KV heads go 2 + 1) generates exactly what 1 rank does, with
+logprobs equal within float32 rounding; a random config with fewer KV heads than ranks works;
+killing a worker makes the server unhealthy, then exit with code 1 and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.sampling_params import SamplingParams
+
+from .conftest import MODEL, Server, free_port, launch
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4,",
+    "The three primary colors are",
+    "Translate to French: good morning",
+    "Water boils at",
+    "A haiku about the sea:",
+]
+
+
+def generate(
+    tensor_parallel_size: int, model: str, prompts: list[str] | list[list[int]], **extra: object
+) -> list[Any]:
+    llm = LLM(
+        model,
+        dtype="float32",
+        num_blocks=512,
+        max_model_len=512,
+        tensor_parallel_size=tensor_parallel_size,
+        **extra,
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=64, logprobs=5, ignore_eos=True)
+        return list(llm.generate(prompts, params))
+    finally:
+        llm.engine.close()
+
+
+def test_smollm2_two_ranks_generate_what_one_does() -> None:
+    one = generate(1, MODEL, PROMPTS)
+    two = generate(2, MODEL, PROMPTS)
+    worst = 0.0
+    for a, b in zip(one, two, strict=True):
+        first, second = a.outputs[0], b.outputs[0]
+        assert first.token_ids == second.token_ids
+        assert len(first.token_ids) == 64
+        for step_a, step_b in zip(first.logprobs, second.logprobs, strict=True):
+            assert step_a.top_token_ids == step_b.top_token_ids
+            pairs = zip(step_a.top_logprobs, step_b.top_logprobs, strict=True)
+            worst = max(
+                worst, abs(step_a.logprob - step_b.logprob), *(abs(x - y) for x, y in pairs)
+            )
+    assert worst < 1e-3, worst
+
+
+def test_fewer_kv_heads_than_ranks(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    prompts = [list(range(1, 2 + 3 * i)) for i in range(8)]
+    one = generate(1, str(path), prompts, load_format="dummy", skip_tokenizer_init=True)
+    # four ranks: each KV head on 2 ranks with 2 query heads each; two ranks: 1 KV head each
+    for size in (4, 2):
+        other = generate(size, str(path), prompts, load_format="dummy", skip_tokenizer_init=True)
+        for a, b in zip(one, other, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.fixture
+def tp_server(tmp_path: Path) -> Iterator[Server]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "kvfleet.engine.cli",
+        "engine",
+        "--model",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--num-blocks",
+        "256",
+        "--tensor-parallel-size",
+        "2",
+    ]
+
+    def healthy(server: Server) -> bool:
+        return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
+
+    server = launch(tmp_path, "engine", port, command, 300, healthy)
+    yield server
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait(30)
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """The spawned rank processes of `parent` (not multiprocessing's resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and "spawn_main" in command:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker")
+def test_killing_a_worker_fails_the_engine_loudly(tp_server: Server) -> None:
+    reply = httpx.post(
+        f"{tp_server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+        timeout=60,
+    )
+    assert reply.status_code == 200
+    (worker,) = _worker_pids(tp_server.process.pid)
+    os.kill(worker, signal.SIGKILL)
+    saw_unhealthy = False
+    deadline = time.monotonic() + 60
+    while tp_server.process.poll() is None and time.monotonic() < deadline:
+        try:
+            health = httpx.get(f"{tp_server.url}/health", timeout=2)
+            saw_unhealthy |= health.status_code == 503
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    assert tp_server.process.wait(30) == 1
+    assert saw_unhealthy, "/health should answer 503 before the server exits"
+    log = tp_server.log.read_text()
+    assert "tensor-parallel worker rank 1" in log
+    assert "exited with code -9" in log
+    assert "kvfleet: error: the engine failed" in log
