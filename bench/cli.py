@@ -40,6 +40,9 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"
+    )
+    parser.add_argument(
         "--num-loras", type=int, default=0, help="random rank --lora-rank adapters to serve"
     )
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -73,6 +76,9 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"
+    )
     parser.add_argument("--json", help="also write the result to this file")
 
 

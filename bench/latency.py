@@ -51,6 +51,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         max_model_len=args.input_len + args.output_len + 8,
         max_num_seqs=max(args.batch_size, 1),
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
+        tensor_parallel_size=args.tensor_parallel_size,
         **lora,
     )
     engine = llm.engine
@@ -80,6 +81,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     total_s = timed(args.output_len)
     decode_s = (total_s - ttft_s) / (args.output_len - 1)
 
+    # NOTE: with tensor parallelism these are rank 0's shard and KV heads: every rank streams
+    # its own share at once, so one GPU's bytes over one GPU's bandwidth is the floor.
     model = engine.runner.model
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     lora_bytes = 0
@@ -94,7 +97,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         0 if config.tie_word_embeddings else embedding.numel() * embedding.element_size()
     )
     context = args.input_len + args.output_len // 2
-    kv_bytes = args.batch_size * context * kv_cache_bytes_per_block(config, 1, engine.dtype)
+    local = engine.runner.config
+    kv_bytes = args.batch_size * context * kv_cache_bytes_per_block(local, 1, engine.dtype)
     num_params = sum(p.numel() for p in model.parameters())
     ceilings = measure_ceilings(engine.device, engine.dtype)
     floor_s = ceilings.floor_s(streamed + kv_bytes + lora_bytes, 2 * num_params * args.batch_size)
@@ -103,6 +107,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         "attention_backend": engine.attention_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -119,4 +124,5 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         "output_tok_per_s": round(args.batch_size / decode_s, 1),
     }
     emit(result, args.json)
+    engine.close()
     return 0

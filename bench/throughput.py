@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.engine
     config = engine.model_config
@@ -65,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
     cost = workload_cost(config, dtype_bytes, workload, args.max_num_seqs)
     ceilings = measure_ceilings(engine.device, engine.dtype)
-    floor_s = ceilings.floor_s(cost.bytes, cost.flops)
+    # N GPUs stream and multiply their shares at once (the all-reduces are not in the floor)
+    ranks = args.tensor_parallel_size
+    floor_s = ceilings.floor_s(cost.bytes / ranks, cost.flops / ranks)
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "model": args.model,
@@ -85,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
         "total_tok_per_s": round((generated + workload.num_input_tokens) / elapsed, 1),
         "copy_GBps": round(ceilings.copy_gbps, 1),
         "matmul_TFLOPs": round(ceilings.matmul_tflops, 1),
-        "floor_bytes_s": round(cost.bytes / (ceilings.copy_gbps * 1e9), 3),
-        "floor_flops_s": round(cost.flops / (ceilings.matmul_tflops * 1e12), 3),
+        "tensor_parallel_size": ranks,
+        "floor_bytes_s": round(cost.bytes / ranks / (ceilings.copy_gbps * 1e9), 3),
+        "floor_flops_s": round(cost.flops / ranks / (ceilings.matmul_tflops * 1e12), 3),
         "floor_s": round(floor_s, 3),
         "pct_of_floor": round(100 * floor_s / elapsed, 1),
         "steps": steps.summary(),
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "preemptions": engine.scheduler.num_preemptions,
     }
     emit(result, args.json)
+    engine.close()
     return 0
 
 

@@ -109,7 +109,13 @@ def build_rank(
     model = load_rank_model(config, setup, tp)
     runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
     runner.allocate_kv_cache(tp.min_int(_num_blocks(config, runner, setup)))
+    if _uses_graphs(config, setup):
+        runner.enable_decode_graphs(config.scheduler.max_num_seqs, setup.max_model_len)
     return runner, tp
+
+
+def _uses_graphs(config: EngineConfig, setup: RankSetup) -> bool:
+    return setup.attention_backend == "triton" and not config.enforce_eager
 
 
 class LLMEngine:
@@ -160,9 +166,7 @@ class LLMEngine:
             tp, own = self.tp, num_blocks  # every rank holds the same blocks
             num_blocks = self.workers.run_while_alive(lambda: tp.min_int(own))
         self.runner.allocate_kv_cache(num_blocks)
-        # TODO(issue 10): decode CUDA graphs around NCCL all-reduces; eager with TP for now.
-        graphs = self.attention_backend == "triton" and not config.enforce_eager
-        if graphs and self.tp is None:
+        if _uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events

@@ -189,8 +189,13 @@ class ModelRunner:
     def serve_steps(self, tp: TPGroup) -> None:
         """Ranks > 0: run every step rank 0 broadcasts (forward and logits, for their
         collectives; rank 0 samples) until it stops."""
+        graphs = self.decode_graphs
         while (step := tp.receive_step()) is not None:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+            # NOTE: the same choice as rank 0's from the same inputs, so collectives match.
+            if graphs is not None and graphs.can_run(step.metadata):
+                hidden = graphs.run(step.input_ids, step.positions, step.metadata)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
             self.model.compute_logits(hidden[step.logits_indices])
 
     def _update_states(self, out: SchedulerOutput) -> None:

@@ -1,0 +1,104 @@
+"""Tensor parallelism agrees with one GPU: the same prompts through TP=1 and TP=N (each in its
+own process, so each gets the GPUs' whole memory), compared token by token and logprob by
+logprob at the first generated position (same inputs on both sides).
+
+    python3 bench/tp_agreement.py --model llama-3-8b --tp 2 [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from kvfleet.engine.llm import LLM
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=1024,
+        tensor_parallel_size=args.size,
+    )
+    vocab = llm.engine.model_config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(100, vocab - 100, (64 + 16 * i,), generator=generator).tolist()
+        for i in range(8)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    rows = [
+        {
+            "tokens": o.outputs[0].token_ids,
+            "first_top_ids": o.outputs[0].logprobs[0].top_token_ids,
+            "first_top_logprobs": o.outputs[0].logprobs[0].top_logprobs,
+        }
+        for o in outputs
+    ]
+    Path(args.out).write_text(json.dumps(rows))
+    llm.engine.close()
+
+
+def compare(args: argparse.Namespace) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for size in (1, args.tp):
+            out = Path(scratch) / f"tp{size}.json"
+            command = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype]
+            command += ["--load-format", args.load_format, "--size", str(size), "--out", str(out)]
+            subprocess.run(command, check=True)
+            results[size] = json.loads(out.read_text())
+    one, many = results[1], results[args.tp]
+    same_first = sum(
+        a["first_top_ids"][0] == b["first_top_ids"][0] for a, b in zip(one, many, strict=False)
+    )
+    worst = max(
+        abs(x - y)
+        for a, b in zip(one, many, strict=False)
+        for x, y in zip(a["first_top_logprobs"], b["first_top_logprobs"], strict=False)
+    )
+    prefix = [
+        next(
+            (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=False)) if x != y),
+            32,
+        )
+        for a, b in zip(one, many, strict=False)
+    ]
+    report = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "tensor_parallel_size": args.tp,
+        "prompts": len(one),
+        "first_token_agreement": f"{same_first}/{len(one)}",
+        "first_step_max_abs_logprob_diff": round(worst, 5),
+        "identical_greedy_tokens_of_32": prefix,
+    }
+    print(json.dumps(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel size to compare")
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)  # one run (a child)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.size is not None:
+        generate(args)
+    else:
+        compare(args)
+
+
+if __name__ == "__main__":
+    main()
