@@ -36,14 +36,18 @@ def generate(args: argparse.Namespace) -> None:
     ]
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
     outputs = llm.generate(prompts, params)
-    rows = [
-        {
-            "tokens": o.outputs[0].token_ids,
-            "first_top_ids": o.outputs[0].logprobs[0].top_token_ids,
-            "first_top_logprobs": o.outputs[0].logprobs[0].top_logprobs,
-        }
-        for o in outputs
-    ]
+    rows = []
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.logprobs is not None
+        first = completion.logprobs[0]
+        rows.append(
+            {
+                "tokens": completion.token_ids,
+                "first_top_ids": first.top_token_ids,
+                "first_top_logprobs": first.top_logprobs,
+            }
+        )
     Path(args.out).write_text(json.dumps(rows))
     llm.engine.close()
 
