@@ -316,6 +316,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
         if self.workers is None or self.tp is None:
             return
+        logger.info("stopping %d tensor-parallel workers", len(self.workers.processes))
         if self.workers.dead is None:
             try:
                 self.tp.broadcast_stop()
@@ -324,6 +325,7 @@ class LLMEngine:
         self.workers.stop()
         self.tp.close()
         self.tp = None
+        logger.info("tensor-parallel workers stopped")
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step; the requests it advanced (only those it finished if `final_only`)."""

@@ -9,6 +9,7 @@ fails its next collective and exits.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -117,10 +118,14 @@ def worker_main(config: Any, rank: int, world_size: int, port: int) -> None:
     )
     from kvfleet.engine.llm_engine import build_rank
 
+    faulthandler.enable()  # a hung or crashed rank shows where (SIGABRT, SIGSEGV)
     try:
         runner, tp = build_rank(config, rank, world_size, port)
         runner.serve_steps(tp)
-        tp.close()
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
+    logger.info("tensor-parallel rank %d stopped", rank)
+    # NOTE: no process-group teardown: the process ends here and the OS frees what the
+    # communicators held; a collective teardown could wait on a rank 0 that moved on.
+    os._exit(0)
