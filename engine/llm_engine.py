@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from kvfleet.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+_CLOSE_TIMEOUT_S = 30.0
 # CUDA graphs' memory pool and allocator fragmentation, beside the profiled step.
 _GRAPHS_RESERVE = _GIB // 2
 
@@ -317,14 +319,19 @@ class LLMEngine:
         if self.workers is None or self.tp is None:
             return
         logger.info("stopping %d tensor-parallel workers", len(self.workers.processes))
+        tp, self.tp = self.tp, None
         if self.workers.dead is None:
             try:
-                self.tp.broadcast_stop()
+                tp.broadcast_stop()
+                # NOTE: a guard only: closing is local (gloo destroy, NCCL abort)
+                closing = threading.Thread(target=tp.close, name="kvfleet-tp-close", daemon=True)
+                closing.start()
+                closing.join(_CLOSE_TIMEOUT_S)
+                if closing.is_alive():
+                    logger.warning("the tensor-parallel group did not close; leaving it")
             except RuntimeError:
                 logger.warning("a tensor-parallel worker did not take the stop signal")
         self.workers.stop()
-        self.tp.close()
-        self.tp = None
         logger.info("tensor-parallel workers stopped")
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:

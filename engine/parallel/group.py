@@ -132,5 +132,13 @@ class TPGroup:
         dist.broadcast(tensor, src=0, group=self.group)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the group. NCCL communicators are aborted (local, immediate): destroying them
+        is a collective finalize that can wait forever on a rank that already left."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
             dist.destroy_process_group()

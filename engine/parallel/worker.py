@@ -122,10 +122,9 @@ def worker_main(config: Any, rank: int, world_size: int, port: int) -> None:
     try:
         runner, tp = build_rank(config, rank, world_size, port)
         runner.serve_steps(tp)
+        tp.close()
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
     logger.info("tensor-parallel rank %d stopped", rank)
-    # NOTE: no process-group teardown: the process ends here and the OS frees what the
-    # communicators held; a collective teardown could wait on a rank 0 that moved on.
     os._exit(0)
