@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -61,7 +62,10 @@ def compare(args: argparse.Namespace) -> None:
             command += ["--load-format", args.load_format, "--size", str(size), "--out", str(out)]
             subprocess.run(command, check=True)
             results[size] = json.loads(out.read_text())
-    one, many = results[1], results[args.tp]
+    report(args, results[1], results[args.tp])
+
+
+def report(args: argparse.Namespace, one: list[Any], many: list[Any]) -> None:
     same_first = sum(
         a["first_top_ids"][0] == b["first_top_ids"][0] for a, b in zip(one, many, strict=False)
     )
@@ -97,8 +101,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel size to compare")
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)  # one run (a child)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--files", nargs=2, metavar="JSON", help="compare two runs' files")
     args = parser.parse_args()
-    if args.size is not None:
+    if args.files:
+        one, many = (json.loads(Path(f).read_text()) for f in args.files)
+        report(args, one, many)
+    elif args.size is not None:
         generate(args)
     else:
         compare(args)

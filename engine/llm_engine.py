@@ -41,7 +41,7 @@ from kvfleet.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
-_CLOSE_TIMEOUT_S = 30.0
+_CLOSE_TIMEOUT_S = 10.0
 # CUDA graphs' memory pool and allocator fragmentation, beside the profiled step.
 _GRAPHS_RESERVE = _GIB // 2
 
