@@ -7,7 +7,7 @@ llama.cpp's converter permutes the rows of Q and K projections of llama-architec
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,23 @@ def read_gguf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_gguf_fields(read_fields(reader), "output.weight" in names)
 
 
-def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized."""
+def iterate_gguf_weights(
+    path: Path,
+    config: ModelConfig,
+    slice_for: Callable[[str], tuple[int, int, int] | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized. With
+    `slice_for` (tensor parallelism) only that (dim, start, length) slice is returned: row slices
+    are cut from the quantized rows before dequantizing; column slices after."""
     reader = _open(path)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
+        part = slice_for(hf_name) if slice_for is not None else None
+        data = tensor.data
+        if part is not None and part[0] == 0:  # whole rows (and whole heads): quantized as is
+            data = data[part[1] : part[1] + part[2]]
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(data, tensor.tensor_type)
         except NotImplementedError:
             kind = GGMLQuantizationType(tensor.tensor_type).name
             tested = ", ".join(TESTED_TYPES)
@@ -77,10 +87,10 @@ def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str,
         # NOTE: a copy: the reader memory-maps the file read-only.
         array = np.array(array, dtype=np.float32, copy=True)
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = (
-                config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
-            )
+            heads = array.shape[0] // config.head_dim  # (a row slice holds whole heads)
             array = reverse_permute_qk(array, heads)
+        if part is not None and part[0] == 1:
+            array = array[:, part[1] : part[1] + part[2]]
         yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
 
 

@@ -1,8 +1,9 @@
 """load_model: build a model on its device in its dtype, then fill its weights.
 
 With tensor parallelism each rank keeps only its slices: safetensors are read slice by slice;
-GGUF tensors are dequantized whole and then cut; random (dummy) weights are drawn per
-checkpoint tensor from a seed of its own, so every tensor-parallel size sees the same model.
+GGUF row slices are cut before dequantizing (column slices after); random (dummy) weights are
+drawn per checkpoint tensor from a seed of its own, so every tensor-parallel size sees the same
+model.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _weights(
     if source.format == "gguf":
         from kvfleet.engine.loader.gguf import iterate_gguf_weights
 
-        return ((n, cut(t, slice_for(n))) for n, t in iterate_gguf_weights(source.path, config))
+        return iterate_gguf_weights(source.path, config, slice_for)
     from kvfleet.engine.loader.safetensors_folder import iterate_safetensors_weights
 
     return iterate_safetensors_weights(source.path, slice_for)
