@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import statistics
 import time
 from typing import Any
@@ -23,13 +22,8 @@ import uvicorn
 
 from kvfleet.bench.fake_engine import MODEL, fake_engine
 from kvfleet.bench.report import emit
+from kvfleet.engine.parallel.worker import free_port
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _run_engine(port: int) -> None:
@@ -80,7 +74,7 @@ def main() -> None:
     # NOTE: each server in its own process, as deployed: in one process they would share the
     # interpreter lock with each other and with this client.
     spawn = multiprocessing.get_context("spawn")
-    engine_port, gateway_port = _free_port(), _free_port()
+    engine_port, gateway_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     processes = [

@@ -9,10 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PREFIX="${KVFLEET_IMAGE_PREFIX:?set KVFLEET_IMAGE_PREFIX to a registry the GPU nodes can pull from}"
 TAG="${KVFLEET_IMAGE_TAG:-e2e}"
-CONTEXT=()
-if [[ -n "${KVFLEET_E2E_CONTEXT:-}" ]]; then
-    CONTEXT=(--context "$KVFLEET_E2E_CONTEXT")
-fi
 
 images() {
     command -v docker >/dev/null 2>&1 || { echo "e2e/gpu.sh: docker is not on PATH" >&2; exit 2; }
@@ -25,15 +21,7 @@ images() {
 }
 
 install() {
-    kubectl "${CONTEXT[@]}" apply -k manifests/
-    kubectl "${CONTEXT[@]}" wait --for condition=established --timeout=60s \
-        crd/llmdeployments.kvfleet.dev
-    kubectl "${CONTEXT[@]}" -n kvfleet-system set image deployment/kvfleet-operator \
-        "operator=$PREFIX/operator:$TAG"
-    kubectl "${CONTEXT[@]}" -n kvfleet-system set env deployment/kvfleet-operator \
-        "KVFLEET_ENGINE_IMAGE=$PREFIX/engine:$TAG" "KVFLEET_GATEWAY_IMAGE=$PREFIX/gateway:$TAG"
-    kubectl "${CONTEXT[@]}" -n kvfleet-system rollout status deployment/kvfleet-operator \
-        --timeout=180s
+    e2e/install.sh "${KVFLEET_E2E_CONTEXT:-}" "$PREFIX" "$TAG"
 }
 
 case "${1:-}" in

@@ -53,19 +53,7 @@ images() {
 
 install() {
     need kubectl
-    local context=(--context "kind-$CLUSTER")
-    echo "==> installing kvfleet (manifests/)"
-    kubectl "${context[@]}" apply -k manifests/
-    kubectl "${context[@]}" wait --for condition=established --timeout=60s \
-        crd/llmdeployments.kvfleet.dev
-    kubectl "${context[@]}" -n kvfleet-system set image deployment/kvfleet-operator \
-        "operator=$PREFIX/operator:$TAG"
-    kubectl "${context[@]}" -n kvfleet-system set env deployment/kvfleet-operator \
-        "KVFLEET_ENGINE_CPU_IMAGE=$PREFIX/engine-cpu:$TAG" \
-        "KVFLEET_ENGINE_IMAGE=$PREFIX/engine:$TAG" \
-        "KVFLEET_GATEWAY_IMAGE=$PREFIX/gateway:$TAG"
-    kubectl "${context[@]}" -n kvfleet-system rollout status deployment/kvfleet-operator \
-        --timeout=180s
+    e2e/install.sh "kind-$CLUSTER" "$PREFIX" "$TAG"
 }
 
 down() {

@@ -242,5 +242,7 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.tensor_parallel_size > 1 and self.lora.enable_lora:
+            raise ValueError("LoRA adapters are not available with tensor parallelism yet")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -140,8 +140,6 @@ class LLMEngine:
         self.workers: WorkerPool | None = None
         self.tp: TPGroup | None = None
         if config.tensor_parallel_size > 1:
-            if lora.enable_lora:
-                raise ValueError("LoRA adapters are not available with tensor parallelism yet")
             TPPlan.build(self.model_config, 0, config.tensor_parallel_size)  # fail before spawning
             port = free_port()
             self.workers = WorkerPool(config, config.tensor_parallel_size, port)

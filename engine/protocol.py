@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -213,3 +213,14 @@ def normalize_message(message: Message) -> dict[str, str]:
     if not isinstance(content, str):
         raise ValueError(f"message content must be a string or text parts, got {content!r}")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_named_paths(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
+    """`NAME=PATH` command-line values (LoRA adapters) as pairs; ValueError naming the flag."""
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{flag} takes NAME=PATH, got {item!r}")
+        pairs.append((name, path))
+    return pairs

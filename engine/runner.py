@@ -22,7 +22,7 @@ from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
-from kvfleet.engine.parallel.group import StepInputs, TPGroup
+from kvfleet.engine.parallel.group import PackedStep, TPGroup
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -57,6 +57,7 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: the token rows whose logits are sampled
     sampled_req_ids: list[RequestId]
+    packed: PackedStep  # the same inputs as two flat buffers (what tensor parallelism sends)
     lora: LoRABatch | None = None  # None: no token of the step uses an adapter
 
 
@@ -159,11 +160,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         inputs = self._prepare_inputs(scheduler_output)
         if self.model.tp is not None:  # the other ranks run the same forward
-            self.model.tp.broadcast_step(
-                StepInputs(
-                    inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices
-                )
-            )
+            self.model.tp.broadcast_step(inputs.packed)
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
         # NOTE: built before the forward is queued: its host-to-device copies must not wait
         # for the forward to finish.
@@ -247,33 +244,30 @@ class ModelRunner:
         # The last known token of a request: sample the next one.
         sampled = ends == np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         logits_indices = cu_seqlens_q[1:][sampled] - 1
-        longs = torch.from_numpy(
-            np.concatenate((input_ids, positions, slots, logits_indices)).astype(np.int64)
-        ).to(self.device)
-        ints = torch.from_numpy(
-            np.concatenate((block_tables.ravel(), cu_seqlens_q, ends)).astype(np.int32)
-        ).to(self.device)
-        n, num_seqs, table_size = len(input_ids), len(states), block_tables.size
-        query_lens, seq_lens = num_tokens.tolist(), ends.tolist()
-        metadata = AttentionMetadata(
-            slot_mapping=longs[2 * n : 3 * n],
-            block_tables=ints[:table_size].view(num_seqs, max_blocks),
-            cu_seqlens_q=ints[table_size : table_size + num_seqs + 1],
-            seq_lens=ints[table_size + num_seqs + 1 :],
-            max_seqlen_q=max(query_lens),
-            max_seqlen_k=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+        packed = PackedStep(
+            longs=torch.from_numpy(
+                np.concatenate((input_ids, positions, slots, logits_indices)).astype(np.int64)
+            ).to(self.device),
+            ints=torch.from_numpy(
+                np.concatenate((block_tables.ravel(), cu_seqlens_q, ends)).astype(np.int32)
+            ).to(self.device),
+            num_tokens=len(input_ids),
+            num_seqs=len(states),
+            max_blocks=max_blocks,
+            query_lens_cpu=num_tokens.tolist(),
+            seq_lens_cpu=ends.tolist(),
         )
+        step = packed.unpack()
         lora = None
         if self.lora is not None:
             lora = self.lora.prepare_step([s.lora_name for s in states], num_tokens)
         return ModelInputs(
-            input_ids=longs[:n],
-            positions=longs[n : 2 * n],
-            metadata=metadata,
-            logits_indices=longs[3 * n :],
+            input_ids=step.input_ids,
+            positions=step.positions,
+            metadata=step.metadata,
+            logits_indices=step.logits_indices,
             sampled_req_ids=[s.req_id for s, keep in zip(states, sampled, strict=True) if keep],
+            packed=packed,
             lora=lora,
         )
 

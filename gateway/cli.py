@@ -73,6 +73,7 @@ def add_commands(commands: Any) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Any:
+    from kvfleet.engine.protocol import parse_named_paths
     from kvfleet.gateway.admission.keys import KeyStore
     from kvfleet.gateway.admission.rate_limit import KeyLimits
     from kvfleet.gateway.app import GatewaySettings
@@ -106,12 +107,10 @@ def settings_from(args: argparse.Namespace) -> Any:
         except ValueError as exc:
             raise SystemExit(f"kvfleet: error: {exc}") from exc
         autoscale = (namespace, name, policy)
-    adapters = []
-    for item in args.lora_adapter:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"kvfleet: error: --lora-adapter takes NAME=PATH, got {item!r}")
-        adapters.append((name, path))
+    try:
+        adapters = parse_named_paths(args.lora_adapter, "--lora-adapter")
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet: error: {exc}") from exc
     return GatewaySettings(
         replicas=tuple(args.replica),
         policy=Policy(args.policy),

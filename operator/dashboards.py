@@ -337,6 +337,18 @@ SLO_DASHBOARD = Dashboard(
 DASHBOARDS = (OVERVIEW, ENGINES_DASHBOARD, GATEWAY_DASHBOARD, SLO_DASHBOARD)
 
 
+def expand(
+    expr: str, namespace: str, deployment: str, model: str = ".*", rate_interval: str = "1m"
+) -> str:
+    """A panel query as Grafana sends it for one choice of the template variables."""
+    return (
+        expr.replace(RATE, rate_interval)
+        .replace("$namespace", namespace)
+        .replace("$deployment", deployment)
+        .replace("$model", model)
+    )
+
+
 def _variable(name: str) -> dict[str, Any]:
     queries = {
         "namespace": "label_values(kvfleet:gateway_requests_total, namespace)",

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 GROUP, VERSION, KIND, PLURAL, SHORT_NAME = (
     "kvfleet.dev",
@@ -49,6 +50,13 @@ class CrdModel(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
     )
+
+
+def cel_rule(rule: str, message: str, field_path: str) -> ConfigDict:
+    """A model's cross-field rule for the API server (CEL, `x-kubernetes-validations`); the
+    model enforces the same in a validator with the same message."""
+    validation: JsonDict = {"rule": rule, "message": message, "fieldPath": field_path}
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [validation]})
 
 
 class LoadFormat(enum.StrEnum):
@@ -130,16 +138,10 @@ class SpeculativeSpec(CrdModel):
     prompt_lookup_min: int | None = Field(default=None, ge=1, le=16, description="ngram: min n")
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=16, description="ngram: max n")
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.method != 'draft' || has(self.draftModel)",
-                    "message": "method draft needs draftModel",
-                    "fieldPath": ".draftModel",
-                }
-            ]
-        }
+    model_config = cel_rule(
+        "self.method != 'draft' || has(self.draftModel)",
+        "method draft needs draftModel",
+        ".draftModel",
     )
 
     @model_validator(mode="after")
@@ -210,16 +212,10 @@ class AutoscalingSpec(CrdModel):
     )
     scale_down_window_seconds: int = Field(default=300, ge=0, le=3600)
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.minReplicas <= self.maxReplicas",
-                    "message": "minReplicas must not exceed maxReplicas",
-                    "fieldPath": ".minReplicas",
-                }
-            ]
-        }
+    model_config = cel_rule(
+        "self.minReplicas <= self.maxReplicas",
+        "minReplicas must not exceed maxReplicas",
+        ".minReplicas",
     )
 
     @model_validator(mode="after")
@@ -320,19 +316,13 @@ class LLMDeploymentSpec(CrdModel):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     images: ImagesSpec = Field(default_factory=ImagesSpec)
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": (
-                        "!has(self.resources.gpus) || self.resources.gpus == 0"
-                        " || self.resources.gpus >= self.engine.tensorParallelSize"
-                    ),
-                    "message": "resources.gpus must be 0 (CPU) or at least tensorParallelSize",
-                    "fieldPath": ".resources.gpus",
-                }
-            ]
-        }
+    model_config = cel_rule(
+        (
+            "!has(self.resources.gpus) || self.resources.gpus == 0"
+            " || self.resources.gpus >= self.engine.tensorParallelSize"
+        ),
+        "resources.gpus must be 0 (CPU) or at least tensorParallelSize",
+        ".resources.gpus",
     )
 
     @model_validator(mode="after")

@@ -45,6 +45,29 @@ if not _cuda_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _prometheus_tool(name: str) -> str:
+    """promtool or prometheus (Debian package prometheus, which .ci/run installs): a failure in
+    CI when missing, a skip elsewhere."""
+    import shutil
+
+    found = shutil.which(name)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing: .ci/run installs the Debian package prometheus")
+        pytest.skip(f"{name} is not installed (Debian package prometheus)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return _prometheus_tool("promtool")
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    return _prometheus_tool("prometheus")
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -20,8 +20,8 @@ from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.parallel.partition import TPPlan
 
 STEP, STOP = 1, 0
-# header: op, num_tokens, num_seqs, max_blocks, num_sampled, max_seqlen_q, max_seqlen_k
-_HEADER = 7
+# header: op, num_tokens, num_seqs, max_blocks, num_sampled
+_HEADER = 5
 # A collective with a dead peer fails (gloo) or is abandoned (NCCL) after this long.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -34,6 +34,38 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """One step's inputs in the two flat device buffers the runner fills with one copy each;
+    rank 0 broadcasts exactly these. `unpack` is the one place their layout is read."""
+
+    longs: torch.Tensor  # [3 * num_tokens + num_sampled] int64: ids, positions, slots, rows
+    ints: torch.Tensor  # [num_seqs * max_blocks + 2 * num_seqs + 1] int32: tables, cu_q, lens
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    def header(self) -> list[int]:
+        num_sampled = self.longs.numel() - 3 * self.num_tokens
+        return [STEP, self.num_tokens, self.num_seqs, self.max_blocks, num_sampled]
+
+    def unpack(self) -> StepInputs:
+        n, table_size = self.num_tokens, self.num_seqs * self.max_blocks
+        metadata = AttentionMetadata(
+            slot_mapping=self.longs[2 * n : 3 * n],
+            block_tables=self.ints[:table_size].view(self.num_seqs, self.max_blocks),
+            cu_seqlens_q=self.ints[table_size : table_size + self.num_seqs + 1],
+            seq_lens=self.ints[table_size + self.num_seqs + 1 :],
+            max_seqlen_q=max(self.query_lens_cpu),
+            max_seqlen_k=max(self.seq_lens_cpu),
+            query_lens_cpu=self.query_lens_cpu,
+            seq_lens_cpu=self.seq_lens_cpu,
+        )
+        return StepInputs(self.longs[:n], self.longs[n : 2 * n], metadata, self.longs[3 * n :])
 
 
 class TPGroup:
@@ -74,26 +106,12 @@ class TPGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
-    def broadcast_step(self, inputs: StepInputs) -> None:
-        """Rank 0: send one step's inputs to the other ranks."""
-        meta = inputs.metadata
-        num_seqs, max_blocks = meta.block_tables.shape
-        header = [
-            STEP,
-            inputs.input_ids.numel(),
-            num_seqs,
-            max_blocks,
-            inputs.logits_indices.numel(),
-            meta.max_seqlen_q,
-            meta.max_seqlen_k,
-        ]
-        longs = torch.cat(
-            (inputs.input_ids, inputs.positions, meta.slot_mapping, inputs.logits_indices)
-        )
-        ints = torch.cat((meta.block_tables.reshape(-1), meta.cu_seqlens_q, meta.seq_lens))
-        self._broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
-        self._broadcast(longs)
-        self._broadcast(ints)
+    def broadcast_step(self, step: PackedStep) -> None:
+        """Rank 0: send one step's inputs to the other ranks (its own buffers, no copies)."""
+        header = torch.tensor(step.header(), dtype=torch.int64, device=self.device)
+        self._broadcast(header)
+        self._broadcast(step.longs)
+        self._broadcast(step.ints)
 
     def broadcast_stop(self) -> None:
         header = [STOP] + [0] * (_HEADER - 1)
@@ -101,32 +119,21 @@ class TPGroup:
 
     def receive_step(self) -> StepInputs | None:
         """Ranks > 0: the next step's inputs, or None when rank 0 stops."""
-        header_tensor = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._broadcast(header_tensor)
-        op, n, num_seqs, max_blocks, num_sampled, max_q, max_k = header_tensor.tolist()
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        self._broadcast(header)
+        op, n, num_seqs, max_blocks, num_sampled = header.tolist()
         if op == STOP:
             return None
         longs = torch.empty(3 * n + num_sampled, dtype=torch.int64, device=self.device)
-        ints = torch.empty(
-            num_seqs * max_blocks + 2 * num_seqs + 1, dtype=torch.int32, device=self.device
-        )
+        table_size = num_seqs * max_blocks
+        ints = torch.empty(table_size + 2 * num_seqs + 1, dtype=torch.int32, device=self.device)
         self._broadcast(longs)
         self._broadcast(ints)
-        table_size = num_seqs * max_blocks
-        cu_seqlens_q = ints[table_size : table_size + num_seqs + 1]
-        seq_lens = ints[table_size + num_seqs + 1 :]
-        bounds = cu_seqlens_q.tolist()
-        metadata = AttentionMetadata(
-            slot_mapping=longs[2 * n : 3 * n],
-            block_tables=ints[:table_size].view(num_seqs, max_blocks),
-            cu_seqlens_q=cu_seqlens_q,
-            seq_lens=seq_lens,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            query_lens_cpu=[b - a for a, b in itertools.pairwise(bounds)],
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        return StepInputs(longs[:n], longs[n : 2 * n], metadata, longs[3 * n :])
+        # the attention kernels take the lengths on the host too (one copy back)
+        tail = ints[table_size:].tolist()
+        query_lens = [b - a for a, b in itertools.pairwise(tail[: num_seqs + 1])]
+        seq_lens = tail[num_seqs + 1 :]
+        return PackedStep(longs, ints, n, num_seqs, max_blocks, query_lens, seq_lens).unpack()
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.group)

@@ -115,6 +115,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
 
 def _settings(args: argparse.Namespace, model: str) -> Any:
     from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+    from kvfleet.engine.protocol import parse_named_paths
     from kvfleet.engine.server.app import ServerSettings
 
     # NOTE: refused here, clearly, until the engine has it; never silently ignored.
@@ -124,12 +125,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
             "this engine build yet"
         )
     try:
-        modules = []
-        for item in args.lora_modules:
-            name, sep, path = item.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
-            modules.append((name, path))
+        modules = parse_named_paths(args.lora_modules, "--lora-modules")
         engine = EngineConfig(
             model=model,
             load_format=args.load_format,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvfleet.engine.parallel.worker import free_port
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 2048
@@ -38,12 +39,6 @@ class Server:
                 name, _, value = line.rpartition(" ")
                 samples[name] = float(value)
         return samples
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch(
@@ -79,15 +74,9 @@ def launch(
     )
 
 
-def start_server(tmp_path: Path, *extra: str) -> Server:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "kvfleet.engine.cli",
-        "engine",
-        "--model",
-        MODEL,
+def engine_options(port: int) -> list[str]:
+    """Where a test engine listens, and the small float32 SmolLM2 engine every test runs."""
+    return [
         "--host",
         "127.0.0.1",
         "--port",
@@ -98,8 +87,13 @@ def start_server(tmp_path: Path, *extra: str) -> Server:
         str(MAX_MODEL_LEN),
         "--num-blocks",
         "1024",
-        *extra,
     ]
+
+
+def start_server(tmp_path: Path, *extra: str) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--model", MODEL]
+    command += [*engine_options(port), *extra]
     return launch(
         tmp_path,
         "engine",

@@ -9,8 +9,6 @@ job `chat` in namespace `llm` (ServiceMonitor: job = the Service), engines as po
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,48 +22,20 @@ import yaml
 from kvfleet.engine.server.cli import ENGINE_PORT
 from kvfleet.operator.build_monitoring import rule_groups
 from kvfleet.operator.common import Owner
-from kvfleet.operator.dashboards import DASHBOARDS, EMPTY, render
+from kvfleet.operator.dashboards import DASHBOARDS, EMPTY, expand, render
 from kvfleet.operator.spec import parse_spec
 
-from .conftest import MODEL, Server, free_port, launch
+from .conftest import MODEL, Server, engine_options, free_port, launch
 
 REPLICAS = 2
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus is missing: .ci/run installs the Debian package prometheus")
-        pytest.skip("prometheus is not installed (Debian package prometheus)")
-    return found
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp_path = tmp_path_factory.mktemp("serve")
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "kvfleet.engine.cli",
-        "serve",
-        MODEL,
-        "--replicas",
-        str(REPLICAS),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--num-blocks",
-        "256",
-        "--log-level",
-        "warning",
-    ]
+    command = [sys.executable, "-m", "kvfleet.engine.cli", "serve", MODEL]
+    command += ["--replicas", str(REPLICAS), *engine_options(port), "--log-level", "warning"]
 
     def all_ready(server: Server) -> bool:
         metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
@@ -86,8 +56,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = prometheus_binary()
+def prometheus(
+    stack: Server, prometheus_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     tmp_path = tmp_path_factory.mktemp("prometheus")
     owner = Owner("chat", "llm", "uid", parse_spec({"model": {"source": MODEL}}))
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(owner)}))
@@ -113,7 +84,7 @@ def prometheus(stack: Server, tmp_path_factory: pytest.TempPathFactory) -> Itera
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     command = [
-        binary,
+        prometheus_binary,
         f"--config.file={tmp_path / 'prometheus.yml'}",
         f"--storage.tsdb.path={tmp_path / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}",
@@ -163,16 +134,6 @@ def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
     return result
 
 
-def substitute(expr: str) -> str:
-    """A panel query as Grafana sends it for namespace llm, deployment chat, every model."""
-    return (
-        expr.replace("$__rate_interval", "1m")
-        .replace("$namespace", "llm")
-        .replace("$deployment", "chat")
-        .replace("$model", ".*")
-    )
-
-
 def test_every_dashboard_query_returns_data(stack: Server, prometheus: str) -> None:
     send_load(stack.url)
     # a few scrapes and rule evaluations after the load
@@ -187,7 +148,7 @@ def test_every_dashboard_query_returns_data(stack: Server, prometheus: str) -> N
         for panel in model["panels"]:
             for target in panel["targets"]:
                 checked += 1
-                result = query(prometheus, substitute(target["expr"]))
+                result = query(prometheus, expand(target["expr"], "llm", "chat"))
                 if not result and not panel["description"].startswith(EMPTY):
                     empty.append(f"{model['title']} / {panel['title']} / {target['legendFormat']}")
     assert checked >= 40

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import pytest
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
-from .conftest import MODEL, Server, free_port, launch
+from .conftest import MODEL, Server, start_server
 
 PROMPTS = [
     "The capital of France is",
@@ -99,32 +100,7 @@ def test_fewer_kv_heads_than_ranks(tmp_path: Path) -> None:
 
 @pytest.fixture
 def tp_server(tmp_path: Path) -> Iterator[Server]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "kvfleet.engine.cli",
-        "engine",
-        "--model",
-        MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--num-blocks",
-        "256",
-        "--tensor-parallel-size",
-        "2",
-    ]
-
-    def healthy(server: Server) -> bool:
-        return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
-
-    server = launch(tmp_path, "engine", port, command, 300, healthy)
+    server = start_server(tmp_path, "--tensor-parallel-size", "2")
     yield server
     if server.process.poll() is None:
         server.process.kill()
@@ -173,3 +149,27 @@ def test_killing_a_worker_fails_the_engine_loudly(tp_server: Server) -> None:
     assert "tensor-parallel worker rank 1" in log
     assert "exited with code -9" in log
     assert "kvfleet: error: the engine failed" in log
+
+
+def test_bad_tensor_parallel_settings_are_refused_before_any_worker_starts() -> None:
+    from kvfleet.engine.config import EngineConfig, LoRAConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineConfig(model=MODEL, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="LoRA adapters are not available with tensor"):
+        EngineConfig(model=MODEL, tensor_parallel_size=2, lora=LoRAConfig(enable_lora=True))
+    # SmolLM2 has 3 KV heads: 4 ranks can neither split nor evenly replicate them
+    with pytest.raises(ValueError, match="must be a multiple of the model's 3 KV heads"):
+        LLM(MODEL, dtype="float32", num_blocks=64, max_model_len=512, tensor_parallel_size=4)
+
+
+def test_engine_command_refuses_a_bad_tensor_parallel_size() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--tensor-parallel-size", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "tensor_parallel_size must be at least 1" in result.stderr

@@ -66,7 +66,9 @@ def _check_node(value: Any, schema: dict[str, Any], path: str) -> list[str]:
             return [f"{where}: Invalid value: {value!r}: must be an integer or a string"]
     elif "type" in schema:
         kinds = _TYPES[schema["type"]]
-        if not isinstance(value, kinds) or (schema["type"] != "boolean" and _is_bool(value)):
+        if not isinstance(value, kinds) or (
+            schema["type"] != "boolean" and isinstance(value, bool)
+        ):
             return [f"{where}: Invalid value: {value!r}: must be of type {schema['type']}"]
     errors = _check_value(value, schema, where)
     if isinstance(value, dict):
@@ -110,10 +112,6 @@ def _check_fields(value: dict[str, Any], schema: dict[str, Any], path: str) -> l
     if known is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
         errors += [f'unknown field "{prefix}{name}"' for name in value if name not in known]
     return errors
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
 
 
 def _check_rules(value: Any, schema: dict[str, Any], path: str) -> list[str]:

@@ -12,36 +12,36 @@ import kopf
 
 from kvfleet.operator import main
 
+NO_KUBECONFIG = "/nonexistent/kubeconfig"
 
-def _environment(kubeconfig: str) -> dict[str, str]:
+
+def run(
+    repo_root: Path, command: list[str], kubeconfig: str = NO_KUBECONFIG
+) -> subprocess.CompletedProcess[str]:
+    """`command` from the repository root, out of any cluster, with this kubeconfig."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    return {**env, "KUBECONFIG": kubeconfig}
-
-
-def test_help_needs_no_cluster(repo_root: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvfleet.engine.cli", "operator", "--help"],
+    return subprocess.run(
+        command,
         capture_output=True,
         text=True,
         check=False,
         cwd=repo_root,
-        env=_environment("/nonexistent/kubeconfig"),
-        timeout=60,
+        env={**env, "KUBECONFIG": kubeconfig},
+        timeout=120,
     )
+
+
+KVFLEET_OPERATOR = [sys.executable, "-m", "kvfleet.engine.cli", "operator"]
+
+
+def test_help_needs_no_cluster(repo_root: Path) -> None:
+    result = run(repo_root, [*KVFLEET_OPERATOR, "--help"])
     assert result.returncode == 0
     assert "LLMDeployment" in result.stdout
 
 
 def test_operator_without_kubeconfig_says_no_cluster(repo_root: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvfleet.engine.cli", "operator"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=repo_root,
-        env=_environment("/nonexistent/kubeconfig"),
-        timeout=60,
-    )
+    result = run(repo_root, KVFLEET_OPERATOR)
     assert result.returncode == 2
     assert "no Kubernetes cluster is reachable" in result.stderr
     assert "KUBECONFIG" in result.stderr
@@ -55,43 +55,20 @@ def test_operator_with_a_dead_api_server_says_so(repo_root: Path, tmp_path: Path
         "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
         "users: [{name: u, user: {token: t}}]\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "kvfleet.engine.cli", "operator"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=repo_root,
-        env=_environment(str(kubeconfig)),
-        timeout=60,
-    )
+    result = run(repo_root, KVFLEET_OPERATOR, str(kubeconfig))
     assert result.returncode == 2
     assert "the API server at http://127.0.0.1:9 does not answer" in result.stderr
 
 
 def test_kopf_entry_point_without_a_cluster_stops_with_the_reason(repo_root: Path) -> None:
-    kopf_cli = Path(sys.executable).with_name("kopf")
-    result = subprocess.run(
-        [str(kopf_cli), "run", "--standalone", "--all-namespaces", "-m", "kvfleet.operator.main"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=repo_root,
-        env=_environment("/nonexistent/kubeconfig"),
-        timeout=120,
-    )
+    kopf_cli = str(Path(sys.executable).with_name("kopf"))
+    result = run(repo_root, [kopf_cli, "run", "--standalone", "-A", "-m", "kvfleet.operator.main"])
     assert result.returncode != 0
     assert "no Kubernetes cluster is reachable" in result.stdout + result.stderr
 
 
 def test_print_crd_needs_no_cluster(repo_root: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvfleet.engine.cli", "operator", "--print-crd"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=repo_root,
-        timeout=60,
-    )
+    result = run(repo_root, [*KVFLEET_OPERATOR, "--print-crd"])
     assert result.returncode == 0
     expected = (repo_root / "crds" / "llmdeployments.kvfleet.dev.yaml").read_text()
     assert result.stdout == expected

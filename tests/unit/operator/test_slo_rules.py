@@ -3,13 +3,10 @@ burn-rate alert fires under a synthetic burn and stays silent under a healthy se
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from kvfleet.operator.build_monitoring import prometheus_le, rule_groups
@@ -20,13 +17,12 @@ GATEWAY = 'namespace="llm", job="chat", model="smollm2"'
 MINUTES_3D = 3 * 24 * 60
 
 
-def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing: .ci/run installs the Debian package prometheus")
-        pytest.skip("promtool is not installed (Debian package prometheus)")
-    return found
+def check_rules(promtool: str, *files: Path) -> None:
+    """`promtool check rules` passes on every file."""
+    result = subprocess.run(
+        [promtool, "check", "rules", *map(str, files)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def owner(slo: dict[str, Any] | None = None) -> Owner:
@@ -65,13 +61,10 @@ def streams(per_minute: int, slow_per_minute: int, minutes: int, le: str) -> lis
     ]
 
 
-def run_promtool(tmp_path: Path, rules: Owner, tests: list[dict[str, Any]]) -> str:
+def run_promtool(promtool: str, tmp_path: Path, rules: Owner, tests: list[dict[str, Any]]) -> str:
     rule_file = tmp_path / "rules.yaml"
     rule_file.write_text(yaml.safe_dump({"groups": rule_groups(rules)}, sort_keys=False))
-    check = subprocess.run(
-        [promtool(), "check", "rules", str(rule_file)], capture_output=True, text=True, check=False
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_rules(promtool, rule_file)
     test_file = tmp_path / "tests.yaml"
     test_file.write_text(
         yaml.safe_dump(
@@ -80,7 +73,7 @@ def run_promtool(tmp_path: Path, rules: Owner, tests: list[dict[str, Any]]) -> s
         )
     )
     result = subprocess.run(
-        [promtool(), "test", "rules", str(test_file)],
+        [promtool, "test", "rules", str(test_file)],
         capture_output=True,
         text=True,
         check=False,
@@ -116,12 +109,13 @@ def silent(at: str) -> list[dict[str, Any]]:
     return [{"eval_time": at, "alertname": name, "exp_alerts": []} for name in BURN_ALERTS]
 
 
-def test_healthy_series_raise_no_alert(tmp_path: Path) -> None:
+def test_healthy_series_raise_no_alert(promtool: str, tmp_path: Path) -> None:
     rules = owner()
     le = prometheus_le(1.0)
     # a little under the budget: 0.05% errors against 0.1%, 0.5% slow streams against 1%
     series = requests(2000, 1, MINUTES_3D + 60) + streams(2000, 10, MINUTES_3D + 60, le)
     run_promtool(
+        promtool,
         tmp_path,
         rules,
         [
@@ -147,10 +141,11 @@ def test_healthy_series_raise_no_alert(tmp_path: Path) -> None:
     )
 
 
-def test_fast_availability_burn_pages(tmp_path: Path) -> None:
+def test_fast_availability_burn_pages(promtool: str, tmp_path: Path) -> None:
     rules = owner()
     # 5% errors: 50x the 0.1% budget; the 1h/5m pair crosses 14.4x well within the first hour
     run_promtool(
+        promtool,
         tmp_path,
         rules,
         [
@@ -176,11 +171,12 @@ def test_fast_availability_burn_pages(tmp_path: Path) -> None:
     )
 
 
-def test_slow_availability_burn_opens_a_ticket_not_a_page(tmp_path: Path) -> None:
+def test_slow_availability_burn_opens_a_ticket_not_a_page(promtool: str, tmp_path: Path) -> None:
     rules = owner()
     # 0.4% errors: 4x the budget, above the 3x (1d/2h) threshold, below 6x and 14.4x
     minutes = 26 * 60
     run_promtool(
+        promtool,
         tmp_path,
         rules,
         [
@@ -206,7 +202,7 @@ def test_slow_availability_burn_opens_a_ticket_not_a_page(tmp_path: Path) -> Non
     )
 
 
-def test_latency_burn_pages_at_the_configured_threshold(tmp_path: Path) -> None:
+def test_latency_burn_pages_at_the_configured_threshold(promtool: str, tmp_path: Path) -> None:
     rules = owner({"latency": 0.95, "ttftThreshold": "500ms"})
     le = prometheus_le(0.5)
     assert le == "0.5"
@@ -216,6 +212,7 @@ def test_latency_burn_pages_at_the_configured_threshold(tmp_path: Path) -> None:
     # 90% slow: 18x, pages
     slow_page = streams(1000, 900, 120, le)
     run_promtool(
+        promtool,
         tmp_path,
         rules,
         [
@@ -255,7 +252,7 @@ def test_latency_burn_pages_at_the_configured_threshold(tmp_path: Path) -> None:
     )
 
 
-def test_no_traffic_is_not_an_outage(tmp_path: Path) -> None:
+def test_no_traffic_is_not_an_outage(promtool: str, tmp_path: Path) -> None:
     idle = [
         {
             "series": f'kvfleet:gateway_requests_total{{{GATEWAY}, key="k", status="200"}}',
@@ -263,6 +260,7 @@ def test_no_traffic_is_not_an_outage(tmp_path: Path) -> None:
         }
     ]
     run_promtool(
+        promtool,
         tmp_path,
         owner(),
         [{"interval": "1m", "input_series": idle, "alert_rule_test": silent("3h")}],
@@ -270,7 +268,7 @@ def test_no_traffic_is_not_an_outage(tmp_path: Path) -> None:
 
 
 def test_fleet_rules_and_the_operators_rules_pass_promtool_check(
-    tmp_path: Path, repo_root: Path
+    promtool: str, tmp_path: Path, repo_root: Path
 ) -> None:
     fleet = yaml.safe_load((repo_root / "manifests/monitoring/fleet-rules.yaml").read_text())
     samples = sorted(repo_root.glob("manifests/samples/*.yaml"))
@@ -281,10 +279,4 @@ def test_fleet_rules_and_the_operators_rules_pass_promtool_check(
         sample = Owner(obj["metadata"]["name"], "default", "uid", parse_spec(obj["spec"]))
         files.append(tmp_path / path.name)
         files[-1].write_text(yaml.safe_dump({"groups": rule_groups(sample)}))
-    result = subprocess.run(
-        [promtool(), "check", "rules", *map(str, files)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    check_rules(promtool, *files)
