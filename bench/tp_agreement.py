@@ -1,6 +1,7 @@
 """Tensor parallelism agrees with one GPU: the same prompts through TP=1 and TP=N (each in its
 own process, so each gets the GPUs' whole memory), compared token by token and logprob by
-logprob at the first generated position (same inputs on both sides).
+logprob at the first generated position (same inputs on both sides), each beside a float32
+run on one GPU: the spread the dtype alone causes.
 
     python3 bench/tp_agreement.py --model llama-3-8b --tp 2 [--dtype bfloat16]
 """
@@ -54,43 +55,59 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
+    """Three runs: float32 on one GPU (the reference), `--dtype` on one GPU, `--dtype` on
+    `--tp` GPUs. Tensor parallelism is within the dtype's tolerance when it strays from the
+    float32 reference about as far as one GPU in that dtype does."""
+    runs = {
+        "fp32_tp1": (1, "float32"),
+        "tp1": (1, args.dtype),
+        f"tp{args.tp}": (args.tp, args.dtype),
+    }
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for size in (1, args.tp):
-            out = Path(scratch) / f"tp{size}.json"
-            command = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype]
+        for name, (size, dtype) in runs.items():
+            out = Path(scratch) / f"{name}.json"
+            command = [sys.executable, __file__, "--model", args.model, "--dtype", dtype]
             command += ["--load-format", args.load_format, "--size", str(size), "--out", str(out)]
             subprocess.run(command, check=True)
-            results[size] = json.loads(out.read_text())
-    report(args, results[1], results[args.tp])
-
-
-def report(args: argparse.Namespace, one: list[Any], many: list[Any]) -> None:
-    same_first = sum(
-        a["first_top_ids"][0] == b["first_top_ids"][0] for a, b in zip(one, many, strict=False)
-    )
-    worst = max(
-        abs(x - y)
-        for a, b in zip(one, many, strict=False)
-        for x, y in zip(a["first_top_logprobs"], b["first_top_logprobs"], strict=False)
-    )
-    prefix = [
-        next(
-            (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=False)) if x != y),
-            32,
-        )
-        for a, b in zip(one, many, strict=False)
-    ]
+            results[name] = json.loads(out.read_text())
+    many = f"tp{args.tp}"
     report = {
         "model": args.model,
         "dtype": args.dtype,
         "tensor_parallel_size": args.tp,
-        "prompts": len(one),
-        "first_token_agreement": f"{same_first}/{len(one)}",
-        "first_step_max_abs_logprob_diff": round(worst, 5),
-        "identical_greedy_tokens_of_32": prefix,
+        "prompts": len(results["tp1"]),
+        f"tp1_{args.dtype}_vs_fp32": agreement(results["fp32_tp1"], results["tp1"]),
+        f"{many}_{args.dtype}_vs_fp32": agreement(results["fp32_tp1"], results[many]),
+        f"{many}_vs_tp1_{args.dtype}": agreement(results["tp1"], results[many]),
     }
     print(json.dumps(report))
+
+
+def agreement(one: list[Any], many: list[Any]) -> dict[str, Any]:
+    """First generated token, first-step top logprobs, and how long greedy outputs stay equal."""
+    same_first = sum(
+        a["first_top_ids"][0] == b["first_top_ids"][0] for a, b in zip(one, many, strict=True)
+    )
+    # the same token's logprob on both sides, over the tokens both top lists hold
+    worst = max(
+        abs(x - dict(zip(b["first_top_ids"], b["first_top_logprobs"], strict=True))[t])
+        for a, b in zip(one, many, strict=True)
+        for t, x in zip(a["first_top_ids"], a["first_top_logprobs"], strict=True)
+        if t in b["first_top_ids"]
+    )
+    prefix = [
+        next(
+            (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=False)) if x != y),
+            len(a["tokens"]),
+        )
+        for a, b in zip(one, many, strict=True)
+    ]
+    return {
+        "first_token_agreement": f"{same_first}/{len(one)}",
+        "first_step_max_abs_logprob_diff": round(worst, 5),
+        "identical_greedy_tokens": prefix,
+    }
 
 
 def main() -> None:
@@ -105,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.files:
         one, many = (json.loads(Path(f).read_text()) for f in args.files)
-        report(args, one, many)
+        print(json.dumps(agreement(one, many)))
     elif args.size is not None:
         generate(args)
     else:

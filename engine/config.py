@@ -178,6 +178,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    # Schedule and prepare step N+1 while step N runs on the device (steps whose requests use
+    # penalties, which read every output token, still run one at a time).
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,12 @@ _CACHE_ARGS = {
     "cpu_kv_cache_gib",
     "enable_prefix_caching",
 }
-_SCHEDULER_ARGS = {"max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"}
+_SCHEDULER_ARGS = {
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "async_scheduling",
+}
 _LORA_ARGS = {"enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules"}
 
 

@@ -34,7 +34,7 @@ from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.parallel.group import TPGroup
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.worker import WorkerPool, free_port
-from kvfleet.engine.runner import ModelRunner, kv_cache_bytes_per_block
+from kvfleet.engine.runner import LaunchedStep, ModelRunner, kv_cache_bytes_per_block
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer
 
@@ -181,6 +181,8 @@ class LLMEngine:
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._in_flight: LaunchedStep | None = None  # launched, its outputs not taken yet
+        self._penalized: set[str] = set()  # requests whose sampling reads all their outputs
         self._children: dict[str, list[RequestId]] = {}
         self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter
         # What the last step scheduled (metrics and tests read it).
@@ -267,6 +269,8 @@ class LLMEngine:
                 raise
             self._adapter_of[request_id] = lora_name
         self._children[request_id] = child_ids
+        if params.has_penalties:
+            self._penalized.add(request_id)
         self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
 
     def add_lora(self, name: str, path: str) -> None:
@@ -287,6 +291,7 @@ class LLMEngine:
 
     def _request_done(self, request_id: str) -> None:
         self._children.pop(request_id, None)
+        self._penalized.discard(request_id)
         adapter = self._adapter_of.pop(request_id, None)
         if adapter is not None and self.lora is not None and self.lora.release(adapter):
             self._forget_cached_blocks(adapter)
@@ -305,6 +310,7 @@ class LLMEngine:
         return self.output_processor.abort(child_ids, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
+        # NOTE: a step still in flight without them carries no output anyone waits for.
         return self.scheduler.has_unfinished_requests()
 
     @property
@@ -333,15 +339,42 @@ class LLMEngine:
         logger.info("tensor-parallel workers stopped")
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One step; the requests it advanced (only those it finished if `final_only`)."""
+        """One step; the requests it advanced (only those it finished if `final_only`).
+
+        With asynchronous scheduling a step launches the next forward on the device first and
+        then returns the outputs of the one before, which ran meanwhile (one step behind)."""
         if self.workers is not None:
             self.workers.check()  # WorkerDiedError: no step can run any more
-        scheduler_output = self.scheduler.schedule()
-        self.last_scheduler_output = scheduler_output
-        now = time.monotonic()
-        for new in scheduler_output.scheduled_new_reqs:
-            self.output_processor.mark_scheduled(new.req_id, now)
-        runner_output = self.runner.execute_model(scheduler_output)
+        outputs: list[RequestOutput] = []
+        try:
+            if self._in_flight is not None and not self._may_overlap():
+                outputs += self._finish_step(final_only)
+            scheduler_output = self.scheduler.schedule()
+            self.last_scheduler_output = scheduler_output
+            now = time.monotonic()
+            for new in scheduler_output.scheduled_new_reqs:
+                self.output_processor.mark_scheduled(new.req_id, now)
+            launched = self.runner.launch(scheduler_output)
+            if self._in_flight is not None:
+                outputs += self._finish_step(final_only)
+            self._in_flight = None if scheduler_output.is_empty else launched
+            if self._in_flight is not None and not self._may_overlap():
+                outputs += self._finish_step(final_only)
+        except BaseException:
+            self._in_flight = None  # (its requests are aborted by the caller)
+            raise
+        return outputs
+
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last one's outputs are taken."""
+        return self.config.scheduler.async_scheduling and not self._penalized
+
+    def _finish_step(self, final_only: bool) -> list[RequestOutput]:
+        """Take the outputs of the step in flight: token stops, detokenizing, stop strings."""
+        launched, self._in_flight = self._in_flight, None
+        assert launched is not None
+        runner_output = self.runner.collect(launched)
+        scheduler_output = launched.scheduler_output
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs, time.monotonic(), final_only)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -19,11 +19,12 @@ from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.cuda_graphs import DecodeGraphs
+from kvfleet.engine.host_copy import to_device
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.parallel.group import PackedStep, TPGroup
-from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -57,8 +58,59 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: the token rows whose logits are sampled
     sampled_req_ids: list[RequestId]
+    sampled_positions: list[int]  # per sampled request, the position of the token it samples
     packed: PackedStep  # the same inputs as two flat buffers (what tensor parallelism sends)
     lora: LoRABatch | None = None  # None: no token of the step uses an adapter
+
+
+class LaunchedStep:
+    """A step queued on the device. Its sampled tokens (and logprobs) travel back to the host
+    asynchronously; until they arrive, the next step reads the tokens it feeds from
+    `results.sampled_token_ids` on the device."""
+
+    def __init__(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_req_ids: list[RequestId],
+        num_logprobs: list[int | None],
+        results: SamplerOutput | None,
+    ) -> None:
+        self.scheduler_output = scheduler_output
+        self.sampled_req_ids = sampled_req_ids
+        self.num_logprobs = num_logprobs
+        self.results = results
+        self.row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
+        self.ready: torch.cuda.Event | None = None
+        self._host: list[torch.Tensor] = []
+        if results is not None:
+            on_device = [results.sampled_token_ids]
+            if results.logprobs is not None:
+                assert results.logprob_token_ids is not None
+                assert results.sampled_ranks is not None
+                on_device += [results.logprob_token_ids, results.logprobs, results.sampled_ranks]
+            # NOTE: into pinned memory, without waiting; `ready` marks the copies done.
+            self._host = [t.to("cpu", non_blocking=True) for t in on_device]
+            if results.sampled_token_ids.is_cuda:
+                self.ready = torch.cuda.Event()
+                self.ready.record()
+
+    def host_results(self) -> tuple[list[int], dict[RequestId, list[TokenLogprobs]]]:
+        """The sampled tokens in row order, and the logprobs of the requests that asked."""
+        tokens: list[int] = self._host[0].tolist()
+        logprobs: dict[RequestId, list[TokenLogprobs]] = {}
+        if len(self._host) > 1:
+            ids, values, ranks = (t.tolist() for t in self._host[1:])
+            for row, (req_id, k) in enumerate(
+                zip(self.sampled_req_ids, self.num_logprobs, strict=True)
+            ):
+                if k is not None:
+                    top = slice(1, 1 + k)
+                    logprobs[req_id] = [
+                        TokenLogprobs(
+                            ids[row][0], values[row][0], ranks[row], ids[row][top], values[row][top]
+                        )
+                    ]
+        return tokens, logprobs
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -88,6 +140,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None
         self._last_sampling: tuple[tuple[RequestId, ...], SamplingMetadata] | None = None
+        self._latest: LaunchedStep | None = None  # the last step launched
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -153,18 +206,27 @@ class ModelRunner:
         )
         self.decode_graphs.capture_all()
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to finish."""
+        return self.collect(self.launch(scheduler_output))
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's forward and sampling on the device, and the copy of its results
+        back; returns without waiting for them (`collect` does)."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return LaunchedStep(scheduler_output, [], [], None)
         inputs = self._prepare_inputs(scheduler_output)
         if self.model.tp is not None:  # the other ranks run the same forward
             self.model.tp.broadcast_step(inputs.packed)
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
-        # NOTE: built before the forward is queued: its host-to-device copies must not wait
-        # for the forward to finish.
+        # NOTE: built before the forward is queued (the copies are asynchronous anyway).
         sampling = self._sampling_metadata(states)
+        for row, generator in sampling.generators.items():
+            seed = states[row].sampling_params.seed
+            assert seed is not None
+            generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(inputs.metadata):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata, inputs.lora)
@@ -180,7 +242,33 @@ class ModelRunner:
                     self.lora.clear_step()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampled = self.sampler(logits, sampling)
-        return self._outputs(scheduler_output, inputs.sampled_req_ids, states, sampled)
+        step = LaunchedStep(
+            scheduler_output,
+            inputs.sampled_req_ids,
+            [s.sampling_params.logprobs for s in states],
+            sampled,
+        )
+        self._latest = step
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's results; the requests still here take their tokens."""
+        req_ids = list(step.scheduler_output.num_scheduled_tokens)
+        if step.results is None:
+            return ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens, logprobs = step.host_results()
+        by_req = dict(zip(step.sampled_req_ids, tokens, strict=True))
+        for req_id, token in by_req.items():
+            state = self.requests.get(req_id)
+            if state is not None:  # (gone if finished or preempted since)
+                state.token_ids.append(token)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[[by_req[r]] if r in by_req else [] for r in req_ids],
+            logprobs=[logprobs.get(r) for r in req_ids],
+        )
 
     @torch.inference_mode()
     def serve_steps(self, tp: TPGroup) -> None:
@@ -204,7 +292,7 @@ class ModelRunner:
             params = new.sampling_params
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                generator = torch.Generator(device=self.device)  # seeded before each draw
             state = CachedRequestState(
                 new.req_id,
                 list(new.token_ids),
@@ -230,8 +318,15 @@ class ModelRunner:
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         ends = starts + num_tokens
         input_ids: list[int] = []
+        # (token index, row in the step in flight): inputs sampled by that step, not known yet
+        pending: list[tuple[int, int]] = []
         for state, start, end in zip(states, starts.tolist(), ends.tolist(), strict=True):
-            input_ids += state.token_ids[start:end]
+            known = state.token_ids[start:end]
+            input_ids += known
+            if len(known) < end - start:  # only ever the last input token
+                assert self._latest is not None and len(known) == end - start - 1
+                pending.append((len(input_ids), self._latest.row_of[state.req_id]))
+                input_ids.append(0)
         max_blocks = max(s.num_blocks for s in states)
         block_tables = np.full((len(states), max_blocks), NULL_BLOCK_ID, np.int64)
         for row, state in enumerate(states):
@@ -241,16 +336,23 @@ class ModelRunner:
         cu_seqlens_q = np.concatenate(([0], np.cumsum(num_tokens)))
         positions = np.arange(len(input_ids)) - cu_seqlens_q[token_rows] + starts[token_rows]
         slots = block_tables[token_rows, positions // bs] * bs + positions % bs
-        # The last known token of a request: sample the next one.
-        sampled = ends == np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        # The last input token of a request (known or pending): sample the next one.
+        sampled = ends >= np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         logits_indices = cu_seqlens_q[1:][sampled] - 1
+        longs = to_device(
+            np.concatenate((input_ids, positions, slots, logits_indices)).astype(np.int64),
+            self.device,
+        )
+        if pending:
+            assert self._latest is not None and self._latest.results is not None
+            where = to_device(np.array(pending, np.int64).T.copy(), self.device)
+            longs.index_copy_(0, where[0], self._latest.results.sampled_token_ids[where[1]])
         packed = PackedStep(
-            longs=torch.from_numpy(
-                np.concatenate((input_ids, positions, slots, logits_indices)).astype(np.int64)
-            ).to(self.device),
-            ints=torch.from_numpy(
-                np.concatenate((block_tables.ravel(), cu_seqlens_q, ends)).astype(np.int32)
-            ).to(self.device),
+            longs=longs,
+            ints=to_device(
+                np.concatenate((block_tables.ravel(), cu_seqlens_q, ends)).astype(np.int32),
+                self.device,
+            ),
             num_tokens=len(input_ids),
             num_seqs=len(states),
             max_blocks=max_blocks,
@@ -267,6 +369,7 @@ class ModelRunner:
             metadata=step.metadata,
             logits_indices=step.logits_indices,
             sampled_req_ids=[s.req_id for s, keep in zip(states, sampled, strict=True) if keep],
+            sampled_positions=ends[sampled].tolist(),
             packed=packed,
             lora=lora,
         )
@@ -288,40 +391,3 @@ class ModelRunner:
         )
         self._last_sampling = None if meta.presence_penalty is not None else (key, meta)
         return meta
-
-    def _outputs(
-        self,
-        out: SchedulerOutput,
-        sampled_req_ids: list[RequestId],
-        states: list[CachedRequestState],
-        sampled: SamplerOutput,
-    ) -> ModelRunnerOutput:
-        # NOTE: one device-to-host copy per tensor for the whole batch.
-        tokens = sampled.sampled_token_ids.tolist()
-        logprobs: dict[RequestId, list[TokenLogprobs]] = {}
-        if sampled.logprobs is not None:
-            assert sampled.logprob_token_ids is not None
-            assert sampled.sampled_ranks is not None
-            ids, values = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
-            ranks = sampled.sampled_ranks.tolist()
-            for row, state in enumerate(states):
-                k = state.sampling_params.logprobs
-                if k is not None:
-                    logprobs[state.req_id] = [
-                        TokenLogprobs(
-                            ids[row][0],
-                            values[row][0],
-                            ranks[row],
-                            ids[row][1 : 1 + k],
-                            values[row][1 : 1 + k],
-                        )
-                    ]
-        by_req = dict(zip(sampled_req_ids, tokens, strict=True))
-        for state in states:
-            state.token_ids.append(by_req[state.req_id])
-        req_ids = list(out.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=[[by_req[r]] if r in by_req else [] for r in req_ids],
-            logprobs=[logprobs.get(r) for r in req_ids],
-        )

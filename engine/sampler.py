@@ -1,7 +1,9 @@
 """The batched sampler: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 One pass over the whole batch's logits on the device. The only per-request Python work is for
-requests with their own seed, whose random draws come from their own generator.
+requests with their own seed, whose random draws come from their own generator, seeded before
+each draw from (seed, position): the same tokens whatever the batch, a preemption or the
+scheduling.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfleet.engine.host_copy import column as host_column
 from kvfleet.engine.sampling_params import SamplingParams
 
 
@@ -43,7 +46,7 @@ class SamplingMetadata:
         device: torch.device,
     ) -> SamplingMetadata:
         def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return host_column(values, dtype, device)
 
         greedy = [p.is_greedy for p in params]
         has_penalties = any(p.has_penalties for p in params)
@@ -149,6 +152,11 @@ def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return probs
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for the token at `position`."""
+    return (seed * 0x9E3779B97F4A7C15 + position) % (1 << 63)
+
+
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Sample each row of `probs` as argmax(p / E) with E ~ Exp(1): one draw per vocab entry,
     from the row's own generator where it has one (reproducible whatever the batch)."""
@@ -175,4 +183,4 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
     padded = [r + [pad] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device)
+    return host_column(padded, torch.int64, device)

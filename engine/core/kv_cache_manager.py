@@ -90,8 +90,9 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        if self.enable_caching:  # (only blocks of known tokens: not a pending one)
+            known = min(num_computed + num_new_tokens, request.num_tokens)
+            self._cache_full_blocks(request, req_blocks, known)
         return new_blocks
 
     def free(self, request: Request) -> None:

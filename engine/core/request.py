@@ -56,6 +56,9 @@ class Request:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens that steps already launched will sample, not known yet (asynchronous scheduling:
+    # the next step is scheduled while the one before it runs). They count as inputs.
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -5,6 +5,10 @@ long prompt spreads over steps (chunked prefill) while running requests keep dec
 requests go first, in priority order; then waiting ones, by priority, then arrival. When blocks
 run out, the lowest-priority, newest running request is preempted (its blocks freed, recomputed
 later).
+
+`num_computed_tokens` advances when a step is scheduled, so the next step can be scheduled
+before this one's output arrives (asynchronous scheduling): a request whose step samples a token
+holds it as pending and may decode it next step, its id filled in on the device.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ class Scheduler:
                     request.num_computed_tokens,
                 )
             )
+            self._advance(request, num_new)
             budget -= num_new
             i += 1
 
@@ -166,7 +171,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[position]
-            if not self._adapter_fits(request, adapters):
+            # NOTE: a request preempted while its last step ran waits for that step's token.
+            if request.num_pending_tokens or not self._adapter_fits(request, adapters):
                 position += 1  # waits for a slot; requests behind it may still start
                 continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -196,23 +202,25 @@ class Scheduler:
                     request.lora_name,
                 )
             )
+            self._advance(request, num_new)
             budget -= num_new
         return budget
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance each scheduled request by what was computed and sampled; apply token stops."""
+        """Take each scheduled request's sampled tokens (those of a request preempted since the
+        step was scheduled too); apply the token stops."""
         index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         outputs = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
-            request.num_computed_tokens += num_tokens
             i = index.get(req_id)
-            sampled = runner_output.sampled_token_ids[i] if i is not None else []
-            logprobs = runner_output.logprobs[i] if i is not None else None
+            if request is None or i is None or not runner_output.sampled_token_ids[i]:
+                continue  # finished (aborted, stopped) while the step ran, or a prompt chunk
+            sampled = runner_output.sampled_token_ids[i]
+            logprobs = runner_output.logprobs[i]
+            request.num_pending_tokens -= 1
             new_token_ids: list[int] = []
             status = None
             for token_id in sampled:
@@ -222,19 +230,19 @@ class Scheduler:
                 if status is not None:
                     break
             if status is not None:
-                self.running.remove(request)
+                queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
+                queue.remove(request)
                 self._finish(request, status)
-            if new_token_ids or status is not None:
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id=req_id,
-                        new_token_ids=new_token_ids,
-                        new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-                        finish_reason=status.finish_reason if status else None,
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=request.num_cached_tokens or 0,
-                    )
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+                    finish_reason=status.finish_reason if status else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
                 )
+            )
         return outputs
 
     def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
@@ -246,10 +254,27 @@ class Scheduler:
     def _num_tokens_to_schedule(
         self, request: Request, budget: int, num_hit_tokens: int = 0
     ) -> int:
-        num_new = request.num_tokens - max(request.num_computed_tokens, num_hit_tokens)
+        if request.num_pending_tokens and self._ends_with_pending(request):
+            return 0  # its pending token is its last: nothing more to compute
+        num_inputs = request.num_tokens + request.num_pending_tokens
+        num_new = num_inputs - max(request.num_computed_tokens, num_hit_tokens)
         if num_new > budget and not self.enable_chunked_prefill:
             return 0
         return min(num_new, budget)
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the request reaches max_tokens or max_model_len with its pending tokens."""
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_pending_tokens
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens + request.num_pending_tokens >= self.max_model_len
+        )
+
+    def _advance(self, request: Request, num_new: int) -> None:
+        """`num_new` tokens scheduled: a step that reaches the last input samples one more."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            request.num_pending_tokens += 1
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -127,7 +127,8 @@ def _dummy_weights(
     slice_for: Callable[[str], Slice | None],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Random weights at real shapes (benchmarks): N(0, 0.02) matrices, unit norms, zero
-    biases; each tensor drawn whole from its own seed, then cut to this rank's slice."""
+    biases; each tensor drawn whole from its own seed in float32, then cut to this rank's slice
+    and cast."""
     param = next(model.parameters())
     for name, shape in checkpoint_shapes(config):
         if name.endswith("norm.weight"):
@@ -141,6 +142,8 @@ def _dummy_weights(
             continue
         generator = torch.Generator(device=param.device)
         generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(shape, dtype=param.dtype, device=param.device)
+        # NOTE: drawn in float32 whatever the dtype, so a bfloat16 model holds the float32
+        # model's weights rounded (the two can be compared).
+        full = torch.empty(shape, dtype=torch.float32, device=param.device)
         full.normal_(0.0, 0.02, generator=generator)
-        yield name, cut(full, slice_for(name))
+        yield name, cut(full, slice_for(name)).to(param.dtype)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvfleet.engine.host_copy import to_device
+
 
 @dataclass(frozen=True)
 class LoRABatch:
@@ -38,7 +40,7 @@ class LoRABatch:
             return None
         order = np.argsort(token_slots, kind="stable")[: int(counts.sum())]
         starts = np.concatenate(([0], np.cumsum(counts)))
-        ints = torch.from_numpy(np.concatenate((order, starts)).astype(np.int32)).to(device)
+        ints = to_device(np.concatenate((order, starts)).astype(np.int32), device)
         return cls(
             token_order=ints[: len(order)],
             slot_starts=ints[len(order) :],

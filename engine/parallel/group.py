@@ -1,15 +1,16 @@
 """TPGroup: the collectives tensor-parallel ranks run, and the per-step broadcast of inputs.
 
 Rank 0 (the engine process) schedules and samples. Each step it broadcasts the flattened model
-inputs as three tensors (a small header, one int64 and one int32 buffer: the same buffers the
-runner already builds), never pickled requests; the other ranks rebuild the attention metadata
-from them and join the forward's collectives.
+inputs, never pickled requests: a small header and the sequence lengths go to the host of every
+rank (over gloo, so no rank ever waits on its device to read them), then the two device buffers
+the runner already builds (one int64, one int32) over the device group. The other ranks rebuild
+the attention metadata from them and queue the forward, its collectives included, while their
+device still runs the step before.
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,12 +70,15 @@ class PackedStep:
 
 
 class TPGroup:
-    def __init__(self, plan: TPPlan, device: torch.device, group: Any = None) -> None:
+    def __init__(
+        self, plan: TPPlan, device: torch.device, group: Any = None, host_group: Any = None
+    ) -> None:
         self.plan = plan
         self.rank = plan.rank
         self.world_size = plan.world_size
         self.device = device
-        self.group = group
+        self.group = group  # the device's collectives (NCCL on CUDA)
+        self.host_group = host_group if host_group is not None else group  # gloo, host tensors
 
     @classmethod
     def initialize(cls, plan: TPPlan, device: torch.device, port: int) -> TPGroup:
@@ -87,7 +91,8 @@ class TPGroup:
             world_size=plan.world_size,
             timeout=COLLECTIVE_TIMEOUT,
         )
-        return cls(plan, device, dist.group.WORLD)
+        host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        return cls(plan, device, dist.group.WORLD, host_group)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
@@ -108,35 +113,38 @@ class TPGroup:
 
     def broadcast_step(self, step: PackedStep) -> None:
         """Rank 0: send one step's inputs to the other ranks (its own buffers, no copies)."""
-        header = torch.tensor(step.header(), dtype=torch.int64, device=self.device)
-        self._broadcast(header)
+        header = torch.tensor(step.header(), dtype=torch.int64)
+        self._broadcast_host(header)
+        self._broadcast_host(torch.tensor(step.query_lens_cpu + step.seq_lens_cpu))
         self._broadcast(step.longs)
         self._broadcast(step.ints)
 
     def broadcast_stop(self) -> None:
-        header = [STOP] + [0] * (_HEADER - 1)
-        self._broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+        self._broadcast_host(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64))
 
     def receive_step(self) -> StepInputs | None:
-        """Ranks > 0: the next step's inputs, or None when rank 0 stops."""
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._broadcast(header)
+        """Ranks > 0: the next step's inputs, or None when rank 0 stops. Waits on the host for
+        rank 0; never on this rank's device."""
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        self._broadcast_host(header)
         op, n, num_seqs, max_blocks, num_sampled = header.tolist()
         if op == STOP:
             return None
+        lens = torch.empty(2 * num_seqs, dtype=torch.int64)
+        self._broadcast_host(lens)
         longs = torch.empty(3 * n + num_sampled, dtype=torch.int64, device=self.device)
         table_size = num_seqs * max_blocks
         ints = torch.empty(table_size + 2 * num_seqs + 1, dtype=torch.int32, device=self.device)
         self._broadcast(longs)
         self._broadcast(ints)
-        # the attention kernels take the lengths on the host too (one copy back)
-        tail = ints[table_size:].tolist()
-        query_lens = [b - a for a, b in itertools.pairwise(tail[: num_seqs + 1])]
-        seq_lens = tail[num_seqs + 1 :]
+        query_lens, seq_lens = lens[:num_seqs].tolist(), lens[num_seqs:].tolist()
         return PackedStep(longs, ints, n, num_seqs, max_blocks, query_lens, seq_lens).unpack()
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.group)
+
+    def _broadcast_host(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=0, group=self.host_group)
 
     def close(self) -> None:
         """Leave the group. NCCL communicators are aborted (local, immediate): destroying them

@@ -67,6 +67,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="run each step to its end before scheduling the next",
+    )
+    parser.add_argument(
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "triton"],
@@ -149,6 +154,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
                 enable_chunked_prefill=not args.no_chunked_prefill,
+                async_scheduling=not args.no_async_scheduling,
             ),
             lora=LoRAConfig(
                 enable_lora=args.enable_lora,

@@ -209,19 +209,19 @@ def test_a_failing_step_fails_its_requests_not_the_server_and_overload_is_503(
 
     def flaky_factory(config: EngineConfig) -> LLMEngine:
         engine = LLMEngine(config)
-        real_step, real_execute = engine.step, engine.runner.execute_model
+        real_step, real_launch = engine.step, engine.runner.launch
 
         def step() -> list[Any]:
             if mode.pop("fail", False):
                 raise RuntimeError("injected failure")
             return real_step()
 
-        def execute_model(scheduler_output: Any) -> Any:
+        def launch(scheduler_output: Any) -> Any:
             go.wait(60)  # after scheduling: the scheduled request is running, not waiting
-            return real_execute(scheduler_output)
+            return real_launch(scheduler_output)
 
         engine.step = step  # type: ignore[method-assign]
-        engine.runner.execute_model = execute_model  # type: ignore[method-assign]
+        engine.runner.launch = launch  # type: ignore[method-assign]
         return engine
 
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}

@@ -1,4 +1,5 @@
-"""LLMEngine behaviour on a small random model: prefix caching, preemption, bad input, n, seeds."""
+"""LLMEngine behaviour on a small random model: prefix caching, preemption, bad input, n, seeds,
+asynchronous scheduling."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def make_engine(hf_model_dir: HfModelDir) -> Callable[..., LLMEngine]:
                 cache=CacheConfig(
                     block_size=16, num_blocks=num_blocks, enable_prefix_caching=caching
                 ),
-                scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+                scheduler=SchedulerConfig(
+                    max_num_batched_tokens=budget,
+                    async_scheduling=kwargs.pop("async_scheduling", True),
+                ),
                 **kwargs,
             )
         )
@@ -173,3 +177,78 @@ def test_request_timings(make_engine: Callable[..., LLMEngine]) -> None:
     assert metrics.decode_time > 0
     assert metrics.finished_time is not None
     assert metrics.finished_time >= metrics.last_token_time
+
+
+def test_async_scheduling_runs_one_step_behind(make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine()
+    engine.add_request("a", tokens(10, 6), GREEDY)
+    assert engine.step() == []  # the prompt's step is launched; its token comes next step
+    step = engine.last_scheduler_output
+    assert step is not None and step.num_scheduled_tokens == {"a": 10}
+    (out,) = engine.step()
+    assert len(out.outputs[0].token_ids) == 1
+    step = engine.last_scheduler_output
+    assert step is not None and step.num_scheduled_tokens == {"a": 1}  # its input was pending
+
+    sync = make_engine(async_scheduling=False)
+    sync.add_request("a", tokens(10, 6), GREEDY)
+    (out,) = sync.step()
+    assert len(out.outputs[0].token_ids) == 1
+
+
+def _mixed_run(engine: LLMEngine, stop_token: int | None) -> dict[str, RequestOutput]:
+    """Chunked prompts, preemption, early stops, sampling with seeds, n, logprobs, penalties."""
+    requests: list[tuple[list[int], SamplingParams]] = [
+        (tokens(90, 10), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
+        (
+            tokens(40, 11),
+            SamplingParams(
+                temperature=1,
+                seed=9,
+                max_tokens=30,
+                stop_token_ids=[stop_token] if stop_token is not None else [],
+                ignore_eos=True,
+            ),
+        ),
+        (tokens(7, 12), SamplingParams(temperature=1, seed=5, max_tokens=25, logprobs=3, n=2)),
+        (tokens(150, 13), SamplingParams(temperature=0.7, top_p=0.9, seed=6, max_tokens=9)),
+        (tokens(33, 14), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+    ]
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    finished = run(engine)
+    # A request with penalties joins while others run: those steps go one at a time.
+    engine.add_request("p", tokens(20, 15), SamplingParams(presence_penalty=1.5, seed=3, max_tokens=12))
+    engine.add_request("q", tokens(25, 16), SamplingParams(temperature=0, max_tokens=12))
+    return finished | run(engine)
+
+
+def test_async_scheduling_gives_the_outputs_of_one_step_at_a_time(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    # 20 blocks of 16 tokens for ~440 tokens of demand: requests are preempted and recomputed.
+    settings = {"num_blocks": 21, "budget": 64, "max_model_len": 256}
+    probe = make_engine(async_scheduling=False, **settings)
+    ids = _mixed_run(probe, None)["r1"].outputs[0].token_ids
+    stop_at = next(i for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+
+    sync = make_engine(async_scheduling=False, **settings)
+    expected = _mixed_run(sync, ids[stop_at])
+    engine = make_engine(**settings)
+    got = _mixed_run(engine, ids[stop_at])
+    assert sync.scheduler.num_preemptions > 0 and engine.scheduler.num_preemptions > 0
+    assert sorted(got) == sorted(expected) == ["p", "q", "r0", "r1", "r2", "r3", "r4"]
+    assert len(expected["r1"].outputs[0].token_ids) == stop_at + 1  # stopped at its stop token
+    for request_id, want in expected.items():
+        for have, ref in zip(got[request_id].outputs, want.outputs, strict=True):
+            assert have.token_ids == ref.token_ids, request_id
+            assert have.finish_reason == ref.finish_reason
+            if ref.logprobs is not None:
+                assert have.logprobs is not None
+                for a, b in zip(have.logprobs, ref.logprobs, strict=True):
+                    assert (a.token_id, a.rank, a.top_token_ids) == (
+                        b.token_id,
+                        b.rank,
+                        b.top_token_ids,
+                    )
+                    assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)

@@ -73,13 +73,14 @@ def make_scheduler() -> Callable[..., Scheduler]:
 def runner_output(
     scheduler: Scheduler, out: SchedulerOutput, tokens: dict[str, int] | None = None
 ) -> ModelRunnerOutput:
-    """What a runner returns: a token for each request that reached its end, `tokens` or 7."""
+    """What a runner returns: a token for each request whose step reached its last input (the
+    scheduler holds that token as pending; a request finished since sampled too), `tokens` or 7."""
     tokens = tokens or {}
     req_ids = list(out.num_scheduled_tokens)
     sampled = []
     for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        done = request.num_computed_tokens + out.num_scheduled_tokens[req_id] >= request.num_tokens
+        request = scheduler.requests.get(req_id)
+        done = request is None or request.num_pending_tokens > 0
         sampled.append([tokens.get(req_id, 7)] if done else [])
     return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
 
