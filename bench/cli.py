@@ -42,6 +42,7 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"
     )
+    parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument(
         "--num-loras", type=int, default=0, help="random rank --lora-rank adapters to serve"
     )
@@ -79,6 +80,7 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"
     )
+    parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--json", help="also write the result to this file")
 
 

@@ -52,6 +52,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         max_num_seqs=max(args.batch_size, 1),
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=not args.no_async_scheduling,
         **lora,
     )
     engine = llm.engine

@@ -2,9 +2,10 @@
 
     bench/device_env.sh python3 bench/profile_decode.py --batch-size 1     # on the device
 
-Prints the step time; each host phase of `LLMEngine.step` timed alone (schedule, the runner
-up to its device-to-host copy, scheduler update and output processing); the GPU time of one
-graph replay and of the LM head + sampler; then the top operators by host and by GPU time.
+Prints the step time (steps overlapped as the engine runs them); each host phase of a step run
+one at a time (schedule, the runner up to its device-to-host copy, scheduler update and output
+processing); the GPU time of one graph replay and of the LM head + sampler (one GPU only); then
+the top operators by host and by GPU time on rank 0.
 """
 
 import argparse
@@ -36,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
     args = parser.parse_args()
     llm = LLM(
@@ -44,6 +46,7 @@ def main() -> None:
         dtype="bfloat16",
         max_model_len=1024,
         max_num_seqs=max(args.batch_size, 8),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
@@ -76,7 +79,7 @@ def main() -> None:
 
     runner = engine.runner
     graphs = runner.decode_graphs
-    if graphs is not None:
+    if graphs is not None and args.tensor_parallel_size == 1:  # (a lone replay would wait)
         bucket = min(b for b in graphs.buckets if b >= args.batch_size)
         graph, hidden = graphs.graphs[bucket, False]
         print(f"  GPU graph replay (bucket {bucket}) {_gpu_ms(graph.replay):.3f} ms")
@@ -93,6 +96,7 @@ def main() -> None:
         averages = prof.key_averages()
         for key, limit in (("self_cpu_time_total", 25), ("self_cuda_time_total", 15)):
             print(averages.table(sort_by=key, row_limit=limit, max_name_column_width=60))
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=not args.no_async_scheduling,
     )
     engine = llm.engine
     config = engine.model_config

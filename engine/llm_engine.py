@@ -109,11 +109,21 @@ def build_rank(
     tp = join_group(setup, rank, world_size, port)
     assert tp is not None
     model = load_rank_model(config, setup, tp)
+    enable_peer_all_reduce(config, setup, tp)
     runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
     runner.allocate_kv_cache(tp.min_int(_num_blocks(config, runner, setup)))
     if _uses_graphs(config, setup):
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, setup.max_model_len)
     return runner, tp
+
+
+def enable_peer_all_reduce(config: EngineConfig, setup: RankSetup, tp: TPGroup) -> None:
+    """Every step's all-reduces (at most the step's tokens x hidden) through peer memory, where
+    the GPUs have it; before the KV cache is sized, which counts its buffer."""
+    tokens = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    on = tp.enable_peer_all_reduce(tokens * setup.model_config.hidden_size, setup.dtype)
+    if tp.rank == 0:
+        logger.info("all-reduces: %s", "peer memory (one-shot)" if on else "NCCL / gloo")
 
 
 def _uses_graphs(config: EngineConfig, setup: RankSetup) -> bool:
@@ -147,6 +157,9 @@ class LLMEngine:
             size = config.tensor_parallel_size
             self.tp = self.workers.run_while_alive(lambda: join_group(setup, 0, size, port))
         model = load_rank_model(config, setup, self.tp)
+        if self.tp is not None and self.workers is not None:
+            tp = self.tp
+            self.workers.run_while_alive(lambda: enable_peer_all_reduce(config, setup, tp))
         self.lora: LoRAManager | None = None
         if lora.enable_lora:
             # NOTE: before the KV cache is sized, so the slots count as weights.
@@ -326,8 +339,9 @@ class LLMEngine:
         tp, self.tp = self.tp, None
         if self.workers.dead is None:
             try:
+                self.runner.release_graphs()
                 tp.broadcast_stop()
-                # NOTE: a guard only: closing is local (gloo destroy, NCCL abort)
+                # NOTE: a guard only: the workers leave the group at the same time
                 closing = threading.Thread(target=tp.close, name="kvfleet-tp-close", daemon=True)
                 closing.start()
                 closing.join(_CLOSE_TIMEOUT_S)

@@ -91,7 +91,7 @@ class LaunchedStep:
             # NOTE: into pinned memory, without waiting; `ready` marks the copies done.
             self._host = [t.to("cpu", non_blocking=True) for t in on_device]
             if results.sampled_token_ids.is_cuda:
-                self.ready = torch.cuda.Event()
+                self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self.ready.record()
 
     def host_results(self) -> tuple[list[int], dict[RequestId, list[TokenLogprobs]]]:
@@ -205,6 +205,13 @@ class ModelRunner:
             self.model, self.kv_caches, max_num_seqs, max_blocks, self.device, lora
         )
         self.decode_graphs.capture_all()
+
+    def release_graphs(self) -> None:
+        """Free the decode graphs once the device is done with them (before leaving a
+        tensor-parallel group: they hold its collectives)."""
+        self.decode_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step, start to finish."""
@@ -324,7 +331,8 @@ class ModelRunner:
             known = state.token_ids[start:end]
             input_ids += known
             if len(known) < end - start:  # only ever the last input token
-                assert self._latest is not None and len(known) == end - start - 1
+                assert self._latest is not None
+                assert len(known) == end - start - 1
                 pending.append((len(input_ids), self._latest.row_of[state.req_id]))
                 input_ids.append(0)
         max_blocks = max(s.num_blocks for s in states)
@@ -344,7 +352,8 @@ class ModelRunner:
             self.device,
         )
         if pending:
-            assert self._latest is not None and self._latest.results is not None
+            assert self._latest is not None
+            assert self._latest.results is not None
             where = to_device(np.array(pending, np.int64).T.copy(), self.device)
             longs.index_copy_(0, where[0], self._latest.results.sampled_token_ids[where[1]])
         packed = PackedStep(

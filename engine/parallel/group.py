@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.parallel.partition import TPPlan
+from kvfleet.engine.parallel.peer import PeerAllReduce
 
 STEP, STOP = 1, 0
 # header: op, num_tokens, num_seqs, max_blocks, num_sampled
@@ -79,6 +80,7 @@ class TPGroup:
         self.device = device
         self.group = group  # the device's collectives (NCCL on CUDA)
         self.host_group = host_group if host_group is not None else group  # gloo, host tensors
+        self.peer: PeerAllReduce | None = None  # latency-bound all-reduces, where available
 
     @classmethod
     def initialize(cls, plan: TPPlan, device: torch.device, port: int) -> TPGroup:
@@ -96,8 +98,18 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
+        if self.peer is not None and self.peer.fits(tensor):
+            return self.peer(tensor)
         dist.all_reduce(tensor, group=self.group)
         return tensor
+
+    def enable_peer_all_reduce(self, capacity: int, dtype: torch.dtype) -> bool:
+        """All-reduces of up to `capacity` elements of `dtype` through peer memory, if every
+        rank can (collective: all ranks call it at the same point). Whether it is on."""
+        peer = PeerAllReduce.create(self.group.group_name, capacity, dtype, self.device)
+        if self.min_int(int(peer is not None)) == 1:
+            self.peer = peer
+        return self.peer is not None
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, vocab_per_rank] on every rank -> [rows, vocab_size] (padding dropped)."""
@@ -147,13 +159,8 @@ class TPGroup:
         dist.broadcast(tensor, src=0, group=self.host_group)
 
     def close(self) -> None:
-        """Leave the group. NCCL communicators are aborted (local, immediate): destroying them
-        is a collective finalize that can wait forever on a rank that already left."""
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group()
-        else:
+        """Leave the group, every rank together (rank 0 after `broadcast_stop`, the others on
+        receiving it): NCCL's finalize waits for all ranks. The caller frees CUDA graphs that
+        hold this group's kernels first."""
+        if dist.is_initialized():
             dist.destroy_process_group()

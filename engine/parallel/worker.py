@@ -122,6 +122,7 @@ def worker_main(config: Any, rank: int, world_size: int, port: int) -> None:
     try:
         runner, tp = build_rank(config, rank, world_size, port)
         runner.serve_steps(tp)
+        runner.release_graphs()
         tp.close()
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)

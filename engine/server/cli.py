@@ -187,6 +187,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def _serve_replicas(args: argparse.Namespace) -> int:
     """N engine processes on loopback, the gateway in this one in front of them."""
+    import signal
     import subprocess
 
     import uvicorn
@@ -195,28 +196,19 @@ def _serve_replicas(args: argparse.Namespace) -> int:
 
     forwarded = _forwarded_engine_arguments(args)
     ports = [ENGINE_PORT + 1 + i for i in range(args.replicas)]
-    engines = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvfleet.engine.cli",
-                "engine",
-                "--model",
-                args.model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                *forwarded,
-            ]
-        )
-        for port in ports
-    ]
     replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
     url = f"http://{args.host}:{args.port}"
-    print(f"kvfleet: {args.replicas} engines of {args.model} starting behind {url}/v1", flush=True)
+    engines: list[subprocess.Popen[bytes]] = []
+    # NOTE: a SIGTERM before uvicorn takes the signal over must still stop the engines.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
+        for port in ports:
+            command = [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--model", args.model]
+            command += ["--host", "127.0.0.1", "--port", str(port), *forwarded]
+            engines.append(subprocess.Popen(command))
+        print(
+            f"kvfleet: {len(engines)} engines of {args.model} starting behind {url}/v1", flush=True
+        )
         app = create_gateway_app(GatewaySettings(replicas=replicas))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -228,6 +220,10 @@ def _serve_replicas(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 engine.kill()
     return 0
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _forwarded_engine_arguments(args: argparse.Namespace) -> list[str]:

@@ -184,11 +184,13 @@ def test_async_scheduling_runs_one_step_behind(make_engine: Callable[..., LLMEng
     engine.add_request("a", tokens(10, 6), GREEDY)
     assert engine.step() == []  # the prompt's step is launched; its token comes next step
     step = engine.last_scheduler_output
-    assert step is not None and step.num_scheduled_tokens == {"a": 10}
+    assert step is not None
+    assert step.num_scheduled_tokens == {"a": 10}
     (out,) = engine.step()
     assert len(out.outputs[0].token_ids) == 1
     step = engine.last_scheduler_output
-    assert step is not None and step.num_scheduled_tokens == {"a": 1}  # its input was pending
+    assert step is not None
+    assert step.num_scheduled_tokens == {"a": 1}
 
     sync = make_engine(async_scheduling=False)
     sync.add_request("a", tokens(10, 6), GREEDY)
@@ -218,7 +220,9 @@ def _mixed_run(engine: LLMEngine, stop_token: int | None) -> dict[str, RequestOu
         engine.add_request(f"r{i}", prompt, params)
     finished = run(engine)
     # A request with penalties joins while others run: those steps go one at a time.
-    engine.add_request("p", tokens(20, 15), SamplingParams(presence_penalty=1.5, seed=3, max_tokens=12))
+    engine.add_request(
+        "p", tokens(20, 15), SamplingParams(presence_penalty=1.5, seed=3, max_tokens=12)
+    )
     engine.add_request("q", tokens(25, 16), SamplingParams(temperature=0, max_tokens=12))
     return finished | run(engine)
 
@@ -236,7 +240,8 @@ def test_async_scheduling_gives_the_outputs_of_one_step_at_a_time(
     expected = _mixed_run(sync, ids[stop_at])
     engine = make_engine(**settings)
     got = _mixed_run(engine, ids[stop_at])
-    assert sync.scheduler.num_preemptions > 0 and engine.scheduler.num_preemptions > 0
+    assert sync.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0
     assert sorted(got) == sorted(expected) == ["p", "q", "r0", "r1", "r2", "r3", "r4"]
     assert len(expected["r1"].outputs[0].token_ids) == stop_at + 1  # stopped at its stop token
     for request_id, want in expected.items():

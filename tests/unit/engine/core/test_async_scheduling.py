@@ -78,16 +78,19 @@ def test_a_request_preempted_while_its_step_runs_keeps_that_token(
     assert second.num_scheduled_tokens == {"a": 1}
     assert second.preempted_req_ids == {"b"}
     b = s.requests["b"]
-    assert b.status is RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    assert b.status is RequestStatus.PREEMPTED
+    assert b.num_pending_tokens == 1
 
     outputs = s.update_from_output(first, runner_output(s, first, {"a": 50, "b": 60}))
     assert [(o.req_id, o.new_token_ids) for o in outputs] == [("a", [50]), ("b", [60])]
-    assert b.all_token_ids[-1] == 60 and b.num_pending_tokens == 0
+    assert b.all_token_ids[-1] == 60
+    assert b.num_pending_tokens == 0
     s.update_from_output(second, runner_output(s, second, {"a": EOS}))
     # b resumes with its prompt and the token taken while it was preempted.
     resumed = s.schedule()
     (new,) = resumed.scheduled_new_reqs
-    assert new.req_id == "b" and new.token_ids[-1] == 60
+    assert new.req_id == "b"
+    assert new.token_ids[-1] == 60
     assert new.num_computed_tokens == 8  # its prompt's blocks, from the prefix cache
     assert resumed.num_scheduled_tokens == {"b": 1}
 

@@ -1,0 +1,121 @@
+"""All-reduce latency between the GPUs of this machine, at the sizes tensor parallelism sends.
+
+    bench/device_env.sh python3 bench/allreduce.py [--gpus 2]
+
+One process per GPU. For each size (one decode token of Llama-3-70B, a batch of 256 decode
+tokens of Llama-3-8B, an 8,192-token prefill step of Llama-3-8B; bf16), times NCCL's
+all-reduce and the engine's peer-memory one-shot all-reduce (engine/parallel/peer.py), issued
+one by one and, at decode sizes, 160 of them captured in one CUDA graph (as a decode step of
+80 layers replays them). Prints microseconds per all-reduce and NCCL's bus bandwidth, checks
+the one-shot sum, then times leaving the process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
+
+SIZES = {"70b-decode-1": 8192, "8b-decode-256": 256 * 4096, "8b-prefill-8192": 8192 * 4096}
+OPS_PER_GRAPH = 160
+
+
+def _time_us(fn: Callable[[], object], count: int, repeats: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / count)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph(fn: Callable[[], object], count: int) -> Callable[[], object]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            fn()
+    return graph.replay
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    import gc
+    import time
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    device = torch.device("cuda", rank)
+    results: dict[str, dict[str, float]] = {}
+    peer = _peer(max(SIZES.values()), device)
+    for name, numel in SIZES.items():
+        x = torch.ones(numel, dtype=torch.bfloat16, device=device)
+        row: dict[str, float] = {}
+        row["nccl_eager_us"] = _time_us(lambda: dist.all_reduce(x), 1)  # noqa: B023
+        if peer is not None:
+            row["one_shot_eager_us"] = _time_us(lambda: peer(x), 1)  # noqa: B023
+        if numel <= 256 * 4096:
+            replay = _graph(lambda: dist.all_reduce(x), OPS_PER_GRAPH)  # noqa: B023
+            row["nccl_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
+            if peer is not None:
+                replay = _graph(lambda: peer(x), OPS_PER_GRAPH)  # noqa: B023
+                row["one_shot_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
+            del replay
+        moved = 2 * (world - 1) / world * numel * 2  # bytes each GPU sends (ring)
+        row["nccl_eager_bus_gb_s"] = moved / row["nccl_eager_us"] / 1e3
+        results[name] = row
+    # The sum is right: every rank holds ones, so each element must read `world` after one.
+    check = torch.ones(8192, dtype=torch.bfloat16, device=device)
+    if peer is not None:
+        peer(check)
+        results["one_shot_sum_ok"] = {"ok": float(bool((check == world).all()))}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"gpus": world, **results}, f, indent=1)
+    # Leaving: CUDA graphs holding NCCL kernels are freed first (teardown order under test).
+    gc.collect()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: destroy_process_group {time.perf_counter() - began:.2f} s", flush=True)
+
+
+def _peer(capacity: int, device: torch.device) -> Callable[[torch.Tensor], object] | None:
+    """The engine's peer-memory all-reduce, or None without it."""
+    from kvfleet.engine.parallel.peer import PeerAllReduce
+
+    group = dist.group.WORLD
+    assert group is not None
+    return PeerAllReduce.create(group.group_name, capacity, torch.bfloat16, device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--out", default="allreduce.json")
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # (multicast stays off)
+    port = 29600 + os.getpid() % 1000
+    spawn(worker, args=(args.gpus, port, args.out), nprocs=args.gpus)
+    with open(args.out) as f:
+        print(f.read())
+
+
+if __name__ == "__main__":
+    main()

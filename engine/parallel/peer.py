@@ -1,0 +1,59 @@
+"""PeerAllReduce: all-reduce by reading the other GPUs' memory directly (one-shot), for steps
+whose all-reduces are latency-bound.
+
+Each rank copies its partial sums into a buffer every rank can address (PyTorch's symmetric
+memory over NVLink), waits for the others at a device-side barrier, and adds all ranks'
+buffers in rank order, so every rank gets the same bits. One kernel, no NCCL protocol: on
+2 x H200 a 16 KiB all-reduce (one Llama-3-70B decode token) takes 6.3 us in a CUDA graph
+against NCCL's 23.4 us, and 2 MiB (256 Llama-3-8B tokens) 18.7 against 46.0
+(bench/allreduce.py). The kernel ends with a second barrier, so the next all-reduce may
+overwrite the buffer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class PeerAllReduce:
+    def __init__(self, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device):
+        """Collective: every rank of the group builds its own at the same point."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group_name
+        self.dtype = dtype
+        self.capacity = capacity
+        self.buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
+        self._op: Any = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+
+    @classmethod
+    def create(
+        cls, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> PeerAllReduce | None:
+        """One, or None where peer memory is not available (then NCCL all-reduces)."""
+        if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return None
+        try:
+            return cls(group_name, capacity, dtype, device)
+        except (ImportError, AttributeError, RuntimeError) as exc:
+            logger.warning("peer-memory all-reduce unavailable (%s); NCCL serves them all", exc)
+            return None
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.dtype == self.dtype
+            and tensor.numel() <= self.capacity
+            and tensor.is_contiguous()
+        )
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (`fits(tensor)` must hold)."""
+        symmetric = self.buffer[: tensor.numel()].view(tensor.shape)
+        self._op(symmetric, tensor, "sum", self.group_name, tensor)
+        return tensor
