@@ -106,6 +106,8 @@ class TPGroup:
     def enable_peer_all_reduce(self, capacity: int, dtype: torch.dtype) -> bool:
         """All-reduces of up to `capacity` elements of `dtype` through peer memory, if every
         rank can (collective: all ranks call it at the same point). Whether it is on."""
+        if self.min_int(int(PeerAllReduce.possible(self.device))) == 0:
+            return False  # (decided together: the rendezvous needs every rank)
         peer = PeerAllReduce.create(self.group.group_name, capacity, dtype, self.device)
         if self.min_int(int(peer is not None)) == 1:
             self.peer = peer

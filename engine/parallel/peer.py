@@ -19,6 +19,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# NOTE: symmetric-memory rendezvous keys count allocations per process: a second group in the
+# same process (a second tensor-parallel engine) would wait for keys its fresh workers never
+# write. Only the first group of a process uses peer memory; later ones keep NCCL.
+_rendezvous: set[str] = set()  # "done" once this process has tried one
+
 
 class PeerAllReduce:
     def __init__(self, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device):
@@ -32,6 +37,11 @@ class PeerAllReduce:
         symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
         self._op: Any = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
+    @staticmethod
+    def possible(device: torch.device) -> bool:
+        """Whether this process can still set one up (asked of every rank before trying)."""
+        return device.type == "cuda" and not _rendezvous
+
     @classmethod
     def create(
         cls, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device
@@ -39,6 +49,7 @@ class PeerAllReduce:
         """One, or None where peer memory is not available (then NCCL all-reduces)."""
         if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
+        _rendezvous.add("done")
         try:
             return cls(group_name, capacity, dtype, device)
         except (ImportError, AttributeError, RuntimeError) as exc:

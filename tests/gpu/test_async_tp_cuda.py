@@ -3,7 +3,9 @@
 Asynchronous and one-step-at-a-time scheduling run the same batches when requests end only by
 max_tokens (a request is never scheduled past it), so their bf16 outputs must be identical.
 Tensor parallelism over 2 GPUs is checked the same way against itself, and against one GPU
-in float32 within float32 rounding.
+in float32 within float32 rounding. (Only a process's first tensor-parallel engine all-reduces
+through peer memory, engine/parallel/peer.py; the later ones here use NCCL, so the sync/async
+comparison also sets the two all-reduces against each other.)
 """
 
 from __future__ import annotations
