@@ -21,22 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
+from kvfleet.bench.ceilings import median_seconds
+
 SIZES = {"70b-decode-1": 8192, "8b-decode-256": 256 * 4096, "8b-prefill-8192": 8192 * 4096}
 OPS_PER_GRAPH = 160
 
 
-def _time_us(fn: Callable[[], object], count: int, repeats: int = 10) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / count)
-    return sorted(times)[len(times) // 2]
+def _time_us(fn: Callable[[], object], count: int) -> float:
+    """Microseconds per all-reduce when `fn` runs `count` of them."""
+    return median_seconds(fn, torch.device("cuda")) * 1e6 / count
 
 
 def _graph(fn: Callable[[], object], count: int) -> Callable[[], object]:

@@ -19,7 +19,8 @@ class Ceilings:
         return max(num_bytes / (self.copy_gbps * 1e9), flops / (self.matmul_tflops * 1e12))
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+    """The median time of `fn` (device time on CUDA), after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -41,11 +42,11 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     big = (1 << 30) if device.type == "cuda" else (1 << 26)  # elements
     src = torch.randn(big // 2, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src), device)
+    copy_s = median_seconds(lambda: dst.copy_(src), device)
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    matmul_s = _median_seconds(lambda: a @ b, device)
+    matmul_s = median_seconds(lambda: a @ b, device)
     return Ceilings(
         copy_gbps=2 * (big // 2) * 4 / copy_s / 1e9, matmul_tflops=2 * n**3 / matmul_s / 1e12
     )

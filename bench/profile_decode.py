@@ -16,21 +16,13 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvfleet.bench.ceilings import median_seconds
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
 
-def _gpu_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _gpu_ms(fn: Callable[[], object]) -> float:
+    return median_seconds(fn, torch.device("cuda"), repeats=20) * 1e3
 
 
 def main() -> None:
