@@ -23,7 +23,7 @@ from kvfleet.engine.host_copy import to_device
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
-from kvfleet.engine.parallel.group import PackedStep, TPGroup
+from kvfleet.engine.parallel.group import PackedStep, StepInputs, TPGroup
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -53,10 +53,7 @@ class CachedRequestState:
 
 @dataclass(frozen=True)
 class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: the token rows whose logits are sampled
+    step: StepInputs  # views into `packed`: ids, positions, attention metadata, sampled rows
     sampled_req_ids: list[RequestId]
     sampled_positions: list[int]  # per sampled request, the position of the token it samples
     packed: PackedStep  # the same inputs as two flat buffers (what tensor parallelism sends)
@@ -234,21 +231,7 @@ class ModelRunner:
             seed = states[row].sampling_params.seed
             assert seed is not None
             generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(inputs.metadata):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata, inputs.lora)
-            if self.lora is not None:
-                self.lora.clear_step()
-        else:
-            try:
-                hidden = self.model(
-                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
-                )
-            finally:
-                if self.lora is not None:
-                    self.lora.clear_step()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        sampled = self.sampler(logits, sampling)
+        sampled = self.sampler(self._logits(inputs.step, inputs.lora), sampling)
         step = LaunchedStep(
             scheduler_output,
             inputs.sampled_req_ids,
@@ -281,14 +264,22 @@ class ModelRunner:
     def serve_steps(self, tp: TPGroup) -> None:
         """Ranks > 0: run every step rank 0 broadcasts (forward and logits, for their
         collectives; rank 0 samples) until it stops."""
-        graphs = self.decode_graphs
         while (step := tp.receive_step()) is not None:
-            # NOTE: the same choice as rank 0's from the same inputs, so collectives match.
+            self._logits(step)
+
+    def _logits(self, step: StepInputs, lora: LoRABatch | None = None) -> torch.Tensor:
+        """The forward (a graph replay for decode-only steps) and the sampled rows' logits.
+        Every rank makes the same choice from the same inputs, so their collectives match."""
+        graphs = self.decode_graphs
+        try:
             if graphs is not None and graphs.can_run(step.metadata):
-                hidden = graphs.run(step.input_ids, step.positions, step.metadata)
+                hidden = graphs.run(step.input_ids, step.positions, step.metadata, lora)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
-            self.model.compute_logits(hidden[step.logits_indices])
+        finally:
+            if self.lora is not None:
+                self.lora.clear_step()
+        return self.model.compute_logits(hidden[step.logits_indices])
 
     def _update_states(self, out: SchedulerOutput) -> None:
         if out.finished_req_ids or out.scheduled_new_reqs:
@@ -347,15 +338,16 @@ class ModelRunner:
         # The last input token of a request (known or pending): sample the next one.
         sampled = ends >= np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         logits_indices = cu_seqlens_q[1:][sampled] - 1
-        longs = to_device(
-            np.concatenate((input_ids, positions, slots, logits_indices)).astype(np.int64),
-            self.device,
-        )
+        # NOTE: the pending tokens' places and rows ride in the same copy, after the inputs.
+        fill = np.array(pending, np.int64).T.ravel()
+        host = np.concatenate((input_ids, positions, slots, logits_indices, fill))
+        copied = to_device(host.astype(np.int64), self.device)
+        longs = copied[: len(host) - len(fill)]
         if pending:
             assert self._latest is not None
             assert self._latest.results is not None
-            where = to_device(np.array(pending, np.int64).T.copy(), self.device)
-            longs.index_copy_(0, where[0], self._latest.results.sampled_token_ids[where[1]])
+            where, rows = copied[len(longs) :].view(2, -1)
+            longs.index_copy_(0, where, self._latest.results.sampled_token_ids[rows])
         packed = PackedStep(
             longs=longs,
             ints=to_device(
@@ -368,15 +360,11 @@ class ModelRunner:
             query_lens_cpu=num_tokens.tolist(),
             seq_lens_cpu=ends.tolist(),
         )
-        step = packed.unpack()
         lora = None
         if self.lora is not None:
             lora = self.lora.prepare_step([s.lora_name for s in states], num_tokens)
         return ModelInputs(
-            input_ids=step.input_ids,
-            positions=step.positions,
-            metadata=step.metadata,
-            logits_indices=step.logits_indices,
+            step=packed.unpack(),
             sampled_req_ids=[s.req_id for s, keep in zip(states, sampled, strict=True) if keep],
             sampled_positions=ends[sampled].tolist(),
             packed=packed,

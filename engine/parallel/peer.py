@@ -13,19 +13,19 @@ overwrite the buffer at once.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# NOTE: symmetric-memory rendezvous keys count allocations per process: a second group in the
-# same process (a second tensor-parallel engine) would wait for keys its fresh workers never
-# write. Only the first group of a process uses peer memory; later ones keep NCCL.
-_rendezvous: set[str] = set()  # "done" once this process has tried one
-
 
 class PeerAllReduce:
+    # NOTE: symmetric-memory rendezvous keys count allocations per process: a second group in
+    # the same process (a second tensor-parallel engine) would wait for keys its fresh workers
+    # never write. Only the first group of a process uses peer memory; later ones keep NCCL.
+    tried_in_this_process: ClassVar[bool] = False
+
     def __init__(self, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device):
         """Collective: every rank of the group builds its own at the same point."""
         import torch.distributed._symmetric_memory as symm_mem
@@ -37,10 +37,10 @@ class PeerAllReduce:
         symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
         self._op: Any = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
-    @staticmethod
-    def possible(device: torch.device) -> bool:
+    @classmethod
+    def possible(cls, device: torch.device) -> bool:
         """Whether this process can still set one up (asked of every rank before trying)."""
-        return device.type == "cuda" and not _rendezvous
+        return device.type == "cuda" and not cls.tried_in_this_process
 
     @classmethod
     def create(
@@ -49,7 +49,7 @@ class PeerAllReduce:
         """One, or None where peer memory is not available (then NCCL all-reduces)."""
         if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
-        _rendezvous.add("done")
+        PeerAllReduce.tried_in_this_process = True
         try:
             return cls(group_name, capacity, dtype, device)
         except (ImportError, AttributeError, RuntimeError) as exc:
