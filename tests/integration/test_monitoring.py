@@ -99,10 +99,17 @@ def prometheus(
     server.process.wait(30)
 
 
-def send_load(base_url: str) -> None:
+def send_load(base_url: str, prometheus: str) -> None:
+    """One request, then the load once Prometheus holds the request counter: rates over the
+    load need a sample from before it (a counter series starts at its first request)."""
     from openai import NotFoundError, OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert client.completions.create(model=MODEL, prompt="primer", max_tokens=2).choices
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not query(prometheus, "kvfleet:gateway_requests_total"):
+        time.sleep(0.5)
+    time.sleep(2)  # (a scrape or two more)
 
     def stream(i: int) -> None:
         chunks = client.chat.completions.create(
@@ -135,7 +142,7 @@ def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
 
 
 def test_every_dashboard_query_returns_data(stack: Server, prometheus: str) -> None:
-    send_load(stack.url)
+    send_load(stack.url, prometheus)
     # a few scrapes and rule evaluations after the load
     deadline = time.monotonic() + 60
     probe = 'kvfleet_slo:error_ratio:rate5m{slo="latency"}'
