@@ -4,10 +4,11 @@
 
 One process per GPU. For each size (one decode token of Llama-3-70B, a batch of 256 decode
 tokens of Llama-3-8B, an 8,192-token prefill step of Llama-3-8B; bf16), times NCCL's
-all-reduce and the engine's peer-memory one-shot all-reduce (engine/parallel/peer.py), issued
+all-reduce and the engine's peer-memory all-reduces (one-shot and two-shot,
+engine/parallel/peer.py), issued
 one by one and, at decode sizes, 160 of them captured in one CUDA graph (as a decode step of
 80 layers replays them). Prints microseconds per all-reduce and NCCL's bus bandwidth, checks
-the one-shot sum, then times leaving the process group.
+the peer sums against NCCL's, then times leaving the process group.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from torch.multiprocessing.spawn import spawn
 
 from kvfleet.bench.ceilings import median_seconds
 
-SIZES = {"70b-decode-1": 8192, "8b-decode-256": 256 * 4096, "8b-prefill-8192": 8192 * 4096}
+SIZES = {
+    "70b-decode-1": 8192,
+    "8b-decode-32": 32 * 4096,
+    "8b-decode-64": 64 * 4096,
+    "8b-decode-128": 128 * 4096,
+    "8b-decode-256": 256 * 4096,
+    "8b-prefill-8192": 8192 * 4096,
+}
 OPS_PER_GRAPH = 160
 
 
@@ -61,22 +69,30 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         row: dict[str, float] = {}
         row["nccl_eager_us"] = _time_us(lambda: dist.all_reduce(x), 1)  # noqa: B023
         if peer is not None:
-            row["one_shot_eager_us"] = _time_us(lambda: peer(x), 1)  # noqa: B023
+            row["one_shot_eager_us"] = _time_us(lambda: peer(x, False), 1)  # noqa: B023
+            row["two_shot_eager_us"] = _time_us(lambda: peer(x, True), 1)  # noqa: B023
         if numel <= 256 * 4096:
             replay = _graph(lambda: dist.all_reduce(x), OPS_PER_GRAPH)  # noqa: B023
             row["nccl_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
             if peer is not None:
-                replay = _graph(lambda: peer(x), OPS_PER_GRAPH)  # noqa: B023
-                row["one_shot_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
+                for two_shot in (False, True):
+                    replay = _graph(lambda: peer(x, two_shot), OPS_PER_GRAPH)  # noqa: B023
+                    name_ = "two_shot_graph_us" if two_shot else "one_shot_graph_us"
+                    row[name_] = _time_us(replay, OPS_PER_GRAPH)
             del replay
         moved = 2 * (world - 1) / world * numel * 2  # bytes each GPU sends (ring)
         row["nccl_eager_bus_gb_s"] = moved / row["nccl_eager_us"] / 1e3
         results[name] = row
-    # The sum is right: every rank holds ones, so each element must read `world` after one.
-    check = torch.ones(8192, dtype=torch.bfloat16, device=device)
+    # The sums agree with NCCL's bit for bit, on random values (each rank its own).
     if peer is not None:
-        peer(check)
-        results["one_shot_sum_ok"] = {"ok": float(bool((check == world).all()))}
+        for numel in SIZES.values():
+            values = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(device)
+            want = values.bfloat16()
+            dist.all_reduce(want)
+            for two_shot in (False, True):
+                got = peer(values.bfloat16(), two_shot)
+                key = f"{'two' if two_shot else 'one'}_shot_equal_{numel}"
+                results[key] = {"ok": float(torch.equal(got, want))}
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"gpus": world, **results}, f, indent=1)
@@ -89,7 +105,9 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     print(f"rank {rank}: destroy_process_group {time.perf_counter() - began:.2f} s", flush=True)
 
 
-def _peer(capacity: int, device: torch.device) -> Callable[[torch.Tensor], object] | None:
+def _peer(
+    capacity: int, device: torch.device
+) -> Callable[[torch.Tensor, bool], torch.Tensor] | None:
     """The engine's peer-memory all-reduce, or None without it."""
     from kvfleet.engine.parallel.peer import PeerAllReduce
 

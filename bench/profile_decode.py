@@ -9,6 +9,8 @@ the top operators by host and by GPU time on rank 0.
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +32,11 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
+    parser.add_argument(
+        "--cprofile", action="store_true", help="also Python's profiler over 20 engine steps"
+    )
     args = parser.parse_args()
     llm = LLM(
         args.model,
@@ -41,7 +47,7 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=800, ignore_eos=True)
     for i in range(args.batch_size):
         engine.add_request(f"p{i}", list(range(1000 + i, 1128 + i)), params)
     for _ in range(20):
@@ -80,6 +86,11 @@ def main() -> None:
             "  GPU LM head + argmax "
             f"{_gpu_ms(lambda: runner.model.compute_logits(rows).argmax(-1)):.3f} ms"
         )
+    if args.cprofile:
+        stats = cProfile.Profile()
+        stats.runcall(lambda: [engine.step() for _ in range(20)])
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(stats).sort_stats(key).print_stats(30)
     if args.profile:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):

@@ -23,7 +23,7 @@ from kvfleet.engine.host_copy import to_device
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
-from kvfleet.engine.parallel.group import PackedStep, StepInputs, TPGroup
+from kvfleet.engine.parallel.group import PackedStep, RaceInputs, StepInputs, TPGroup
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -49,6 +49,10 @@ class CachedRequestState:
             self.block_table = grown
         self.block_table[self.num_blocks : end] = block_ids
         self.num_blocks = end
+
+
+# A batch's race temperatures (float64, 0 for greedy) and its seeded rows' seeds.
+_RaceRows = tuple[np.ndarray, dict[int, int]]
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None
         self._last_sampling: tuple[tuple[RequestId, ...], SamplingMetadata] | None = None
+        # Sampled rows by the vocabulary race on CUDA (engine/triton_sampler.py): per batch,
+        # its temperatures and seeds, or None where a row needs the torch sampler.
+        self.race_sampling = device.type == "cuda"
+        self._last_race: tuple[tuple[RequestId, ...], _RaceRows | None] | None = None
+        self._step_keys = np.random.default_rng(torch.initial_seed())
         self._latest: LaunchedStep | None = None  # the last step launched
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -225,13 +234,16 @@ class ModelRunner:
         if self.model.tp is not None:  # the other ranks run the same forward
             self.model.tp.broadcast_step(inputs.packed)
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
-        # NOTE: built before the forward is queued (the copies are asynchronous anyway).
-        sampling = self._sampling_metadata(states)
-        for row, generator in sampling.generators.items():
-            seed = states[row].sampling_params.seed
-            assert seed is not None
-            generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
-        sampled = self.sampler(self._logits(inputs.step, inputs.lora), sampling)
+        sampling = None
+        if inputs.step.race is None:
+            # NOTE: built before the forward is queued (the copies are asynchronous anyway).
+            sampling = self._sampling_metadata(states)
+            for row, generator in sampling.generators.items():
+                seed = states[row].sampling_params.seed
+                assert seed is not None
+                generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
+        sampled = self._sample(inputs.step, inputs.lora, sampling)
+        assert sampled is not None
         step = LaunchedStep(
             scheduler_output,
             inputs.sampled_req_ids,
@@ -263,13 +275,20 @@ class ModelRunner:
     @torch.inference_mode()
     def serve_steps(self, tp: TPGroup) -> None:
         """Ranks > 0: run every step rank 0 broadcasts (forward and logits, for their
-        collectives; rank 0 samples) until it stops."""
+        collectives; rank 0 samples, or all race their vocabulary shards) until it stops."""
         while (step := tp.receive_step()) is not None:
-            self._logits(step)
+            self._sample(step)
 
-    def _logits(self, step: StepInputs, lora: LoRABatch | None = None) -> torch.Tensor:
-        """The forward (a graph replay for decode-only steps) and the sampled rows' logits.
-        Every rank makes the same choice from the same inputs, so their collectives match."""
+    def _sample(
+        self,
+        step: StepInputs,
+        lora: LoRABatch | None = None,
+        sampling: SamplingMetadata | None = None,
+    ) -> SamplerOutput | None:
+        """The forward (a graph replay for decode-only steps), then the sampled rows' tokens:
+        by a race over the vocabulary (shards), else by the sampler from all the logits (None
+        without `sampling`: a tensor-parallel worker only joins the collectives). Every rank
+        makes the same choices from the same inputs, so their collectives match."""
         graphs = self.decode_graphs
         try:
             if graphs is not None and graphs.can_run(step.metadata):
@@ -279,11 +298,29 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear_step()
-        return self.model.compute_logits(hidden[step.logits_indices])
+        rows = hidden[step.logits_indices]
+        if step.race is not None:
+            return SamplerOutput(self._race(rows, step.race))
+        logits = self.model.compute_logits(rows)
+        return None if sampling is None else self.sampler(logits, sampling)
+
+    def _race(self, rows: torch.Tensor, inputs: RaceInputs) -> torch.Tensor:
+        """Each row's token by the vocabulary race: each rank over its shard, then the best."""
+        from kvfleet.engine.triton_sampler import race, winners
+
+        logits = self.model.compute_logits(rows, gather=False)
+        tp = self.model.tp
+        vocab = tp.plan.vocab if tp is not None else None
+        first, count = (vocab.start, vocab.size) if vocab else (0, self.config.vocab_size)
+        packed = race(logits, inputs.temperature, inputs.keys, inputs.bases, first, count)
+        if tp is not None:
+            tp.max_(packed)
+        return winners(packed)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         if out.finished_req_ids or out.scheduled_new_reqs:
-            self._last_sampling = None  # an id may come back with other parameters
+            # an id may come back with other parameters
+            self._last_sampling = self._last_race = None
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -338,9 +375,14 @@ class ModelRunner:
         # The last input token of a request (known or pending): sample the next one.
         sampled = ends >= np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
         logits_indices = cu_seqlens_q[1:][sampled] - 1
+        sampled_states = [s for s, keep in zip(states, sampled, strict=True) if keep]
+        sampled_positions = ends[sampled]
+        race = self._race_inputs(sampled_states, sampled_positions)
         # NOTE: the pending tokens' places and rows ride in the same copy, after the inputs.
         fill = np.array(pending, np.int64).T.ravel()
-        host = np.concatenate((input_ids, positions, slots, logits_indices, fill))
+        host = np.concatenate(
+            (input_ids, positions, slots, logits_indices, race if race is not None else [], fill)
+        )
         copied = to_device(host.astype(np.int64), self.device)
         longs = copied[: len(host) - len(fill)]
         if pending:
@@ -359,17 +401,46 @@ class ModelRunner:
             max_blocks=max_blocks,
             query_lens_cpu=num_tokens.tolist(),
             seq_lens_cpu=ends.tolist(),
+            race=race is not None,
         )
         lora = None
         if self.lora is not None:
             lora = self.lora.prepare_step([s.lora_name for s in states], num_tokens)
         return ModelInputs(
             step=packed.unpack(),
-            sampled_req_ids=[s.req_id for s, keep in zip(states, sampled, strict=True) if keep],
-            sampled_positions=ends[sampled].tolist(),
+            sampled_req_ids=[s.req_id for s in sampled_states],
+            sampled_positions=sampled_positions.tolist(),
             packed=packed,
             lora=lora,
         )
+
+    def _race_inputs(
+        self, states: list[CachedRequestState], positions: np.ndarray
+    ) -> np.ndarray | None:
+        """The vocabulary race's keys, bases and temperatures (float64 bits) for the sampled
+        rows, or None where the race cannot serve the step (not on CUDA, or a row needs the
+        whole distribution: top-k/p, min-p, penalties, logprobs)."""
+        if not self.race_sampling or not states:
+            return None
+        key = tuple(s.req_id for s in states)
+        if self._last_race is None or self._last_race[0] != key:
+            params = [s.sampling_params for s in states]
+            if any(p.needs_distribution for p in params):
+                self._last_race = (key, None)
+            else:
+                temperatures = [0.0 if p.is_greedy else p.temperature for p in params]
+                seeds = {row: p.seed for row, p in enumerate(params) if p.seed is not None}
+                self._last_race = (key, (np.array(temperatures, np.float64), seeds))
+        rows = self._last_race[1]
+        if rows is None:
+            return None
+        temperature, seeds = rows
+        # Unseeded rows: the step's key, each row its own stretch of the stream.
+        keys = np.full(len(states), self._step_keys.integers(1 << 62), np.int64)
+        bases = np.arange(len(states), dtype=np.int64) * self.config.vocab_size
+        for row, seed in seeds.items():
+            keys[row], bases[row] = position_seed(seed, int(positions[row])), 0
+        return np.concatenate((keys, bases, temperature.view(np.int64)))
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         """The batch's sampling tensors; reused while the same requests are sampled in the same

@@ -90,6 +90,17 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def needs_distribution(self) -> bool:
+        """Whether sampling needs the whole (filtered) distribution, not just a race."""
+        return (
+            self.top_k is not None
+            or self.top_p < 1
+            or self.min_p > 0
+            or self.has_penalties
+            or self.logprobs is not None
+        )
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0

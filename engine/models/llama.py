@@ -178,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(local.masked_fill(outside, 0))
         return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits; with tensor parallelism
+        and not `gather`, this rank's (padded) vocabulary shard of them."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if hidden.is_cuda and hidden.dtype != torch.float32:
             # NOTE: float32 out of the matmul itself: bf16 logits near 20 are 0.125 apart, so
@@ -187,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
         else:
             logits = (hidden @ weight.t()).float()
-        if self.tp is None:
+        if self.tp is None or not gather:
             return logits
         return self.tp.gather_vocab(logits)[:, : self.config.vocab_size]
 

@@ -22,20 +22,30 @@ from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.peer import PeerAllReduce
 
 STEP, STOP = 1, 0
-# header: op, num_tokens, num_seqs, max_blocks, num_sampled
-_HEADER = 5
+# header: op, num_tokens, num_seqs, max_blocks, num_sampled, race
+_HEADER = 6
 # A collective with a dead peer fails (gloo) or is abandoned (NCCL) after this long.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 @dataclass(frozen=True)
+class RaceInputs:
+    """Per sampled row, what the vocabulary race needs (`engine/triton_sampler.py`)."""
+
+    keys: torch.Tensor  # [num_sampled] int64
+    bases: torch.Tensor  # [num_sampled] int64
+    temperature: torch.Tensor  # [num_sampled] float64, 0 in greedy rows
+
+
+@dataclass(frozen=True)
 class StepInputs:
-    """What every rank needs for one forward pass."""
+    """What every rank needs for one forward pass (and, for a race, to sample)."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64
+    race: RaceInputs | None = None  # None: rank 0 samples from the whole vocabulary's logits
 
 
 @dataclass(frozen=True)
@@ -43,20 +53,38 @@ class PackedStep:
     """One step's inputs in the two flat device buffers the runner fills with one copy each;
     rank 0 broadcasts exactly these. `unpack` is the one place their layout is read."""
 
-    longs: torch.Tensor  # [3 * num_tokens + num_sampled] int64: ids, positions, slots, rows
+    # [3 * num_tokens + num_sampled (x 4 with a race)] int64: ids, positions, slots, rows
+    # (then the race's keys, bases and temperatures, the last as float64 bits)
+    longs: torch.Tensor
     ints: torch.Tensor  # [num_seqs * max_blocks + 2 * num_seqs + 1] int32: tables, cu_q, lens
     num_tokens: int
     num_seqs: int
     max_blocks: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    race: bool = False
+
+    @property
+    def num_sampled(self) -> int:
+        return (self.longs.numel() - 3 * self.num_tokens) // (4 if self.race else 1)
 
     def header(self) -> list[int]:
-        num_sampled = self.longs.numel() - 3 * self.num_tokens
-        return [STEP, self.num_tokens, self.num_seqs, self.max_blocks, num_sampled]
+        return [
+            STEP,
+            self.num_tokens,
+            self.num_seqs,
+            self.max_blocks,
+            self.num_sampled,
+            int(self.race),
+        ]
 
     def unpack(self) -> StepInputs:
         n, table_size = self.num_tokens, self.num_seqs * self.max_blocks
+        rows = 3 * n + self.num_sampled
+        race = None
+        if self.race:
+            keys, bases, temperature = self.longs[rows:].view(3, -1)
+            race = RaceInputs(keys, bases, temperature.view(torch.float64))
         metadata = AttentionMetadata(
             slot_mapping=self.longs[2 * n : 3 * n],
             block_tables=self.ints[:table_size].view(self.num_seqs, self.max_blocks),
@@ -67,7 +95,9 @@ class PackedStep:
             query_lens_cpu=self.query_lens_cpu,
             seq_lens_cpu=self.seq_lens_cpu,
         )
-        return StepInputs(self.longs[:n], self.longs[n : 2 * n], metadata, self.longs[3 * n :])
+        return StepInputs(
+            self.longs[:n], self.longs[n : 2 * n], metadata, self.longs[3 * n : rows], race
+        )
 
 
 class TPGroup:
@@ -119,6 +149,11 @@ class TPGroup:
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over ranks, in place."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (KV-cache blocks all ranks can hold)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -141,18 +176,22 @@ class TPGroup:
         rank 0; never on this rank's device."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         self._broadcast_host(header)
-        op, n, num_seqs, max_blocks, num_sampled = header.tolist()
+        op, n, num_seqs, max_blocks, num_sampled, race = header.tolist()
         if op == STOP:
             return None
         lens = torch.empty(2 * num_seqs, dtype=torch.int64)
         self._broadcast_host(lens)
-        longs = torch.empty(3 * n + num_sampled, dtype=torch.int64, device=self.device)
+        longs = torch.empty(
+            3 * n + num_sampled * (4 if race else 1), dtype=torch.int64, device=self.device
+        )
         table_size = num_seqs * max_blocks
         ints = torch.empty(table_size + 2 * num_seqs + 1, dtype=torch.int32, device=self.device)
         self._broadcast(longs)
         self._broadcast(ints)
         query_lens, seq_lens = lens[:num_seqs].tolist(), lens[num_seqs:].tolist()
-        return PackedStep(longs, ints, n, num_seqs, max_blocks, query_lens, seq_lens).unpack()
+        return PackedStep(
+            longs, ints, n, num_seqs, max_blocks, query_lens, seq_lens, bool(race)
+        ).unpack()
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.group)

@@ -3,7 +3,8 @@
 Asynchronous and one-step-at-a-time scheduling run the same batches when requests end only by
 max_tokens (a request is never scheduled past it), so their bf16 outputs must be identical.
 Tensor parallelism over 2 GPUs is checked the same way against itself, and against one GPU
-in float32 within float32 rounding. (Only a process's first tensor-parallel engine all-reduces
+in float32 within float32 rounding, and its vocabulary race (each GPU samples over its shard)
+against one GPU's, token for token. (Only a process's first tensor-parallel engine all-reduces
 through peer memory, engine/parallel/peer.py; the later ones here use NCCL, so the sync/async
 comparison also sets the two all-reduces against each other.)
 """
@@ -53,15 +54,25 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _run(config: Path, **engine_args: object) -> list[RequestOutput]:
+def _run(config: Path, race: bool = False, **engine_args: object) -> list[RequestOutput]:
+    """`race`: requests the vocabulary race serves (greedy, and seeded at temperature 1 with
+    no top-p or logprobs); else ones the torch sampler serves over the gathered logits."""
     llm = LLM(str(config), load_format="dummy", max_model_len=1024, **engine_args)
     try:
         prompts = _prompts(llm.engine.model_config.vocab_size)
-        params = [
-            SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=2)
-            for i in range(len(prompts))
-        ]
-        params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=30)
+        if race:
+            params = [
+                SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True)
+                if i % 2
+                else SamplingParams(temperature=1.0, seed=i, max_tokens=8 + 5 * i, ignore_eos=True)
+                for i in range(len(prompts))
+            ]
+        else:
+            params = [
+                SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=2)
+                for i in range(len(prompts))
+            ]
+            params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=30)
         return llm.generate(prompts, params)
     finally:
         llm.engine.close()
@@ -80,6 +91,8 @@ def test_async_scheduling_equals_one_step_at_a_time_with_graphs(config: Path) ->
         assert [lp.logprob for lp in a.outputs[0].logprobs or []] == [
             lp.logprob for lp in b.outputs[0].logprobs or []
         ]
+    raced_sync = _run(config, race=True, async_scheduling=False, **common)
+    assert _tokens(_run(config, race=True, **common)) == _tokens(raced_sync)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -104,3 +117,8 @@ def test_tensor_parallel_async_equals_sync_and_float32_equals_one_gpu(config: Pa
     assert same_first == len(one)
     print(f"TP=2 vs TP=1, float32: max |logprob difference| {worst:.2e}")
     assert worst < 1e-3, f"max |logprob difference| TP=2 vs TP=1 in float32: {worst:.2e}"
+
+    # The vocabulary race over 2 shards: the same greedy and seeded tokens as on one GPU.
+    one_raced = _run(config, race=True, dtype="float32", num_blocks=1024)
+    two_raced = _run(config, race=True, dtype="float32", **common)
+    assert _tokens(two_raced) == _tokens(one_raced)

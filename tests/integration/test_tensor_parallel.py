@@ -72,23 +72,25 @@ def test_smollm2_two_ranks_generate_what_one_does() -> None:
     assert worst < 1e-3, worst
 
 
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
+
 def test_fewer_kv_heads_than_ranks(tmp_path: Path) -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 512,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": False,
-    }
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(TINY))
     prompts = [list(range(1, 2 + 3 * i)) for i in range(8)]
     one = generate(1, str(path), prompts, load_format="dummy", skip_tokenizer_init=True)
     # four ranks: each KV head on 2 ranks with 2 query heads each; two ranks: 1 KV head each
@@ -96,6 +98,52 @@ def test_fewer_kv_heads_than_ranks(tmp_path: Path) -> None:
         other = generate(size, str(path), prompts, load_format="dummy", skip_tokenizer_init=True)
         for a, b in zip(one, other, strict=True):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def race_tokens(
+    size: int, path: Path, prompts: list[list[int]], params: list[SamplingParams], race: bool
+) -> list[list[int]]:
+    llm = LLM(
+        str(path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        num_blocks=256,
+        max_model_len=256,
+        tensor_parallel_size=size,
+    )
+    # NOTE: the vocabulary race is the CUDA path; rank 0 decides per step and its workers
+    # follow, so turning it on here runs it on every rank (Triton's interpreter on the CPU).
+    runner = llm.engine.runner
+    runner.race_sampling = race
+    raced = []
+    original = runner._race
+    runner._race = lambda rows, inputs: raced.append(1) or original(rows, inputs)  # type: ignore[method-assign]
+    try:
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.close()
+    assert bool(raced) == race
+    return tokens
+
+
+def test_vocabulary_race_over_two_ranks_equals_one(tmp_path: Path) -> None:
+    """Each rank races its vocabulary shard and the ranks take the best: greedy and seeded
+    temperature-1 tokens with TP=2 equal TP=1's; greedy ones equal the torch sampler's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    prompts = [list(range(1, 2 + 3 * i)) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    one = race_tokens(1, path, prompts, params, race=True)
+    assert race_tokens(2, path, prompts, params, race=True) == one
+    torch_sampler = race_tokens(1, path, prompts, params, race=False)
+    assert one[0::2] == torch_sampler[0::2]
+    assert all(len(tokens) == 12 for tokens in one)
 
 
 @pytest.fixture

@@ -1,0 +1,47 @@
+"""The vocabulary race (engine/triton_sampler.py) compiled for the GPU: 200,000 draws follow
+softmax(logits / T) at two temperatures (chi-square), greedy rows are argmax, and a whole
+vocabulary of Llama-3's size splits into shards that agree with it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from scipy import stats  # noqa: E402
+
+from kvfleet.engine.triton_sampler import race, winners  # noqa: E402
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], device="cuda")
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_draws_follow_softmax(temperature: float) -> None:
+    num = 200_000
+    logits = LOGITS.repeat(num, 1)
+    t = torch.full((num,), temperature, dtype=torch.float64, device="cuda")
+    keys = torch.full((num,), 77, device="cuda")
+    bases = torch.arange(num, device="cuda") * 8
+    observed = torch.bincount(winners(race(logits, t, keys, bases)), minlength=8).double().cpu()
+    expected = (LOGITS.double().cpu() / temperature).softmax(-1) * num
+    result = stats.chisquare(observed.numpy(), expected.numpy())
+    assert result.pvalue > 1e-3, (observed, expected)
+
+
+def test_greedy_and_shards_at_llama3_vocabulary() -> None:
+    vocab, rows = 128_256, 64
+    logits = torch.randn(
+        rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    t = torch.where(torch.arange(rows, device="cuda") % 2 == 0, 0.0, 1.0).double()
+    keys = torch.full((rows,), 5, device="cuda")
+    bases = torch.arange(rows, device="cuda") * vocab
+    whole = race(logits, t, keys, bases)
+    assert torch.equal(winners(whole)[0::2], logits.argmax(-1)[0::2])
+    half = vocab // 2
+    shards = [
+        race(logits[:, s : s + half].contiguous(), t, keys, bases, s, half) for s in (0, half)
+    ]
+    assert torch.equal(torch.maximum(*shards), whole)
