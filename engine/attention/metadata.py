@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvfleet.engine.models.layers import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,20 @@ class AttentionLayer(abc.ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's K/V into the layer's cache, then attend each query to its sequence."""
+
+    def forward_rotary(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` after rotating q and k (RoPE); a backend may do both in fewer kernels."""
+        q, k = rotary(positions, q, k)
+        return self.forward(q, k, v, kv_cache, metadata)
 
 
 # Any layer implementation; the name the model code uses.

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
+from kvfleet.engine.models.layers import RotaryEmbedding
+from kvfleet.engine.models.triton_layers import rotary_and_write_kv
 
 
 @triton.jit
@@ -231,8 +233,28 @@ class TritonAttention(AttentionLayer):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        if metadata.max_seqlen_q == 1:  # a decode-only step
-            return decode_attention(
-                q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window
-            )
+        return self._attend(q, kv_cache, metadata)
+
+    def forward_rotary(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """RoPE and the cache write in one kernel (where the rotary one is fused)."""
+        if not (rotary.fused and q.is_cuda):
+            return super().forward_rotary(rotary, positions, q, k, v, kv_cache, metadata)
+        cos, sin = rotary.caches(q.device)
+        rotary_and_write_kv(q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping)
+        return self._attend(q, kv_cache, metadata)
+
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        if metadata.max_seqlen_q == 1:  # a decode-only step (its kernel takes q's strides)
+            return decode_attention(q, kv_cache, metadata, self.scale, self.sliding_window)
         return paged_attention(q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window)

@@ -223,7 +223,8 @@ def decode_attention(
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     assert metadata.max_seqlen_q == 1, "one query token per sequence"
     assert metadata.seq_lens.shape[0] == num_seqs
-    out = torch.empty_like(q) if out is None else out
+    # (q may be a strided view of the fused QKV output; the result is contiguous)
+    out = q.new_empty(q.shape) if out is None else out
     if num_seqs == 0:
         return out
     if num_splits is None:

@@ -98,13 +98,18 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = freqs.cos()
         self.sin_cache = freqs.sin()
 
+    def caches(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [max_position, head_dim / 2] on `device` (moved there on first use)."""
+        if self.cos_cache.device != device:
+            self.cos_cache = self.cos_cache.to(device)
+            self.sin_cache = self.sin_cache.to(device)
+        return self.cos_cache, self.sin_cache
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q [num_tokens, Hq, D], k [num_tokens, Hkv, D]."""
-        if self.cos_cache.device != positions.device:
-            self.cos_cache = self.cos_cache.to(positions.device)
-            self.sin_cache = self.sin_cache.to(positions.device)
+        self.caches(positions.device)
         if self.fused and q.is_cuda:
             from kvfleet.engine.models.triton_layers import rotary_inplace
 

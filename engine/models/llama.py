@@ -69,8 +69,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata)
+        out = self.backend.forward_rotary(self.rotary, positions, q, k, v, kv_cache, metadata)
         return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
 
 

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the Llama layers: residual add + RMSNorm, rotary embedding, SiLU·mul.
+"""Fused Triton kernels for the Llama layers: residual add + RMSNorm, rotary embedding (alone, or
+with the KV-cache write), SiLU·mul.
 
 Each replaces a chain of small torch kernels (about 9 for the norm, 15 for RoPE, 3 for SiLU·mul)
 with one launch, rounding where the torch reference in `layers.py` rounds: the residual add in
@@ -137,6 +138,109 @@ def rotary_inplace(
         num_heads,
         HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads),
+    )
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], read only: rotated into the cache
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    cos_ptr,  # [max_position, head_dim / 2] float32
+    sin_ptr,
+    positions_ptr,  # [num_tokens] int64
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    d = tl.arange(0, HALF)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    cos = _rounded(tl.load(cos_ptr + position * HALF + d), dtype)
+    sin = _rounded(tl.load(sin_ptr + position * HALF + d), dtype)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    q = q_ptr + token * stride_qt + heads * stride_qh + d
+    mask = heads < num_heads
+    x1 = tl.load(q, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(q + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q, (_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)).to(dtype), mask=mask)
+    tl.store(q + HALF, (_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)).to(dtype), mask=mask)
+    kv_heads = tl.arange(0, BLOCK_KV)[:, None]
+    kv_mask = kv_heads < num_kv_heads
+    k = k_ptr + token * stride_kt + kv_heads * stride_kh + d
+    x1 = tl.load(k, mask=kv_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_mapping_ptr + token)
+    dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_heads * stride_ch
+    dest += d
+    k1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
+    k2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    tl.store(k_cache_ptr + dest, k1.to(dtype), mask=kv_mask)
+    tl.store(k_cache_ptr + dest + HALF, k2.to(dtype), mask=kv_mask)
+    v = v_ptr + token * stride_vt + kv_heads * stride_vh + d
+    tl.store(v_cache_ptr + dest, tl.load(v, mask=kv_mask), mask=kv_mask)
+    tl.store(v_cache_ptr + dest + HALF, tl.load(v + HALF, mask=kv_mask), mask=kv_mask)
+
+
+def rotary_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate q in place and k, v into the cache, in one launch: the bits `rotary_inplace`
+    then the attention's cache write give (k itself is left as it was)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "the head dimension must be contiguous"
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_heads,
+        num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=kv_cache.shape[2],
     )
 
 

@@ -93,3 +93,33 @@ def test_rotary_layer_rotates_q_and_k_of_one_qkv_buffer_together(
     separate_q, separate_k = expected_q.clone(), expected_k.clone()
     fused(positions, separate_q, separate_k)
     assert launches[1:] == [(5, 4, 32), (5, 2, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_and_kv_write_in_one_kernel_equal_the_two(dtype: torch.dtype) -> None:
+    """The fused RoPE + cache write gives the bits of rotary_inplace then write_kv_cache (q
+    rotated in place; rotated k and v in the cache at each token's slot; k itself unchanged)."""
+    from kvfleet.engine.attention.triton_attention import write_kv_cache
+
+    gen = torch.Generator().manual_seed(4)
+    rotary = RotaryEmbedding(32, 256, 10000.0)
+    num_tokens, block_size = 7, 4
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    slots = torch.randperm(6 * block_size, generator=gen)[:num_tokens] + block_size
+    qkv = torch.randn(num_tokens, 8 * 32, generator=gen).to(dtype)  # 4 q, 2 k, 2 v heads
+    views = (qkv[:, :128].view(-1, 4, 32), qkv[:, 128:192].view(-1, 2, 32), qkv[:, 192:])
+    q, k, v = views[0], views[1], views[2].view(-1, 2, 32)
+    cos, sin = rotary.caches(torch.device("cpu"))
+
+    expected_q, expected_k = q.clone(), k.clone()
+    rotary_inplace(expected_q, positions, cos, sin)
+    rotary_inplace(expected_k, positions, cos, sin)
+    expected_cache = torch.zeros(2, 8, block_size, 2, 32, dtype=dtype)
+    write_kv_cache(expected_k, v, expected_cache, slots)
+
+    k_before = k.clone()
+    cache = torch.zeros_like(expected_cache)
+    triton_layers.rotary_and_write_kv(q, k, v, positions, cos, sin, cache, slots)
+    assert torch.equal(q, expected_q)
+    assert torch.equal(cache, expected_cache)
+    assert torch.equal(k, k_before)

@@ -56,8 +56,7 @@ def test_shards_raced_apart_agree_with_the_whole() -> None:
     padded = torch.cat([logits, torch.full((6, 83), 50.0)], dim=1)
     parts = [(0, 400), (400, 400), (800, 200)]
     shards = [
-        run(padded[:, s : s + 400].contiguous(), temperatures, keys, bases, s, n)
-        for s, n in parts
+        run(padded[:, s : s + 400].contiguous(), temperatures, keys, bases, s, n) for s, n in parts
     ]
     combined = torch.stack(shards).amax(0)
     assert torch.equal(combined, whole)
