@@ -1,0 +1,62 @@
+"""Batch-1 matmuls (GEMV) at the weight shapes of a tensor-parallel decode step: cuBLAS through
+F.linear against torch.mv (cuBLAS's matrix-vector path), in CUDA graphs of 20 calls over
+distinct weights (no cache reuse), beside the copy bandwidth.
+
+    bench/device_env.sh python3 bench/gemv.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+
+# name: (out_features, in_features) per rank
+SHAPES = {
+    "70b-tp2-qkv": (5120, 8192),
+    "70b-tp2-o": (8192, 4096),
+    "70b-tp2-gate_up": (28672, 8192),
+    "70b-tp2-down": (8192, 14336),
+    "8b-tp1-o": (4096, 4096),
+    "8b-tp1-down": (4096, 14336),
+}
+COPIES = 20
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
+    print(f"copy {copy_gbps:.0f} GB/s")
+    for name, (n, k) in SHAPES.items():
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
+        methods = {
+            "linear": lambda w: F.linear(x, w),  # noqa: B023
+            "mv": lambda w: torch.mv(w, x[0]),  # noqa: B023
+            "matmul_t": lambda w: (w @ x.t()).t(),  # noqa: B023
+        }
+        want = F.linear(x, weights[0]).float()
+        row = [f"{name:16s} floor {floor_us:7.1f} us"]
+        for label, fn in methods.items():
+            got = fn(weights[0]).reshape(1, n).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for w in weights:
+                    fn(w)
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                for w in weights:
+                    fn(w)
+            us = median_seconds(graph.replay, device, repeats=20) * 1e6 / COPIES
+            row.append(f"{label} {us:7.1f} us ({floor_us / us:4.0%}, err {err:.0e})")
+        print("  ".join(row), flush=True)
+        del weights
+
+
+if __name__ == "__main__":
+    main()
