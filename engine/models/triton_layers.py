@@ -27,6 +27,14 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
+    """The neox rotation of halves x1, x2 (float32), each product and sum rounded to `dtype`."""
+    out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
+    out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    return out1, out2
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
@@ -114,8 +122,7 @@ def _rotary_kernel(
     base = x_ptr + token * stride_t + heads * stride_h + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
-    out2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     tl.store(base, out1.to(dtype), mask=mask)
     tl.store(base + HALF, out2.to(dtype), mask=mask)
 
@@ -179,8 +186,9 @@ def _rotary_write_kv_kernel(
     mask = heads < num_heads
     x1 = tl.load(q, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(q + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q, (_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)).to(dtype), mask=mask)
-    tl.store(q + HALF, (_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)).to(dtype), mask=mask)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
+    tl.store(q, out1.to(dtype), mask=mask)
+    tl.store(q + HALF, out2.to(dtype), mask=mask)
     kv_heads = tl.arange(0, BLOCK_KV)[:, None]
     kv_mask = kv_heads < num_kv_heads
     k = k_ptr + token * stride_kt + kv_heads * stride_kh + d
@@ -189,8 +197,7 @@ def _rotary_write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token)
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_heads * stride_ch
     dest += d
-    k1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
-    k2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    k1, k2 = _rotate(x1, x2, cos, sin, dtype)
     tl.store(k_cache_ptr + dest, k1.to(dtype), mask=kv_mask)
     tl.store(k_cache_ptr + dest + HALF, k2.to(dtype), mask=kv_mask)
     v = v_ptr + token * stride_vt + kv_heads * stride_vh + d
