@@ -77,8 +77,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             if peer is not None:
                 for two_shot in (False, True):
                     replay = _graph(lambda: peer(x, two_shot), OPS_PER_GRAPH)  # noqa: B023
-                    name_ = "two_shot_graph_us" if two_shot else "one_shot_graph_us"
-                    row[name_] = _time_us(replay, OPS_PER_GRAPH)
+                    method = "two_shot" if two_shot else "one_shot"
+                    row[f"{method}_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
             del replay
         moved = 2 * (world - 1) / world * numel * 2  # bytes each GPU sends (ring)
         row["nccl_eager_bus_gb_s"] = moved / row["nccl_eager_us"] / 1e3

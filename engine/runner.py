@@ -314,7 +314,7 @@ class ModelRunner:
         first, count = (vocab.start, vocab.size) if vocab else (0, self.config.vocab_size)
         packed = race(logits, inputs.temperature, inputs.keys, inputs.bases, first, count)
         if tp is not None:
-            tp.max_(packed)
+            tp.all_reduce_max(packed)
         return winners(packed)
 
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -380,10 +380,9 @@ class ModelRunner:
         race = self._race_inputs(sampled_states, sampled_positions)
         # NOTE: the pending tokens' places and rows ride in the same copy, after the inputs.
         fill = np.array(pending, np.int64).T.ravel()
-        host = np.concatenate(
-            (input_ids, positions, slots, logits_indices, race if race is not None else [], fill)
-        )
-        copied = to_device(host.astype(np.int64), self.device)
+        parts = [np.array(input_ids, np.int64), positions, slots, logits_indices]
+        host = np.concatenate([*parts, *([race] if race is not None else []), fill])
+        copied = to_device(host, self.device)
         longs = copied[: len(host) - len(fill)]
         if pending:
             assert self._latest is not None

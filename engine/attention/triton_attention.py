@@ -9,14 +9,18 @@ block table with an online softmax. Decode-only steps take the GQA-grouped, spli
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
-from kvfleet.engine.models.layers import RotaryEmbedding
 from kvfleet.engine.models.triton_layers import rotary_and_write_kv
+
+if TYPE_CHECKING:
+    from kvfleet.engine.models.layers import RotaryEmbedding
 
 
 @triton.jit

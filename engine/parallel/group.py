@@ -149,7 +149,7 @@ class TPGroup:
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum over ranks, in place."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
