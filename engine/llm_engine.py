@@ -125,9 +125,12 @@ def enable_peer_all_reduce(config: EngineConfig, setup: RankSetup, tp: TPGroup) 
     sized, which counts the buffer."""
     element = torch.empty((), dtype=setup.dtype).element_size()
     numel = config.scheduler.max_num_seqs * setup.model_config.hidden_size
-    on = tp.enable_peer_all_reduce(min(numel, _PEER_MAX_BYTES // element), setup.dtype)
+    hidden = setup.model_config.hidden_size
+    on = tp.enable_peer_all_reduce(min(numel, _PEER_MAX_BYTES // element), setup.dtype, hidden)
     if tp.rank == 0:
-        logger.info("all-reduces: %s", "peer memory (one-shot)" if on else "NCCL / gloo")
+        logger.info(
+            "all-reduces: %s", "peer memory (fused with the norms)" if on else "NCCL / gloo"
+        )
 
 
 def _uses_graphs(config: EngineConfig, setup: RankSetup) -> bool:

@@ -25,13 +25,25 @@ AttentionFactory = Callable[[ModelConfig], AttentionBackend]
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """A linear layer whose input features are split over the ranks: partial products are
-    summed (all-reduce), then the (replicated) bias is added once."""
+    """A linear layer whose input features are split over the ranks: this rank's partial sum
+    (the bias, replicated, added on rank 0 only). `reduce_and_norm` sums the ranks' parts."""
     if tp is None:
         out: torch.Tensor = linear(x)
         return out
-    out = tp.all_reduce(F.linear(x, linear.weight))
-    return out if linear.bias is None else out + linear.bias
+    out = F.linear(x, linear.weight)
+    return out + linear.bias if linear.bias is not None and tp.rank == 0 else out
+
+
+def reduce_and_norm(
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None, tp: TPGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm(hidden, residual)`, where with tensor parallelism `hidden` is each rank's partial
+    sum (a row-parallel layer's output): summed over the ranks first, in the norm's kernel when
+    peer memory allows."""
+    if tp is None:
+        normed: tuple[torch.Tensor, torch.Tensor] = norm(hidden, residual)
+        return normed
+    return tp.all_reduce_add_rms_norm(hidden, residual, norm)
 
 
 class LlamaAttention(nn.Module):
@@ -96,6 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup | None = None,
     ):
         super().__init__()
+        self.tp = tp
         self.self_attn = LlamaAttention(config, rotary, backend, tp)
         self.mlp = LlamaMLP(config, fused, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
@@ -109,9 +122,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
+        """`hidden`: the last layer's output (the embeddings for the first), with tensor
+        parallelism each rank's partial sum; so is the output."""
+        hidden, residual = reduce_and_norm(self.input_layernorm, hidden, residual, self.tp)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = reduce_and_norm(self.post_attention_layernorm, hidden, residual, self.tp)
         return self.mlp(hidden), residual
 
 
@@ -162,12 +177,13 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = reduce_and_norm(self.norm, hidden, residual, self.tp)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden]; with tensor parallelism each rank looks up the
-        ids in its vocabulary shard and the rows are summed."""
+        ids in its vocabulary shard (zero rows for the others'), a partial sum like a
+        row-parallel layer's, which the first norm sums over the ranks."""
         if self.tp is None:
             found: torch.Tensor = self.embed_tokens(input_ids)
             return found
@@ -175,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
         local = input_ids - vocab.start
         outside = (local < 0) | (local >= vocab.size)
         hidden = self.embed_tokens(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
+        partial: torch.Tensor = hidden.masked_fill_(outside.unsqueeze(-1), 0)
+        return partial
 
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits; with tensor parallelism

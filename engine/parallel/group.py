@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.models.layers import RMSNorm
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.peer import PeerAllReduce
 
@@ -133,12 +134,25 @@ class TPGroup:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def enable_peer_all_reduce(self, capacity: int, dtype: torch.dtype) -> bool:
+    def all_reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm` of (the ranks' partial sums summed) + residual: one kernel through peer
+        memory where it fits, else the all-reduce and then the norm."""
+        if self.peer is not None and norm.fused and self.peer.fits_norm(partial, residual):
+            return self.peer.add_rms_norm(partial, residual, norm.weight, norm.eps)
+        normed: tuple[torch.Tensor, torch.Tensor] = norm(self.all_reduce(partial), residual)
+        return normed
+
+    def enable_peer_all_reduce(
+        self, capacity: int, dtype: torch.dtype, hidden: int | None = None
+    ) -> bool:
         """All-reduces of up to `capacity` elements of `dtype` through peer memory, if every
-        rank can (collective: all ranks call it at the same point). Whether it is on."""
+        rank can (collective: all ranks call it at the same point); fused with the RMSNorm after
+        them for rows of `hidden` elements. Whether it is on."""
         if self.min_int(int(PeerAllReduce.possible(self.device))) == 0:
             return False  # (decided together: the rendezvous needs every rank)
-        peer = PeerAllReduce.create(self.group.group_name, capacity, dtype, self.device)
+        peer = PeerAllReduce.create(self.group.group_name, capacity, dtype, self.device, hidden)
         if self.min_int(int(peer is not None)) == 1:
             self.peer = peer
         return self.peer is not None

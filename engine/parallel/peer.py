@@ -9,6 +9,9 @@ against NCCL's 23.4 us, and 2 MiB (256 Llama-3-8B tokens) 18.7 against 46.0
 (bench/allreduce.py). The kernel ends with a second barrier, so the next all-reduce may
 overwrite the buffer at once. From 2 MiB on, two-shot: each rank sums its share of the
 elements from every buffer, then the shares are gathered (less traffic per GPU, one more step).
+
+Up to NORM_MAX_ROWS rows, the all-reduce before an RMSNorm runs fused with it (residual add and
+norm in the same kernel, `triton_peer.py`), in its own part of the same allocation.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ logger = logging.getLogger(__name__)
 # From this size on, the two-shot algorithm: on 2 x H200 in a CUDA graph, 2 MiB takes 19.3 us
 # against one-shot's 21.5; 1 MiB 16.3 against 14.8 (bench/allreduce.py).
 TWO_SHOT_MIN_BYTES = 2 << 20
+# The fused all-reduce + RMSNorm serves decode batches up to this many rows.
+NORM_MAX_ROWS = 64
+_MAX_RANKS = 8  # (room for the fused kernel's flags)
 
 
 class PeerAllReduce:
@@ -31,15 +37,41 @@ class PeerAllReduce:
     # never write. Only the first group of a process uses peer memory; later ones keep NCCL.
     tried_in_this_process: ClassVar[bool] = False
 
-    def __init__(self, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device):
-        """Collective: every rank of the group builds its own at the same point."""
+    def __init__(
+        self,
+        group_name: str,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        hidden: int | None = None,
+    ):
+        """Collective: every rank of the group builds its own at the same point. `capacity`:
+        elements of the largest all-reduce; `hidden`: the row size of fused all-reduce +
+        RMSNorm calls (None: no fused calls)."""
         import torch.distributed._symmetric_memory as symm_mem
+
+        from kvfleet.engine.parallel import triton_peer
 
         self.group_name = group_name
         self.dtype = dtype
         self.capacity = capacity
-        self.buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
+        self.hidden = hidden or 0
+        self.norm_rows = min(NORM_MAX_ROWS, capacity // hidden) if hidden else 0
+        # [capacity | two halves of norm_rows x hidden | int32 flags [PROGRAMS, _MAX_RANKS]]
+        half = self.norm_rows * self.hidden
+        flags_start = capacity + 2 * half
+        flags_start += flags_start % 2  # (4-byte aligned for any 2- or 4-byte dtype)
+        element = torch.empty((), dtype=dtype).element_size()
+        flag_elements = triton_peer.PROGRAMS * _MAX_RANKS * 4 // element
+        self.buffer = symm_mem.empty(flags_start + flag_elements, dtype=dtype, device=device)
+        self.buffer[flags_start:].zero_()
+        torch.cuda.synchronize(device)  # (zero before the rendezvous lets any peer signal)
+        handle = symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
+        self.rank: int = handle.rank
+        self.world_size: int = handle.world_size
+        self._bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self._counters = torch.zeros(triton_peer.PROGRAMS, dtype=torch.int32, device=device)
+        self._norm_layout = (capacity, half, flags_start * element // 4)
         self._one_shot: Any = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         self._two_shot: Any = torch.ops.symm_mem.two_shot_all_reduce_out
 
@@ -50,14 +82,19 @@ class PeerAllReduce:
 
     @classmethod
     def create(
-        cls, group_name: str, capacity: int, dtype: torch.dtype, device: torch.device
+        cls,
+        group_name: str,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        hidden: int | None = None,
     ) -> PeerAllReduce | None:
         """One, or None where peer memory is not available (then NCCL all-reduces)."""
         if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
         PeerAllReduce.tried_in_this_process = True
         try:
-            return cls(group_name, capacity, dtype, device)
+            return cls(group_name, capacity, dtype, device, hidden)
         except (ImportError, AttributeError, RuntimeError) as exc:
             logger.warning("peer-memory all-reduce unavailable (%s); NCCL serves them all", exc)
             return None
@@ -81,3 +118,38 @@ class PeerAllReduce:
         else:
             self._one_shot(symmetric, tensor, "sum", self.group_name, tensor)
         return tensor
+
+    def fits_norm(self, partial: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether `add_rms_norm` takes these."""
+        return (
+            partial.dtype == self.dtype
+            and partial.dim() == 2
+            and partial.shape[0] <= self.norm_rows
+            and partial.shape[1] == self.hidden
+            and partial.stride(-1) == 1
+            and (residual is None or residual.stride(-1) == 1)
+            and self.world_size <= _MAX_RANKS
+        )
+
+    def add_rms_norm(
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual) in
+        one kernel (`fits_norm` must hold)."""
+        from kvfleet.engine.parallel.triton_peer import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(
+            partial,
+            residual,
+            weight,
+            eps,
+            self._bases,
+            self._counters,
+            self._norm_layout,
+            self.rank,
+            self.world_size,
+        )

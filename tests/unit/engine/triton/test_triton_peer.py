@@ -1,0 +1,58 @@
+"""The fused all-reduce + residual add + RMSNorm kernel (engine/parallel/triton_peer.py) under
+TRITON_INTERPRET on CPU, one rank at a time: its peers are played by the test, which puts their
+rows into the half of their buffers the call uses and sets their flags (in step, or one call
+ahead). The rank must write its rows into its own half, signal every peer with its call count,
+and return the norm of the rank-ordered sum exactly as all-reduce-then-`add_rms_norm` does.
+The real two-GPU run is tests/gpu/test_async_tp_cuda.py and bench/allreduce.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvfleet.engine.models.triton_layers import add_rms_norm
+from kvfleet.engine.parallel import triton_peer
+
+HIDDEN, MAX_ROWS = 64, 4
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (2, 3)])
+def test_fused_all_reduce_norm_follows_the_protocol_and_matches_the_unfused(
+    rank: int, world: int
+) -> None:
+    gen = torch.Generator().manual_seed(rank * 10 + world)
+    programs = triton_peer.PROGRAMS
+    half = MAX_ROWS * HIDDEN
+    flags_start = 2 * half  # (float16 elements; the flags are int32)
+    buffers = [
+        torch.zeros(flags_start + 2 * programs * world, dtype=torch.float16) for _ in range(world)
+    ]
+    flags = [b[flags_start:].view(torch.int32).view(programs, world) for b in buffers]
+    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    counters = torch.zeros(programs, dtype=torch.int32)
+    weight = torch.randn(HIDDEN, generator=gen).half()
+    layout = (0, half, flags_start * 2 // 4)
+    for call, rows in enumerate([1, 3, 4, 2, 1, 4], start=1):
+        parts = [torch.randn(rows, HIDDEN, generator=gen).half() for _ in range(world)]
+        residual = torch.randn(rows, HIDDEN, generator=gen).half() if rows != 2 else None
+        region = slice((call % 2) * half, (call % 2) * half + rows * HIDDEN)
+        for peer in range(world):
+            if peer != rank:
+                buffers[peer][region] = parts[peer].flatten()
+                flags[rank][:, peer] = call + (call == 3)  # one call ahead, once
+        got = triton_peer.all_reduce_add_rms_norm(
+            parts[rank], residual, weight, 1e-5, bases, counters, layout, rank, world
+        )
+        total = torch.zeros(rows, HIDDEN)
+        for part in parts:
+            total += part.float()
+        want = add_rms_norm(total.half(), residual, weight, 1e-5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(buffers[rank][region], parts[rank].flatten())
+        for peer in range(world):
+            if peer != rank:
+                assert flags[peer][:, rank].tolist() == [call] * programs
+        assert counters.tolist() == [call] * programs
