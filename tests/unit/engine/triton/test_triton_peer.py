@@ -50,7 +50,8 @@ def test_fused_all_reduce_norm_follows_the_protocol_and_matches_the_unfused(
         for part in parts:
             total += part.float()
         want = add_rms_norm(total.half(), residual, weight, 1e-5)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1], want[1])
         assert torch.equal(buffers[rank][region], parts[rank].flatten())
         for peer in range(world):
             if peer != rank:

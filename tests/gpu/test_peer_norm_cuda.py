@@ -1,0 +1,84 @@
+"""The fused all-reduce + residual add + RMSNorm (engine/parallel/triton_peer.py) on 2 GPUs:
+bit-equal to NCCL's all-reduce followed by `add_rms_norm`, called eagerly with varying row
+counts, then replayed from a CUDA graph of 160 calls (as a decode step of 80 layers runs them)
+many times over, where a slip in the flags or the halves would show as a wrong sum."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+
+HIDDEN = 1024
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from kvfleet.engine.models.triton_layers import add_rms_norm
+    from kvfleet.engine.parallel.peer import PeerAllReduce
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    group = dist.group.WORLD
+    assert group is not None
+    peer = PeerAllReduce.create(group.group_name, 64 * HIDDEN, torch.bfloat16, device, HIDDEN)
+    assert peer is not None
+    assert peer.norm_rows == 64
+    gen = torch.Generator(device).manual_seed(rank)
+    weight = torch.randn(HIDDEN, device=device, generator=gen).bfloat16()
+
+    def unfused(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        summed = x.clone()
+        dist.all_reduce(summed)
+        return add_rms_norm(summed, residual, weight, 1e-5)
+
+    for step in range(40):
+        rows = (1, 3, 64, 17)[step % 4]
+        x = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
+        residual = None if step % 5 == 0 else torch.randn_like(x)
+        got, want = peer.add_rms_norm(x, residual, weight, 1e-5), unfused(x, residual)
+        assert torch.equal(got[0], want[0]), f"rank {rank} step {step}: normed"
+        assert torch.equal(got[1], want[1]), f"rank {rank} step {step}: residual"
+
+    # A graph of 160 chained calls, replayed with fresh inputs: each output feeds the next.
+    x = torch.empty(8, HIDDEN, device=device, dtype=torch.bfloat16)
+    residual = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        peer.add_rms_norm(x, residual, weight, 1e-5)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hidden, res = x, residual
+        for _ in range(160):
+            hidden, res = peer.add_rms_norm(hidden, res, weight, 1e-5)
+    for replay in range(20):
+        x.copy_(torch.randn(x.shape, device=device, generator=gen))
+        residual.copy_(torch.randn(x.shape, device=device, generator=gen))
+        graph.replay()
+        want_hidden, want_res = x.clone(), residual.clone()
+        for _ in range(160):
+            want_hidden, want_res = unfused(want_hidden, want_res)
+        assert torch.equal(hidden, want_hidden), f"rank {rank} replay {replay}"
+        assert torch.equal(res, want_res), f"rank {rank} replay {replay}"
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fused_all_reduce_norm_equals_nccl_then_norm_eager_and_in_graphs() -> None:
+    from torch.multiprocessing.spawn import spawn
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    spawn(_worker, args=(2, 29500 + os.getpid() % 500), nprocs=2)
