@@ -13,6 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Warps of the norm kernels: the fused all-reduce + norm (engine/parallel/triton_peer.py) uses
+# the same, so both reduce a row's squares in the same order (the same bits).
+NORM_WARPS = 8
+
 
 @triton.jit
 def _rounded(x, dtype: tl.constexpr):
@@ -93,6 +97,7 @@ def add_rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
+        num_warps=NORM_WARPS,
     )
     return out, residual_out
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.models.triton_layers import NORM_WARPS
+
 PROGRAMS = 16
 # A peer that never signals (it died mid-step) stops the kernel with a trap after this many
 # polls of its flag (tens of seconds), so the process fails instead of hanging.
@@ -75,7 +77,8 @@ def _all_reduce_add_rms_norm_kernel(
     mask = cols < hidden
     count = tl.load(counters_ptr + program) + 1
     half = rows_offset + (count & 1).to(tl.int64) * half_size
-    mine = tl.load(bases_ptr + RANK).to(tl.pointer_type(dtype)) + half
+    # (the buffers are 16-byte aligned; so told, the compiler lays rows out as for local ones)
+    mine = tl.multiple_of(tl.load(bases_ptr + RANK).to(tl.pointer_type(dtype)), 16) + half
     for row in range(program, num_rows, PROGRAMS):
         x = tl.load(partial_ptr + row * stride_p + cols, mask=mask)
         tl.store(mine + row * hidden + cols, x, mask=mask)
@@ -96,8 +99,11 @@ def _all_reduce_add_rms_norm_kernel(
             if source == RANK:
                 part = tl.load(partial_ptr + row * stride_p + cols, mask=mask, other=0.0)
             else:
-                rows = tl.load(bases_ptr + source).to(tl.pointer_type(dtype)) + half
-                part = tl.load(rows + row * hidden + cols, mask=mask, other=0.0, volatile=True)
+                base = tl.multiple_of(tl.load(bases_ptr + source).to(tl.pointer_type(dtype)), 16)
+                # .cg: from the owner's L2, never a stale line of this SM's L1
+                part = tl.load(
+                    base + half + row * hidden + cols, mask=mask, other=0.0, cache_modifier=".cg"
+                )
             total += part.to(tl.float32)
         x = total.to(dtype)
         if HAS_RESIDUAL:
@@ -152,6 +158,6 @@ def all_reduce_add_rms_norm(
         PROGRAMS=PROGRAMS,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
-        num_warps=8,
+        num_warps=NORM_WARPS,
     )
     return out, residual_out
