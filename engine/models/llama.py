@@ -35,15 +35,20 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torc
 
 
 def reduce_and_norm(
-    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None, tp: TPGroup | None
+    norm: RMSNorm,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    tp: TPGroup | None,
+    read_next: nn.Linear | nn.Embedding | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm(hidden, residual)`, where with tensor parallelism `hidden` is each rank's partial
     sum (a row-parallel layer's output): summed over the ranks first, in the norm's kernel when
-    peer memory allows."""
+    peer memory allows, which meanwhile starts bringing `read_next`'s weight into L2."""
     if tp is None:
         normed: tuple[torch.Tensor, torch.Tensor] = norm(hidden, residual)
         return normed
-    return tp.all_reduce_add_rms_norm(hidden, residual, norm)
+    weight = None if read_next is None else read_next.weight
+    return tp.all_reduce_add_rms_norm(hidden, residual, norm, weight)
 
 
 class LlamaAttention(nn.Module):
@@ -124,10 +129,15 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden`: the last layer's output (the embeddings for the first), with tensor
         parallelism each rank's partial sum; so is the output."""
-        hidden, residual = reduce_and_norm(self.input_layernorm, hidden, residual, self.tp)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = reduce_and_norm(self.post_attention_layernorm, hidden, residual, self.tp)
-        return self.mlp(hidden), residual
+        attn, mlp = self.self_attn, self.mlp
+        hidden, residual = reduce_and_norm(
+            self.input_layernorm, hidden, residual, self.tp, attn.qkv_proj
+        )
+        hidden = attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = reduce_and_norm(
+            self.post_attention_layernorm, hidden, residual, self.tp, mlp.gate_up_proj
+        )
+        return mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -177,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
-        hidden, _ = reduce_and_norm(self.norm, hidden, residual, self.tp)
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        hidden, _ = reduce_and_norm(self.norm, hidden, residual, self.tp, head)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
