@@ -3,8 +3,7 @@
 #   bench/device_env.sh bench/tp_suite.sh OUT_DIR [PART...]
 # PARTs (default: allreduce tput latency70): allreduce, tput (8B, 256 requests, TP=1 and
 # TP=2), tput-sync (the same without asynchronous scheduling), latency70 (70B TP=2 batch 1),
-# latency70-prefetch (the same at KVFLEET_L2_PREFETCH_MB of each of PREFETCH_MBS), latency8
-# (8B TP=1 batch 1), profile70 (70B TP=2 decode profile), agreement (8B TP=2 vs
+# latency8 (8B TP=1 batch 1), profile70 (70B TP=2 decode profile), agreement (8B TP=2 vs
 # TP=1 vs float32). One log per run in OUT_DIR; each run's tail is printed.
 set -uo pipefail
 out=$1; shift
@@ -35,12 +34,6 @@ for part in $parts; do
     latency70)
       run latency70-tp2 "${bench[@]}" latency --model llama-3-70b --tensor-parallel-size 2 \
         --batch-size 1 --json "$out/latency70-tp2.json" ;;
-    latency70-prefetch)
-      for mb in ${PREFETCH_MBS:-0 16 32}; do
-        KVFLEET_L2_PREFETCH_MB=$mb run "latency70-tp2-prefetch$mb" "${bench[@]}" latency \
-          --model llama-3-70b --tensor-parallel-size 2 --batch-size 1 \
-          --json "$out/latency70-tp2-prefetch$mb.json"
-      done ;;
     latency8)
       run latency8-tp1 "${bench[@]}" latency --model llama-3-8b --batch-size 1 \
         --json "$out/latency8-tp1.json" ;;

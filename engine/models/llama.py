@@ -35,20 +35,15 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torc
 
 
 def reduce_and_norm(
-    norm: RMSNorm,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    tp: TPGroup | None,
-    read_next: nn.Linear | nn.Embedding | None,
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None, tp: TPGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm(hidden, residual)`, where with tensor parallelism `hidden` is each rank's partial
     sum (a row-parallel layer's output): summed over the ranks first, in the norm's kernel when
-    peer memory allows, which meanwhile starts bringing `read_next`'s weight into L2."""
+    peer memory allows."""
     if tp is None:
         normed: tuple[torch.Tensor, torch.Tensor] = norm(hidden, residual)
         return normed
-    weight = None if read_next is None else read_next.weight
-    return tp.all_reduce_add_rms_norm(hidden, residual, norm, weight)
+    return tp.all_reduce_add_rms_norm(hidden, residual, norm)
 
 
 class LlamaAttention(nn.Module):
@@ -129,15 +124,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden`: the last layer's output (the embeddings for the first), with tensor
         parallelism each rank's partial sum; so is the output."""
-        attn, mlp = self.self_attn, self.mlp
-        hidden, residual = reduce_and_norm(
-            self.input_layernorm, hidden, residual, self.tp, attn.qkv_proj
-        )
-        hidden = attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = reduce_and_norm(
-            self.post_attention_layernorm, hidden, residual, self.tp, mlp.gate_up_proj
-        )
-        return mlp(hidden), residual
+        hidden, residual = reduce_and_norm(self.input_layernorm, hidden, residual, self.tp)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = reduce_and_norm(self.post_attention_layernorm, hidden, residual, self.tp)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,8 +177,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        hidden, _ = reduce_and_norm(self.norm, hidden, residual, self.tp, head)
+        hidden, _ = reduce_and_norm(self.norm, hidden, residual, self.tp)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -135,17 +135,12 @@ class TPGroup:
         return tensor
 
     def all_reduce_add_rms_norm(
-        self,
-        partial: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        prefetch: torch.Tensor | None = None,
+        self, partial: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`norm` of (the ranks' partial sums summed) + residual: one kernel through peer
-        memory where it fits (bringing part of `prefetch`, the weight read next, into L2
-        meanwhile), else the all-reduce and then the norm."""
+        memory where it fits, else the all-reduce and then the norm."""
         if self.peer is not None and norm.fused and self.peer.fits_norm(partial, residual):
-            return self.peer.add_rms_norm(partial, residual, norm.weight, norm.eps, prefetch)
+            return self.peer.add_rms_norm(partial, residual, norm.weight, norm.eps)
         normed: tuple[torch.Tensor, torch.Tensor] = norm(self.all_reduce(partial), residual)
         return normed
 

@@ -17,7 +17,6 @@ norm in the same kernel, `triton_peer.py`), in its own part of the same allocati
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, ClassVar, cast
 
 import torch
@@ -32,9 +31,6 @@ TWO_SHOT_MIN_BYTES = 2 << 20
 # norm's 8.9, 8 rows 9.8 against 10.0; 64 rows, 4 per program, 34.0 against 17.4).
 NORM_MAX_ROWS = 16
 _MAX_RANKS = 8  # (room for the fused kernel's flags)
-# How much of the next matmul's weight the fused kernel brings into L2 while the ranks wait
-# (KVFLEET_L2_PREFETCH_MB; 0 turns it off).
-L2_PREFETCH_BYTES = int(float(os.environ.get("KVFLEET_L2_PREFETCH_MB", "16")) * (1 << 20))
 
 
 class PeerAllReduce:
@@ -143,11 +139,9 @@ class PeerAllReduce:
         residual: torch.Tensor | None,
         weight: torch.Tensor,
         eps: float,
-        prefetch: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual) in
-        one kernel (`fits_norm` must hold); `prefetch`: the weight read next, partly brought
-        into L2 meanwhile."""
+        one kernel (`fits_norm` must hold)."""
         from kvfleet.engine.parallel.triton_peer import all_reduce_add_rms_norm
 
         return all_reduce_add_rms_norm(
@@ -160,6 +154,4 @@ class PeerAllReduce:
             self._norm_layout,
             self.rank,
             self.world_size,
-            prefetch,
-            L2_PREFETCH_BYTES,
         )

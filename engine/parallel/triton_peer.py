@@ -23,8 +23,6 @@ import triton.language as tl
 from kvfleet.engine.models.triton_layers import NORM_WARPS
 
 PROGRAMS = 16
-# Programs that prefetch the next weight into L2 meanwhile (with PROGRAMS, within one wave).
-PREFETCH_PROGRAMS = 112
 # A peer that never signals (it died mid-step) stops the kernel with a trap after this many
 # polls of its flag (tens of seconds), so the process fails instead of hanging.
 _MAX_POLLS = tl.constexpr(1 << 26)
@@ -49,25 +47,6 @@ def _wait_for(flag_ptr, count):
 
 
 @triton.jit
-def _prefetch_l2(base_ptr, num_bytes, index, count):
-    """Ask L2 for this program's share of the first `num_bytes` at `base_ptr` (evicted last),
-    without waiting for them."""
-    lines: tl.constexpr = 256  # 128-byte lines per instruction batch
-    share = tl.cdiv(tl.cdiv(num_bytes, count), 128) * 128
-    begin = index.to(tl.int64) * share
-    for first in range(begin, tl.minimum(begin + share, num_bytes), lines * 128):
-        offsets = tl.minimum(first + tl.arange(0, lines).to(tl.int64) * 128, num_bytes - 1)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];",
-            "=r,l",
-            [base_ptr + offsets],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr,  # [num_rows, hidden]: this rank's partial sums
     residual_ptr,  # [num_rows, hidden], read when HAS_RESIDUAL
@@ -86,70 +65,55 @@ def _all_reduce_add_rms_norm_kernel(
     half_size,  # elements per half
     flags_offset,  # int32 offset of the flags [PROGRAMS, WORLD] in the symmetric buffer
     eps,
-    prefetch_ptr,  # uint8: the next layer's weight, whose first prefetch_bytes go to L2
-    prefetch_bytes,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     PROGRAMS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     program = tl.program_id(0)
-    if program < PROGRAMS:
-        dtype = partial_ptr.dtype.element_ty
-        cols = tl.arange(0, BLOCK)
-        mask = cols < hidden
-        count = tl.load(counters_ptr + program) + 1
-        half = rows_offset + (count & 1).to(tl.int64) * half_size
-        # (the buffers are 16-byte aligned; so told, the compiler lays rows out as for local ones)
-        mine = tl.multiple_of(tl.load(bases_ptr + RANK).to(tl.pointer_type(dtype)), 16) + half
-        for row in range(program, num_rows, PROGRAMS):
-            x = tl.load(partial_ptr + row * stride_p + cols, mask=mask)
-            tl.store(mine + row * hidden + cols, x, mask=mask)
-        tl.debug_barrier()  # every thread's rows are written before the release below
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                flags = tl.load(bases_ptr + peer).to(tl.pointer_type(tl.int32)) + flags_offset
-                tl.atomic_xchg(flags + program * WORLD + RANK, count, sem="release", scope="sys")
-        own_flags = tl.load(bases_ptr + RANK).to(tl.pointer_type(tl.int32)) + flags_offset
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                _wait_for(own_flags + program * WORLD + peer, count)
-        tl.debug_barrier()
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        for row in range(program, num_rows, PROGRAMS):
-            total = tl.zeros((BLOCK,), dtype=tl.float32)
-            for source in tl.static_range(WORLD):
-                if source == RANK:
-                    part = tl.load(partial_ptr + row * stride_p + cols, mask=mask, other=0.0)
-                else:
-                    base = tl.multiple_of(
-                        tl.load(bases_ptr + source).to(tl.pointer_type(dtype)), 16
-                    )
-                    # .cg: from the owner's L2, never a stale line of this SM's L1
-                    part = tl.load(
-                        base + half + row * hidden + cols,
-                        mask=mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                total += part.to(tl.float32)
-            x = total.to(dtype)
-            if HAS_RESIDUAL:
-                x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(
-                    dtype
+    dtype = partial_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    count = tl.load(counters_ptr + program) + 1
+    half = rows_offset + (count & 1).to(tl.int64) * half_size
+    # (the buffers are 16-byte aligned; so told, the compiler lays rows out as for local ones)
+    mine = tl.multiple_of(tl.load(bases_ptr + RANK).to(tl.pointer_type(dtype)), 16) + half
+    for row in range(program, num_rows, PROGRAMS):
+        x = tl.load(partial_ptr + row * stride_p + cols, mask=mask)
+        tl.store(mine + row * hidden + cols, x, mask=mask)
+    tl.debug_barrier()  # every thread's rows are written before the release below
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flags = tl.load(bases_ptr + peer).to(tl.pointer_type(tl.int32)) + flags_offset
+            tl.atomic_xchg(flags + program * WORLD + RANK, count, sem="release", scope="sys")
+    own_flags = tl.load(bases_ptr + RANK).to(tl.pointer_type(tl.int32)) + flags_offset
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            _wait_for(own_flags + program * WORLD + peer, count)
+    tl.debug_barrier()
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    for row in range(program, num_rows, PROGRAMS):
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for source in tl.static_range(WORLD):
+            if source == RANK:
+                part = tl.load(partial_ptr + row * stride_p + cols, mask=mask, other=0.0)
+            else:
+                base = tl.multiple_of(tl.load(bases_ptr + source).to(tl.pointer_type(dtype)), 16)
+                # .cg: from the owner's L2, never a stale line of this SM's L1
+                part = tl.load(
+                    base + half + row * hidden + cols, mask=mask, other=0.0, cache_modifier=".cg"
                 )
-            tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-            x32 = x.to(tl.float32)
-            variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)  # (as add_rms_norm rounds)
-            normed = (x32 * tl.rsqrt(variance + eps)).to(dtype)
-            tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(dtype), mask=mask)
-        tl.store(counters_ptr + program, count)
-    elif PREFETCH:
-        _prefetch_l2(
-            prefetch_ptr, prefetch_bytes, program - PROGRAMS, tl.num_programs(0) - PROGRAMS
-        )
+            total += part.to(tl.float32)
+        x = total.to(dtype)
+        if HAS_RESIDUAL:
+            x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)  # (as add_rms_norm rounds)
+        normed = (x32 * tl.rsqrt(variance + eps)).to(dtype)
+        tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(dtype), mask=mask)
+    tl.store(counters_ptr + program, count)
 
 
 def all_reduce_add_rms_norm(
@@ -162,23 +126,16 @@ def all_reduce_add_rms_norm(
     layout: tuple[int, int, int],
     rank: int,
     world_size: int,
-    prefetch: torch.Tensor | None = None,
-    prefetch_bytes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual).
     `layout`: the element offset of the two halves, elements per half, the int32 offset of the
-    flags. `prefetch`: the weight the next matmul streams; while the ranks wait on each other,
-    the GPU's other SMs bring its first `prefetch_bytes` into L2. Collective: every rank calls
-    it with the same shapes at the same point."""
+    flags. Collective: every rank calls it with the same shapes at the same point."""
     num_rows, hidden = partial.shape
     out = torch.empty_like(partial)
     residual_out = torch.empty_like(partial)
     source = residual if residual is not None else partial
     rows_offset, half_size, flags_offset = layout
-    with_prefetch = prefetch is not None and prefetch_bytes > 0
-    if prefetch is not None and with_prefetch:
-        prefetch_bytes = min(prefetch_bytes, prefetch.numel() * prefetch.element_size())
-    _all_reduce_add_rms_norm_kernel[(PROGRAMS + (PREFETCH_PROGRAMS if with_prefetch else 0),)](
+    _all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
         partial,
         source,
         weight,
@@ -196,14 +153,11 @@ def all_reduce_add_rms_norm(
         half_size,
         flags_offset,
         eps,
-        prefetch.view(torch.uint8) if prefetch is not None and with_prefetch else partial,
-        prefetch_bytes,
         RANK=rank,
         WORLD=world_size,
         PROGRAMS=PROGRAMS,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
-        PREFETCH=with_prefetch,
         num_warps=NORM_WARPS,
     )
     return out, residual_out
