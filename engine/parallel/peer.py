@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 # against one-shot's 21.5; 1 MiB 16.3 against 14.8 (bench/allreduce.py).
 TWO_SHOT_MIN_BYTES = 2 << 20
 # The fused all-reduce + RMSNorm serves decode batches up to this many rows, one per program of
-# its kernel (on 2 x H200 in a CUDA graph, hidden 8,192: 1 row 6.9 us against one-shot then the
-# norm's 8.9, 8 rows 9.8 against 10.0; 64 rows, 4 per program, 34.0 against 17.4).
+# its kernel (on 2 x H200 in a CUDA graph, hidden 8,192: 1 row 6.4 us against one-shot then the
+# norm's 8.8, 16 rows 7.2 against 11.5; at 64 rows, 4 per program, it was twice as slow).
 NORM_MAX_ROWS = 16
 _MAX_RANKS = 8  # (room for the fused kernel's flags)
 
