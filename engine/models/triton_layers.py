@@ -39,6 +39,17 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
+def rms_normalize(x, weight, hidden, eps):
+    """weight * RMSNorm(x) for one row x [BLOCK] (zero beyond `hidden`), in x's dtype: float32
+    statistics, the normalized value rounded before the weight is applied."""
+    x32 = x.to(tl.float32)
+    # times 1/n as torch's mean does (a division rounds differently in the last bit)
+    variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)
+    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    return (weight * normed).to(x.dtype)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
@@ -63,14 +74,8 @@ def _add_rms_norm_kernel(
             x_ptr.dtype.element_ty
         )
     tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    # times 1/n as torch's mean does (a division rounds differently in the last bit)
-    variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(
-        out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    tl.store(out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps), mask=mask)
 
 
 def add_rms_norm(

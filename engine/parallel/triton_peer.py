@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.models.triton_layers import NORM_WARPS
+from kvfleet.engine.models.triton_layers import NORM_WARPS, rms_normalize
 
 PROGRAMS = 16
 # A peer that never signals (it died mid-step) stops the kernel with a trap after this many
@@ -109,10 +109,7 @@ def _all_reduce_add_rms_norm_kernel(
         if HAS_RESIDUAL:
             x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(dtype)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-        x32 = x.to(tl.float32)
-        variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)  # (as add_rms_norm rounds)
-        normed = (x32 * tl.rsqrt(variance + eps)).to(dtype)
-        tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(dtype), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps), mask=mask)
     tl.store(counters_ptr + program, count)
 
 
