@@ -347,6 +347,7 @@ class LLMEngine:
         if self.workers.dead is None:
             try:
                 self.runner.release_graphs()
+                self.workers.expect_exit()  # (they exit on the stop signal, before stop())
                 tp.broadcast_stop()
                 # NOTE: a guard only: the workers leave the group at the same time
                 closing = threading.Thread(target=tp.close, name="kvfleet-tp-close", daemon=True)

@@ -102,6 +102,10 @@ class WorkerPool:
         for callback in self._on_death:
             callback(self.dead)
 
+    def expect_exit(self) -> None:
+        """The workers are being told to stop: their exits are no longer deaths."""
+        self._stopping.set()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
         for process in self.processes:
