@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.models.layers import RMSNorm
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.peer import PeerAllReduce
+
+if TYPE_CHECKING:
+    from kvfleet.engine.models.layers import RMSNorm
 
 STEP, STOP = 1, 0
 # header: op, num_tokens, num_seqs, max_blocks, num_sampled, race

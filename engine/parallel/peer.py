@@ -10,8 +10,9 @@ against NCCL's 23.4 us, and 2 MiB (256 Llama-3-8B tokens) 18.7 against 46.0
 overwrite the buffer at once. From 2 MiB on, two-shot: each rank sums its share of the
 elements from every buffer, then the shares are gathered (less traffic per GPU, one more step).
 
-Up to NORM_MAX_ROWS rows, the all-reduce before an RMSNorm runs fused with it (residual add and
-norm in the same kernel, `triton_peer.py`), in its own part of the same allocation.
+For decode batches (one row per program of its kernel, up to 16), the all-reduce before an
+RMSNorm runs fused with it (residual add and norm in the same kernel, `triton_peer.py`), in its
+own part of the same allocation.
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ logger = logging.getLogger(__name__)
 # From this size on, the two-shot algorithm: on 2 x H200 in a CUDA graph, 2 MiB takes 19.3 us
 # against one-shot's 21.5; 1 MiB 16.3 against 14.8 (bench/allreduce.py).
 TWO_SHOT_MIN_BYTES = 2 << 20
-# The fused all-reduce + RMSNorm serves decode batches up to this many rows, one per program of
-# its kernel (on 2 x H200 in a CUDA graph, hidden 8,192: 1 row 6.4 us against one-shot then the
-# norm's 8.8, 16 rows 7.2 against 11.5; at 64 rows, 4 per program, it was twice as slow).
-NORM_MAX_ROWS = 16
 _MAX_RANKS = 8  # (room for the fused kernel's flags)
 
 
@@ -58,7 +55,7 @@ class PeerAllReduce:
         self.dtype = dtype
         self.capacity = capacity
         self.hidden = hidden or 0
-        self.norm_rows = min(NORM_MAX_ROWS, capacity // hidden) if hidden else 0
+        self.norm_rows = min(triton_peer.PROGRAMS, capacity // hidden) if hidden else 0
         # [capacity | two halves of norm_rows x hidden | int32 flags [PROGRAMS, _MAX_RANKS]]
         half = self.norm_rows * self.hidden
         flags_start = capacity + 2 * half
@@ -71,6 +68,8 @@ class PeerAllReduce:
         handle = symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
         self.rank: int = handle.rank
         self.world_size: int = handle.world_size
+        if self.world_size > _MAX_RANKS:
+            self.norm_rows = 0  # (no room for its flags: unfused)
         self._bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._counters = torch.zeros(triton_peer.PROGRAMS, dtype=torch.int32, device=device)
         self._norm_layout = (capacity, half, flags_start * element // 4)
@@ -130,7 +129,6 @@ class PeerAllReduce:
             and partial.shape[1] == self.hidden
             and partial.stride(-1) == 1
             and (residual is None or residual.stride(-1) == 1)
-            and self.world_size <= _MAX_RANKS
         )
 
     def add_rms_norm(

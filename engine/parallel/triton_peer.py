@@ -22,6 +22,9 @@ import triton.language as tl
 
 from kvfleet.engine.models.triton_layers import NORM_WARPS, rms_normalize
 
+# Programs per launch, each with at most one row: so the fused path serves up to 16 rows (on
+# 2 x H200 in a CUDA graph, hidden 8,192: 1 row 6.4 us against one-shot then the norm's 8.8,
+# 16 rows 7.2 against 11.5; at 64 rows, 4 per program, it was twice as slow).
 PROGRAMS = 16
 # A peer that never signals (it died mid-step) stops the kernel with a trap after this many
 # polls of its flag (tens of seconds), so the process fails instead of hanging.
