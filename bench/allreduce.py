@@ -9,9 +9,10 @@ engine/parallel/peer.py), issued
 one by one and, at decode sizes, 160 of them captured in one CUDA graph (as a decode step of
 80 layers replays them). Prints microseconds per all-reduce and NCCL's bus bandwidth, checks
 the peer sums against NCCL's, then times leaving the process group. Then the all-reduce fused
-with the residual add and RMSNorm after it (engine/parallel/triton_peer.py) against one-shot
-followed by the norm kernel, at decode batches of a 70B (hidden 8,192): equal bits, and
-microseconds per pair in a CUDA graph.
+with the residual add and RMSNorm after it (engine/parallel/triton_peer.py) against the peer
+all-reduce followed by the norm kernel, at decode batches of a 70B and an 8B (hidden 8,192 and
+4,096, 1 to 256 rows, each program count of the larger lane): equal bits, and microseconds per
+pair in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                 key = f"{'two' if two_shot else 'one'}_shot_equal_{numel}"
                 results[key] = {"ok": float(torch.equal(got, want))}
     if peer is not None:
-        results.update(_fused_norm(peer, rank, device))
+        results.update(_fused_norm(rank, device))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"gpus": world, **results}, f, indent=1)
@@ -115,45 +116,56 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     print(f"rank {rank}: destroy_process_group {time.perf_counter() - began:.2f} s", flush=True)
 
 
-def _fused_norm(
-    peer: PeerAllReduce, rank: int, device: torch.device
-) -> dict[str, dict[str, float]]:
-    """Fused all-reduce + add + RMSNorm against one-shot then `add_rms_norm`: bits over 50
-    calls on random rows (each rank its own), then microseconds per call in a graph."""
+def _fused_norm(rank: int, device: torch.device) -> dict[str, dict[str, float]]:
+    """Fused all-reduce + add + RMSNorm against the peer all-reduce (one- or two-shot by size)
+    then `add_rms_norm`, at the hidden sizes of Llama-3-70B and 8B, for decode batches up to
+    256 rows and each choice of programs for the larger lane: bits over 20 calls on random rows
+    (each rank its own), then microseconds per call in a graph."""
     from kvfleet.engine.models.triton_layers import add_rms_norm
-
-    results: dict[str, dict[str, float]] = {}
-    gen = torch.Generator(device).manual_seed(rank)
-    weight = torch.randn(HIDDEN, device=device, generator=gen).bfloat16()
-    for rows in (1, 8, 16):
-        row: dict[str, float] = {}
-        equal = True
-        for _ in range(50):
-            x = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
-            residual = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
-            got = peer.add_rms_norm(x, residual, weight, 1e-5)
-            want = add_rms_norm(peer(x.clone(), False), residual, weight, 1e-5)
-            equal &= torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        row["equal"] = float(equal)
-        replay = _graph(lambda: peer.add_rms_norm(x, residual, weight, 1e-5), OPS_PER_GRAPH)  # noqa: B023
-        row["fused_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
-        replay = _graph(
-            lambda: add_rms_norm(peer(x, False), residual, weight, 1e-5),  # noqa: B023
-            OPS_PER_GRAPH,
-        )
-        row["one_shot_then_norm_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
-        del replay
-        results[f"norm-{rows}x{HIDDEN}"] = row
-    return results
-
-
-def _peer(capacity: int, device: torch.device) -> PeerAllReduce | None:
-    """The engine's peer-memory all-reduce (fused norms for rows of HIDDEN), or None."""
     from kvfleet.engine.parallel.peer import PeerAllReduce
 
     group = dist.group.WORLD
     assert group is not None
-    return PeerAllReduce.create(group.group_name, capacity, torch.bfloat16, device, HIDDEN)
+    results: dict[str, dict[str, float]] = {}
+    gen = torch.Generator(device).manual_seed(rank)
+    for hidden in (HIDDEN, 4096):
+        weight = torch.randn(hidden, device=device, generator=gen).bfloat16()
+        for lanes in ((16, 256), (16, 128), (16, 64)):
+            peer = PeerAllReduce(
+                group.group_name, 256 * hidden, torch.bfloat16, device, hidden, lanes
+            )
+            for rows in (1, 16, 64, 128, 256) if lanes[1] == 256 else (64, 128, 256):
+                row: dict[str, float] = {"programs": float(lanes[1] if rows > 16 else 16)}
+                equal = True
+                for _ in range(20):
+                    x = torch.randn(rows, hidden, device=device, generator=gen).bfloat16()
+                    residual = torch.randn(rows, hidden, device=device, generator=gen).bfloat16()
+                    got = peer.add_rms_norm(x, residual, weight, 1e-5)
+                    want = add_rms_norm(peer(x.clone()), residual, weight, 1e-5)
+                    equal &= torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                row["equal"] = float(equal)
+                replay = _graph(
+                    lambda: peer.add_rms_norm(x, residual, weight, 1e-5),  # noqa: B023
+                    OPS_PER_GRAPH,
+                )
+                row["fused_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
+                replay = _graph(
+                    lambda: add_rms_norm(peer(x), residual, weight, 1e-5),  # noqa: B023
+                    OPS_PER_GRAPH,
+                )
+                row["all_reduce_then_norm_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
+                del replay
+                results[f"norm-{rows}x{hidden}-lanes{lanes[1]}"] = row
+    return results
+
+
+def _peer(capacity: int, device: torch.device) -> PeerAllReduce | None:
+    """The engine's peer-memory all-reduce (no fused norms), or None."""
+    from kvfleet.engine.parallel.peer import PeerAllReduce
+
+    group = dist.group.WORLD
+    assert group is not None
+    return PeerAllReduce.create(group.group_name, capacity, torch.bfloat16, device)
 
 
 def main() -> None:

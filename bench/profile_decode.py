@@ -5,7 +5,8 @@
 Prints the step time (steps overlapped as the engine runs them); each host phase of a step run
 one at a time (schedule, the runner up to its device-to-host copy, scheduler update and output
 processing); the GPU time of one graph replay and of the LM head + sampler (one GPU only); then
-the top operators by host and by GPU time on rank 0.
+the top operators by host and by GPU time on rank 0 (`--trace`: its Chrome trace too).
+`--prompt-len 600` puts the contexts near those of the 256-request throughput workload.
 """
 
 import argparse
@@ -20,11 +21,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvfleet.bench.ceilings import median_seconds
 from kvfleet.engine.llm import LLM
+from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
 
 
 def _gpu_ms(fn: Callable[[], object]) -> float:
     return median_seconds(fn, torch.device("cuda"), repeats=20) * 1e3
+
+
+def _torch_profile(engine: LLMEngine, trace: str | None) -> None:
+    """Ten steps under the torch profiler: the top operators by host and by GPU time, and
+    rank 0's Chrome trace to `trace`."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    averages = prof.key_averages()
+    for key, limit in (("self_cpu_time_total", 25), ("self_cuda_time_total", 15)):
+        print(averages.table(sort_by=key, row_limit=limit, max_name_column_width=60))
 
 
 def main() -> None:
@@ -33,7 +49,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
+    parser.add_argument("--trace", help="with --profile: write rank 0's Chrome trace here")
     parser.add_argument(
         "--cprofile", action="store_true", help="also Python's profiler over 20 engine steps"
     )
@@ -42,15 +60,15 @@ def main() -> None:
         args.model,
         load_format="dummy",
         dtype="bfloat16",
-        max_model_len=1024,
+        max_model_len=args.prompt_len + 900,
         max_num_seqs=max(args.batch_size, 8),
         tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.engine
     params = SamplingParams(temperature=args.temperature, max_tokens=800, ignore_eos=True)
     for i in range(args.batch_size):
-        engine.add_request(f"p{i}", list(range(1000 + i, 1128 + i)), params)
-    for _ in range(20):
+        engine.add_request(f"p{i}", list(range(1000 + i, 1000 + i + args.prompt_len)), params)
+    for _ in range(20 + args.batch_size * args.prompt_len // 8192):  # (prefills, then decode)
         engine.step()
     torch.cuda.synchronize()
     began = time.perf_counter()
@@ -92,13 +110,7 @@ def main() -> None:
         for key in ("tottime", "cumulative"):
             pstats.Stats(stats).sort_stats(key).print_stats(30)
     if args.profile:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                engine.step()
-            torch.cuda.synchronize()
-        averages = prof.key_averages()
-        for key, limit in (("self_cpu_time_total", 25), ("self_cuda_time_total", 15)):
-            print(averages.table(sort_by=key, row_limit=limit, max_name_column_width=60))
+        _torch_profile(engine, args.trace)
     engine.close()
 
 

@@ -10,9 +10,9 @@ against NCCL's 23.4 us, and 2 MiB (256 Llama-3-8B tokens) 18.7 against 46.0
 overwrite the buffer at once. From 2 MiB on, two-shot: each rank sums its share of the
 elements from every buffer, then the shares are gathered (less traffic per GPU, one more step).
 
-For decode batches (one row per program of its kernel, up to 16), the all-reduce before an
-RMSNorm runs fused with it (residual add and norm in the same kernel, `triton_peer.py`), in its
-own part of the same allocation.
+For decode batches (up to capacity // hidden rows), the all-reduce before an RMSNorm runs fused
+with it (residual add and norm in the same kernel, `triton_peer.py`), in the lanes' own parts
+of the same allocation.
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ class PeerAllReduce:
         dtype: torch.dtype,
         device: torch.device,
         hidden: int | None = None,
+        lanes: tuple[int, ...] | None = None,
     ):
         """Collective: every rank of the group builds its own at the same point. `capacity`:
         elements of the largest all-reduce; `hidden`: the row size of fused all-reduce +
-        RMSNorm calls (None: no fused calls)."""
+        RMSNorm calls (None: no fused calls), of up to capacity // hidden rows; `lanes`: the
+        fused kernel's program counts (default `triton_peer.LANES`)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         from kvfleet.engine.parallel import triton_peer
@@ -55,24 +57,40 @@ class PeerAllReduce:
         self.dtype = dtype
         self.capacity = capacity
         self.hidden = hidden or 0
-        self.norm_rows = min(triton_peer.PROGRAMS, capacity // hidden) if hidden else 0
-        # [capacity | two halves of norm_rows x hidden | int32 flags [PROGRAMS, _MAX_RANKS]]
-        half = self.norm_rows * self.hidden
-        flags_start = capacity + 2 * half
-        flags_start += flags_start % 2  # (4-byte aligned for any 2- or 4-byte dtype)
+        self.norm_rows = capacity // hidden if hidden else 0  # (0 with no fused calls)
+        # [capacity | each lane's two halves | int32 flags [lane programs, _MAX_RANKS] per lane]
+        shapes = _lane_shapes(lanes, self.norm_rows)
+        halves_end = capacity + sum(2 * rows * self.hidden for _, rows in shapes)
+        flags_start = halves_end + halves_end % 2  # (4-byte aligned for any 2- or 4-byte dtype)
         element = torch.empty((), dtype=dtype).element_size()
-        flag_elements = triton_peer.PROGRAMS * _MAX_RANKS * 4 // element
+        programs = sum(count for count, _ in shapes)
+        flag_elements = programs * _MAX_RANKS * 4 // element
         self.buffer = symm_mem.empty(flags_start + flag_elements, dtype=dtype, device=device)
         self.buffer[flags_start:].zero_()
         torch.cuda.synchronize(device)  # (zero before the rendezvous lets any peer signal)
         handle = symm_mem.rendezvous(self.buffer, group=cast(Any, group_name))
         self.rank: int = handle.rank
         self.world_size: int = handle.world_size
+        self._bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        counters = torch.zeros(programs, dtype=torch.int32, device=device)
+        self.lanes: list[triton_peer.Lane] = []
         if self.world_size > _MAX_RANKS:
             self.norm_rows = 0  # (no room for its flags: unfused)
-        self._bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self._counters = torch.zeros(triton_peer.PROGRAMS, dtype=torch.int32, device=device)
-        self._norm_layout = (capacity, half, flags_start * element // 4)
+            shapes = []
+        offset, first_program = capacity, 0
+        for count, rows in shapes:
+            self.lanes.append(
+                triton_peer.Lane(
+                    count,
+                    rows,
+                    offset,
+                    rows * self.hidden,
+                    flags_start * element // 4 + first_program * _MAX_RANKS,
+                    counters[first_program : first_program + count],
+                )
+            )
+            offset += 2 * rows * self.hidden
+            first_program += count
         self._one_shot: Any = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         self._two_shot: Any = torch.ops.symm_mem.two_shot_all_reduce_out
 
@@ -139,17 +157,27 @@ class PeerAllReduce:
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual) in
-        one kernel (`fits_norm` must hold)."""
+        one kernel (`fits_norm` must hold), in the first lane with room for its rows."""
         from kvfleet.engine.parallel.triton_peer import all_reduce_add_rms_norm
 
+        rows = partial.shape[0]
+        lane = next(lane for lane in self.lanes if lane.max_rows >= rows)
         return all_reduce_add_rms_norm(
-            partial,
-            residual,
-            weight,
-            eps,
-            self._bases,
-            self._counters,
-            self._norm_layout,
-            self.rank,
-            self.world_size,
+            partial, residual, weight, eps, self._bases, lane, self.rank, self.world_size
         )
+
+
+def _lane_shapes(lanes: tuple[int, ...] | None, max_rows: int) -> list[tuple[int, int]]:
+    """(programs, rows it serves) of each lane needed for calls of up to `max_rows` rows: those
+    with fewer programs than that, then the first with enough (or the largest, with several
+    rows per program)."""
+    from kvfleet.engine.parallel import triton_peer
+
+    shapes: list[tuple[int, int]] = []
+    for programs in sorted(lanes or triton_peer.LANES):
+        if max_rows <= 0 or (shapes and shapes[-1][1] >= max_rows):
+            break
+        shapes.append((programs, min(programs, max_rows)))
+    if shapes:
+        shapes[-1] = (shapes[-1][0], max_rows)
+    return shapes

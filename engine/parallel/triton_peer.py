@@ -10,11 +10,20 @@ in local memory, so CUDA-graph replays keep counting) and writes rows into half 
 the buffer. A rank signals a peer by storing `count` into the peer's flag for (p, rank) with
 release semantics, and waits until its own flag for (p, peer) holds `count` or `count + 1` (the
 peer can be one call ahead, never two: that would need this rank's next signal). So when a rank
-overwrites a half, every peer has finished the call two back that read it. Every launch runs
-all PROGRAMS programs, rows or none, which keeps the counters of all ranks in step.
+overwrites a half, every peer has finished the call two back that read it. Every launch of a
+lane runs all its programs, rows or none, which keeps the counters of all ranks in step.
+
+Lanes: a call runs in the first launch configuration ("lane") with room for its rows: 16
+programs for up to 16 rows (batch-1 decode pays for few flag exchanges), 64 for up to 64, 128
+for more (one or two rows per program; 4 rows per program in 16 programs ran twice as slow at
+64 rows).
+Each lane has its own counters, flags and halves, so calls in different lanes never share a
+half and the two-call argument above holds per lane.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,10 +31,11 @@ import triton.language as tl
 
 from kvfleet.engine.models.triton_layers import NORM_WARPS, rms_normalize
 
-# Programs per launch, each with at most one row: so the fused path serves up to 16 rows (on
-# 2 x H200 in a CUDA graph, hidden 8,192: 1 row 6.4 us against one-shot then the norm's 8.8,
-# 16 rows 7.2 against 11.5; at 64 rows, 4 per program, it was twice as slow).
-PROGRAMS = 16
+# Programs per launch of each lane. On 2 x H200 in a CUDA graph (bench/allreduce.py), against
+# the peer all-reduce then the norm: hidden 8,192, 1 row 6.1 us against 9.0, 16 rows 7.0
+# against 11.8; hidden 4,096, 64 rows 6.8 against 12.9 (64 programs; 128: 7.6, 256: 8.2), 256
+# rows 12.1 against 21.7 (128 programs; 64: 13.3, 256: 12.4).
+LANES = (16, 64, 128)
 # A peer that never signals (it died mid-step) stops the kernel with a trap after this many
 # polls of its flag (tens of seconds), so the process fails instead of hanging.
 _MAX_POLLS = tl.constexpr(1 << 26)
@@ -57,7 +67,7 @@ def _all_reduce_add_rms_norm_kernel(
     out_ptr,  # [num_rows, hidden]
     residual_out_ptr,  # [num_rows, hidden]: sum + residual (or the sum)
     bases_ptr,  # [WORLD] int64: each rank's symmetric buffer
-    counters_ptr,  # [PROGRAMS] int32, this rank's: calls made by each program
+    counters_ptr,  # [PROGRAMS] int32, this rank's lane: calls made by each program
     stride_p,
     stride_r,
     stride_o,
@@ -66,7 +76,7 @@ def _all_reduce_add_rms_norm_kernel(
     hidden,
     rows_offset,  # element offset of the two halves in the symmetric buffer
     half_size,  # elements per half
-    flags_offset,  # int32 offset of the flags [PROGRAMS, WORLD] in the symmetric buffer
+    flags_offset,  # int32 offset of the lane's flags [PROGRAMS, WORLD] in the symmetric buffer
     eps,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
@@ -116,46 +126,56 @@ def _all_reduce_add_rms_norm_kernel(
     tl.store(counters_ptr + program, count)
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One launch configuration's part of the symmetric buffer and its counters."""
+
+    programs: int
+    max_rows: int
+    rows_offset: int  # element offset of its two halves in the symmetric buffer
+    half_size: int  # elements per half (max_rows x hidden)
+    flags_offset: int  # int32 offset of its flags [programs, WORLD]
+    counters: torch.Tensor  # [programs] int32, this rank's (local memory)
+
+
 def all_reduce_add_rms_norm(
     partial: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     bases: torch.Tensor,
-    counters: torch.Tensor,
-    layout: tuple[int, int, int],
+    lane: Lane,
     rank: int,
     world_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual).
-    `layout`: the element offset of the two halves, elements per half, the int32 offset of the
-    flags. Collective: every rank calls it with the same shapes at the same point."""
+    """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual), in
+    `lane` (`partial` has at most lane.max_rows rows). Collective: every rank calls it with the
+    same shapes at the same point."""
     num_rows, hidden = partial.shape
     out = torch.empty_like(partial)
     residual_out = torch.empty_like(partial)
     source = residual if residual is not None else partial
-    rows_offset, half_size, flags_offset = layout
-    _all_reduce_add_rms_norm_kernel[(PROGRAMS,)](
+    _all_reduce_add_rms_norm_kernel[(lane.programs,)](
         partial,
         source,
         weight,
         out,
         residual_out,
         bases,
-        counters,
+        lane.counters,
         partial.stride(0),
         source.stride(0),
         out.stride(0),
         residual_out.stride(0),
         num_rows,
         hidden,
-        rows_offset,
-        half_size,
-        flags_offset,
+        lane.rows_offset,
+        lane.half_size,
+        lane.flags_offset,
         eps,
         RANK=rank,
         WORLD=world_size,
-        PROGRAMS=PROGRAMS,
+        PROGRAMS=lane.programs,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=NORM_WARPS,

@@ -1,7 +1,9 @@
 """The fused all-reduce + residual add + RMSNorm (engine/parallel/triton_peer.py) on 2 GPUs:
 bit-equal to NCCL's all-reduce followed by `add_rms_norm`, called eagerly with varying row
-counts, then replayed from a CUDA graph of 160 calls (as a decode step of 80 layers runs them)
-many times over, where a slip in the flags or the halves would show as a wrong sum."""
+counts in each lane (up to 16, 64 and 160 rows), then replayed from a CUDA graph of 160 calls
+(as a decode step of 80 layers runs them; three chains of 8, 48 and 150 rows, one per lane,
+taking turns) many times over, where a slip in the flags or the halves would show as a wrong
+sum."""
 
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ def _worker(rank: int, world: int, port: int) -> None:
     )
     group = dist.group.WORLD
     assert group is not None
-    peer = PeerAllReduce.create(group.group_name, 16 * HIDDEN, torch.bfloat16, device, HIDDEN)
+    peer = PeerAllReduce.create(group.group_name, 160 * HIDDEN, torch.bfloat16, device, HIDDEN)
     assert peer is not None
-    assert peer.norm_rows == 16
+    assert peer.norm_rows == 160
+    lanes = [(lane.programs, lane.max_rows) for lane in peer.lanes]
+    assert lanes == [(16, 16), (64, 64), (128, 160)]
     gen = torch.Generator(device).manual_seed(rank)
     weight = torch.randn(HIDDEN, device=device, generator=gen).bfloat16()
 
@@ -42,36 +46,43 @@ def _worker(rank: int, world: int, port: int) -> None:
         dist.all_reduce(summed)
         return add_rms_norm(summed, residual, weight, 1e-5)
 
-    for step in range(40):
-        rows = (1, 3, 16, 9)[step % 4]
+    for step in range(50):
+        rows = (1, 3, 16, 9, 17, 64, 40, 160, 130, 65)[step % 10]
         x = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
         residual = None if step % 5 == 0 else torch.randn_like(x)
         got, want = peer.add_rms_norm(x, residual, weight, 1e-5), unfused(x, residual)
         assert torch.equal(got[0], want[0]), f"rank {rank} step {step}: normed"
         assert torch.equal(got[1], want[1]), f"rank {rank} step {step}: residual"
 
-    # A graph of 160 chained calls, replayed with fresh inputs: each output feeds the next.
-    x = torch.empty(8, HIDDEN, device=device, dtype=torch.bfloat16)
-    residual = torch.empty_like(x)
+    # A graph of 160 calls in three chains (one per lane) taking turns, replayed with fresh
+    # inputs: each output of a chain feeds its next call.
+    inputs = [
+        torch.empty(rows, HIDDEN, device=device, dtype=torch.bfloat16) for rows in (8, 48, 150)
+    ]
+    residuals = [torch.empty_like(x) for x in inputs]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        peer.add_rms_norm(x, residual, weight, 1e-5)
+        for x, residual in zip(inputs, residuals, strict=True):
+            peer.add_rms_norm(x, residual, weight, 1e-5)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        hidden, res = x, residual
-        for _ in range(160):
-            hidden, res = peer.add_rms_norm(hidden, res, weight, 1e-5)
+        chains = list(zip(inputs, residuals, strict=True))
+        for call in range(160):
+            chains[call % 3] = peer.add_rms_norm(*chains[call % 3], weight, 1e-5)
     for replay in range(20):
-        x.copy_(torch.randn(x.shape, device=device, generator=gen))
-        residual.copy_(torch.randn(x.shape, device=device, generator=gen))
+        wants = []
+        for x, residual in zip(inputs, residuals, strict=True):
+            x.copy_(torch.randn(x.shape, device=device, generator=gen))
+            residual.copy_(torch.randn(x.shape, device=device, generator=gen))
+            wants.append((x.clone(), residual.clone()))
         graph.replay()
-        want_hidden, want_res = x.clone(), residual.clone()
-        for _ in range(160):
-            want_hidden, want_res = unfused(want_hidden, want_res)
-        assert torch.equal(hidden, want_hidden), f"rank {rank} replay {replay}"
-        assert torch.equal(res, want_res), f"rank {rank} replay {replay}"
+        for call in range(160):
+            wants[call % 3] = unfused(*wants[call % 3])
+        for (hidden, res), (want_hidden, want_res) in zip(chains, wants, strict=True):
+            assert torch.equal(hidden, want_hidden), f"rank {rank} replay {replay}"
+            assert torch.equal(res, want_res), f"rank {rank} replay {replay}"
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()

@@ -20,13 +20,14 @@ HIDDEN, MAX_ROWS = 64, 4
 
 
 @pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (2, 3)])
+@pytest.mark.parametrize("programs", [16, 2])  # (2: up to two rows per program)
 def test_fused_all_reduce_norm_follows_the_protocol_and_matches_the_unfused(
-    rank: int, world: int
+    rank: int, world: int, programs: int
 ) -> None:
     gen = torch.Generator().manual_seed(rank * 10 + world)
-    programs = triton_peer.PROGRAMS
     half = MAX_ROWS * HIDDEN
-    flags_start = 2 * half  # (float16 elements; the flags are int32)
+    start = 8  # (the lane's halves after another part of the buffer)
+    flags_start = start + 2 * half  # (float16 elements; the flags are int32)
     buffers = [
         torch.zeros(flags_start + 2 * programs * world, dtype=torch.float16) for _ in range(world)
     ]
@@ -34,17 +35,18 @@ def test_fused_all_reduce_norm_follows_the_protocol_and_matches_the_unfused(
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     counters = torch.zeros(programs, dtype=torch.int32)
     weight = torch.randn(HIDDEN, generator=gen).half()
-    layout = (0, half, flags_start * 2 // 4)
+    lane = triton_peer.Lane(programs, MAX_ROWS, start, half, flags_start * 2 // 4, counters)
     for call, rows in enumerate([1, 3, 4, 2, 1, 4], start=1):
         parts = [torch.randn(rows, HIDDEN, generator=gen).half() for _ in range(world)]
         residual = torch.randn(rows, HIDDEN, generator=gen).half() if rows != 2 else None
-        region = slice((call % 2) * half, (call % 2) * half + rows * HIDDEN)
+        begin = start + (call % 2) * half
+        region = slice(begin, begin + rows * HIDDEN)
         for peer in range(world):
             if peer != rank:
                 buffers[peer][region] = parts[peer].flatten()
                 flags[rank][:, peer] = call + (call == 3)  # one call ahead, once
         got = triton_peer.all_reduce_add_rms_norm(
-            parts[rank], residual, weight, 1e-5, bases, counters, layout, rank, world
+            parts[rank], residual, weight, 1e-5, bases, lane, rank, world
         )
         total = torch.zeros(rows, HIDDEN)
         for part in parts:
@@ -57,3 +59,14 @@ def test_fused_all_reduce_norm_follows_the_protocol_and_matches_the_unfused(
             if peer != rank:
                 assert flags[peer][:, rank].tolist() == [call] * programs
         assert counters.tolist() == [call] * programs
+
+
+def test_lanes_cover_the_rows_with_the_fewest_programs_that_serve_them() -> None:
+    from kvfleet.engine.parallel.peer import _lane_shapes
+
+    assert _lane_shapes((16, 256), 1) == [(16, 1)]
+    assert _lane_shapes((16, 256), 16) == [(16, 16)]
+    assert _lane_shapes((256, 16), 256) == [(16, 16), (256, 256)]
+    assert _lane_shapes((16, 256), 300) == [(16, 16), (256, 300)]  # (some with two rows)
+    assert _lane_shapes((16, 64, 256), 40) == [(16, 16), (64, 40)]
+    assert _lane_shapes((16, 256), 0) == []
