@@ -20,6 +20,7 @@ import torch
 from kvfleet.bench.ceilings import measure_ceilings, sync
 from kvfleet.bench.report import emit
 from kvfleet.engine.llm import LLM
+from kvfleet.engine.llm_engine import freeze_startup_heap
 from kvfleet.engine.runner import kv_cache_bytes_per_block
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         async_scheduling=not args.no_async_scheduling,
         **lora,
     )
+    freeze_startup_heap()  # (as a server would)
     engine = llm.engine
     names = list(lora.get("lora_modules", {}))
     with_adapter = round(args.batch_size * args.lora_share) if names else 0

@@ -1,6 +1,7 @@
 """How much of a prefill step's all-reduces can hide behind its matmuls (tensor parallelism).
 
     bench/device_env.sh python3 bench/prefill_overlap.py [--gpus 2] [--tokens 8192]
+        [--high-priority]
 
 One process per GPU, Llama-3-8B's layer at TP=2 (bf16). For each row-parallel layer (the
 attention output and MLP down projections), device microseconds of: the matmul alone; the
@@ -54,17 +55,24 @@ def serial(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def worker(rank: int, world: int, port: int, tokens: int, out_path: str) -> None:
-    import torch.distributed._symmetric_memory as symm_mem
+def worker(
+    rank: int, world: int, port: int, tokens: int, out_path: str, high_priority: bool
+) -> None:
+    import torch.distributed._symmetric_memory  # (registers the symm_mem ops)
 
     torch.cuda.set_device(rank)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = high_priority
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        pg_options=options,
     )
     group = dist.group.WORLD
     assert group is not None
     name = group.group_name
-    symm_mem.enable_symm_mem_for_group(name)
     device = torch.device("cuda", rank)
     gen = torch.Generator(device).manual_seed(rank)
     results: dict[str, dict[str, float]] = {}
@@ -129,7 +137,11 @@ def worker(rank: int, world: int, port: int, tokens: int, out_path: str) -> None
         results[label] = row
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"gpus": world, "tokens": tokens, **results}, f, indent=1)
+            json.dump(
+                {"gpus": world, "tokens": tokens, "high_priority": high_priority, **results},
+                f,
+                indent=1,
+            )
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
@@ -140,10 +152,17 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--out", default="/tmp/prefill_overlap.json")
+    parser.add_argument(
+        "--high-priority", action="store_true", help="NCCL on high-priority streams"
+    )
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     port = 29700 + os.getpid() % 1000
-    spawn(worker, args=(args.gpus, port, args.tokens, args.out), nprocs=args.gpus)
+    spawn(
+        worker,
+        args=(args.gpus, port, args.tokens, args.out, args.high_priority),
+        nprocs=args.gpus,
+    )
     with open(args.out) as f:
         print(f.read())
 

@@ -19,6 +19,7 @@ from kvfleet.bench.ceilings import measure_ceilings, sync
 from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range, random_workload, workload_cost
 from kvfleet.engine.llm import LLM
+from kvfleet.engine.llm_engine import freeze_startup_heap
 from kvfleet.engine.sampling_params import SamplingParams
 
 
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=not args.no_async_scheduling,
     )
+    freeze_startup_heap()  # (as a server would)
     engine = llm.engine
     config = engine.model_config
     workload = random_workload(

@@ -7,6 +7,7 @@ added); `step` schedules, runs the model once, and returns the requests that pro
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -116,6 +117,17 @@ def build_rank(
     if _uses_graphs(config, setup):
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, setup.max_model_len)
     return runner, tp
+
+
+def freeze_startup_heap() -> None:
+    """Put everything built so far (an engine's KV-cache blocks, modules, graphs: ~400,000
+    objects at TP=2 on Llama-3-8B) out of the garbage collector's reach. Otherwise each full
+    collection walks them all: 6 of ~90 ms each in one 256-request run on 2 x H200, stalling
+    the step loop while the GPUs wait. For processes that serve one engine for their life (the
+    server, tensor-parallel workers, benchmarks): a frozen engine's reference cycles (the free
+    block queue's links) are never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def enable_peer_all_reduce(config: EngineConfig, setup: RankSetup, tp: TPGroup) -> None:

@@ -120,11 +120,12 @@ def worker_main(config: Any, rank: int, world_size: int, port: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s"
     )
-    from kvfleet.engine.llm_engine import build_rank
+    from kvfleet.engine.llm_engine import build_rank, freeze_startup_heap
 
     faulthandler.enable()  # a hung or crashed rank shows where (SIGABRT, SIGSEGV)
     try:
         runner, tp = build_rank(config, rank, world_size, port)
+        freeze_startup_heap()
         runner.serve_steps(tp)
         runner.release_graphs()
         tp.close()

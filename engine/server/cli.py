@@ -249,11 +249,13 @@ _NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served
 def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
     import uvicorn
 
+    from kvfleet.engine.llm_engine import freeze_startup_heap
     from kvfleet.engine.server.app import create_app
 
     url = f"http://{args.host}:{args.port}"
 
     def on_ready() -> None:
+        freeze_startup_heap()  # (this process serves this one engine)
         name = settings.model_name
         print(f"\nkvfleet is serving {name} at {url}/v1", flush=True)
         if announce:
