@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
-    parser.add_argument("--trace", help="with --profile: write rank 0's Chrome trace here")
+    parser.add_argument("--trace", help="also profile, and write rank 0's Chrome trace here")
     parser.add_argument(
         "--cprofile", action="store_true", help="also Python's profiler over 20 engine steps"
     )
@@ -109,7 +109,7 @@ def main() -> None:
         stats.runcall(lambda: [engine.step() for _ in range(20)])
         for key in ("tottime", "cumulative"):
             pstats.Stats(stats).sort_stats(key).print_stats(30)
-    if args.profile:
+    if args.profile or args.trace:
         _torch_profile(engine, args.trace)
     engine.close()
 

@@ -57,9 +57,8 @@ class PeerAllReduce:
         self.dtype = dtype
         self.capacity = capacity
         self.hidden = hidden or 0
-        self.norm_rows = capacity // hidden if hidden else 0  # (0 with no fused calls)
         # [capacity | each lane's two halves | int32 flags [lane programs, _MAX_RANKS] per lane]
-        shapes = _lane_shapes(lanes, self.norm_rows)
+        shapes = _lane_shapes(lanes, capacity // hidden if hidden else 0)
         halves_end = capacity + sum(2 * rows * self.hidden for _, rows in shapes)
         flags_start = halves_end + halves_end % 2  # (4-byte aligned for any 2- or 4-byte dtype)
         element = torch.empty((), dtype=dtype).element_size()
@@ -75,8 +74,7 @@ class PeerAllReduce:
         counters = torch.zeros(programs, dtype=torch.int32, device=device)
         self.lanes: list[triton_peer.Lane] = []
         if self.world_size > _MAX_RANKS:
-            self.norm_rows = 0  # (no room for its flags: unfused)
-            shapes = []
+            shapes = []  # (no room for its flags: unfused)
         offset, first_program = capacity, 0
         for count, rows in shapes:
             self.lanes.append(
@@ -137,6 +135,11 @@ class PeerAllReduce:
         else:
             self._one_shot(symmetric, tensor, "sum", self.group_name, tensor)
         return tensor
+
+    @property
+    def norm_rows(self) -> int:
+        """The most rows a fused all-reduce + norm takes (0: none)."""
+        return self.lanes[-1].max_rows if self.lanes else 0
 
     def fits_norm(self, partial: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether `add_rms_norm` takes these."""

@@ -1,0 +1,76 @@
+"""The per-step broadcast of tensor parallelism (engine/parallel/group.py) between two real
+processes over gloo: what rank 1 receives equals what rank 0 packed, for a step whose lengths
+fit the one host message and for one with more sequences than it carries (the rest follows in a
+second message), and the stop signal ends the exchange."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
+
+from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.parallel import group as group_module
+from kvfleet.engine.parallel.group import PackedStep, TPGroup
+from kvfleet.engine.parallel.partition import TPPlan
+from kvfleet.engine.parallel.worker import free_port
+
+SEQS = (3, group_module._INLINE_SEQS, group_module._INLINE_SEQS + 45)
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+def _step(num_seqs: int) -> PackedStep:
+    """A step of `num_seqs` sequences, two tokens each, every value distinct."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    n, max_blocks = 2 * num_seqs, 3
+    longs = torch.randint(0, 1 << 40, (3 * n + num_seqs,), generator=gen)
+    ints = torch.randint(0, 1 << 30, (num_seqs * max_blocks + 2 * num_seqs + 1,), generator=gen)
+    ints = ints.int()
+    query_lens = [2] * num_seqs
+    seq_lens = torch.randint(2, 500, (num_seqs,), generator=gen).tolist()
+    return PackedStep(longs, ints, n, num_seqs, max_blocks, query_lens, seq_lens)
+
+
+def _rank(rank: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tp = TPGroup(TPPlan.build(CONFIG, rank, 2), torch.device("cpu"), dist.group.WORLD)
+    for num_seqs in SEQS:
+        sent = _step(num_seqs)
+        if rank == 0:
+            tp.broadcast_step(sent)
+            continue
+        got = tp.receive_step()
+        want = sent.unpack()
+        assert got is not None
+        assert torch.equal(got.input_ids, want.input_ids)
+        assert torch.equal(got.positions, want.positions)
+        assert torch.equal(got.logits_indices, want.logits_indices)
+        for field in ("slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens"):
+            assert torch.equal(getattr(got.metadata, field), getattr(want.metadata, field))
+        assert got.metadata.query_lens_cpu == sent.query_lens_cpu
+        assert got.metadata.seq_lens_cpu == sent.seq_lens_cpu
+        assert got.metadata.max_seqlen_k == max(sent.seq_lens_cpu)
+    if rank == 0:
+        tp.broadcast_stop()
+    else:
+        assert tp.receive_step() is None
+    tp.close()
+
+
+@pytest.mark.timeout(120)
+def test_every_step_arrives_whole_and_the_stop_ends_it() -> None:
+    spawn(_rank, args=(free_port(),), nprocs=2)
