@@ -12,7 +12,8 @@ the peer sums against NCCL's, then times leaving the process group. Then the all
 with the residual add and RMSNorm after it (engine/parallel/triton_peer.py) against the peer
 all-reduce followed by the norm kernel, at decode batches of a 70B and an 8B (hidden 8,192 and
 4,096, 1 to 256 rows, each program count of the larger lane): equal bits, and microseconds per
-pair in a CUDA graph.
+pair in a CUDA graph; and the two-shot kernel of prefill steps (512 to 8,192 rows) against
+NCCL's all-reduce then the norm.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                 results[key] = {"ok": float(torch.equal(got, want))}
     if peer is not None:
         results.update(_fused_norm(rank, device))
+        results.update(_two_shot_norm(device))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"gpus": world, **results}, f, indent=1)
@@ -156,6 +158,51 @@ def _fused_norm(rank: int, device: torch.device) -> dict[str, dict[str, float]]:
                 row["all_reduce_then_norm_graph_us"] = _time_us(replay, OPS_PER_GRAPH)
                 del replay
                 results[f"norm-{rows}x{hidden}-lanes{lanes[1]}"] = row
+    return results
+
+
+def _two_shot_norm(device: torch.device) -> dict[str, dict[str, float]]:
+    """The two-shot all-reduce + add + RMSNorm of prefill steps against NCCL's all-reduce then
+    `add_rms_norm`, at the hidden sizes of Llama-3-70B and 8B, 512 to 8,192 rows: bits over 5
+    calls (residual and weight alike on every rank, as in a model), then microseconds per call
+    issued 20 at a time."""
+    from kvfleet.engine.models.triton_layers import add_rms_norm
+    from kvfleet.engine.parallel.peer import PeerAllReduce
+
+    group = dist.group.WORLD
+    assert group is not None
+    results: dict[str, dict[str, float]] = {}
+    gen = torch.Generator(device).manual_seed(dist.get_rank())
+    alike = torch.Generator(device).manual_seed(1234)
+    calls = 20
+    for hidden in (HIDDEN, 4096):
+        peer = PeerAllReduce(
+            group.group_name, 256 * hidden, torch.bfloat16, device, hidden, prefill_rows=8192
+        )
+        weight = torch.randn(hidden, device=device, generator=alike).bfloat16()
+
+        def fused(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return peer.add_rms_norm(x, residual, weight, 1e-5)  # noqa: B023
+
+        def unfused(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            dist.all_reduce(x)
+            return add_rms_norm(x, residual, weight, 1e-5)  # noqa: B023
+
+        for rows in (512, 2048, 8192):
+            equal = True
+            for _ in range(5):
+                x = torch.randn(rows, hidden, device=device, generator=gen).bfloat16()
+                residual = torch.randn(rows, hidden, device=device, generator=alike).bfloat16()
+                got, want = fused(x, residual), unfused(x.clone(), residual)
+                equal &= torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            row = {"equal": float(equal)}
+            for name, fn in (("two_shot_fused", fused), ("nccl_then_norm", unfused)):
+                dist.barrier()
+                row[f"{name}_us"] = _time_us(
+                    lambda: [fn(x, residual) for _ in range(calls)],  # noqa: B023
+                    calls,
+                )
+            results[f"two-shot-{rows}x{hidden}"] = row
     return results
 
 

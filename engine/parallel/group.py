@@ -151,14 +151,17 @@ class TPGroup:
         return normed
 
     def enable_peer_all_reduce(
-        self, capacity: int, dtype: torch.dtype, hidden: int | None = None
+        self, capacity: int, dtype: torch.dtype, hidden: int | None = None, prefill_rows: int = 0
     ) -> bool:
         """All-reduces of up to `capacity` elements of `dtype` through peer memory, if every
         rank can (collective: all ranks call it at the same point); fused with the RMSNorm after
-        them for rows of `hidden` elements. Whether it is on."""
+        them for rows of `hidden` elements, up to capacity // hidden rows one-shot and up to
+        `prefill_rows` two-shot. Whether it is on."""
         if self.min_int(int(PeerAllReduce.possible(self.device))) == 0:
             return False  # (decided together: the rendezvous needs every rank)
-        peer = PeerAllReduce.create(self.group.group_name, capacity, dtype, self.device, hidden)
+        peer = PeerAllReduce.create(
+            self.group.group_name, capacity, dtype, self.device, hidden, prefill_rows
+        )
         if self.min_int(int(peer is not None)) == 1:
             self.peer = peer
         return self.peer is not None

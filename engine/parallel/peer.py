@@ -44,11 +44,13 @@ class PeerAllReduce:
         device: torch.device,
         hidden: int | None = None,
         lanes: tuple[int, ...] | None = None,
+        prefill_rows: int = 0,
     ):
         """Collective: every rank of the group builds its own at the same point. `capacity`:
         elements of the largest all-reduce; `hidden`: the row size of fused all-reduce +
-        RMSNorm calls (None: no fused calls), of up to capacity // hidden rows; `lanes`: the
-        fused kernel's program counts (default `triton_peer.LANES`)."""
+        RMSNorm calls (None: no fused calls), of up to capacity // hidden rows in the one-shot
+        lanes, and up to `prefill_rows` in the two-shot one; `lanes`: the one-shot kernel's
+        program counts (default `triton_peer.LANES`)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         from kvfleet.engine.parallel import triton_peer
@@ -57,13 +59,18 @@ class PeerAllReduce:
         self.dtype = dtype
         self.capacity = capacity
         self.hidden = hidden or 0
-        # [capacity | each lane's two halves | int32 flags [lane programs, _MAX_RANKS] per lane]
+        # [capacity | each lane's two halves | the two-shot lane's four halves | int32 flags:
+        # [lane programs, _MAX_RANKS] per lane, then [2, two-shot programs, _MAX_RANKS]]
         shapes = _lane_shapes(lanes, capacity // hidden if hidden else 0)
-        halves_end = capacity + sum(2 * rows * self.hidden for _, rows in shapes)
+        two_shot_rows = prefill_rows if shapes and prefill_rows > shapes[-1][1] else 0
+        two_shot_half = two_shot_rows * self.hidden
+        one_shot_end = capacity + sum(2 * rows * self.hidden for _, rows in shapes)
+        halves_end = one_shot_end + 4 * two_shot_half
         flags_start = halves_end + halves_end % 2  # (4-byte aligned for any 2- or 4-byte dtype)
         element = torch.empty((), dtype=dtype).element_size()
+        two_shot_programs = triton_peer.TWO_SHOT_PROGRAMS if two_shot_rows else 0
         programs = sum(count for count, _ in shapes)
-        flag_elements = programs * _MAX_RANKS * 4 // element
+        flag_elements = (programs + 2 * two_shot_programs) * _MAX_RANKS * 4 // element
         self.buffer = symm_mem.empty(flags_start + flag_elements, dtype=dtype, device=device)
         self.buffer[flags_start:].zero_()
         torch.cuda.synchronize(device)  # (zero before the rendezvous lets any peer signal)
@@ -71,10 +78,21 @@ class PeerAllReduce:
         self.rank: int = handle.rank
         self.world_size: int = handle.world_size
         self._bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        counters = torch.zeros(programs, dtype=torch.int32, device=device)
+        counters = torch.zeros(programs + two_shot_programs, dtype=torch.int32, device=device)
         self.lanes: list[triton_peer.Lane] = []
+        self.two_shot: triton_peer.TwoShotLane | None = None
         if self.world_size > _MAX_RANKS:
-            shapes = []  # (no room for its flags: unfused)
+            shapes, two_shot_rows = [], 0  # (no room for its flags: unfused)
+        if two_shot_rows:
+            self.two_shot = triton_peer.TwoShotLane(
+                two_shot_programs,
+                two_shot_rows,
+                one_shot_end,
+                one_shot_end + 2 * two_shot_half,
+                two_shot_half,
+                flags_start * element // 4 + programs * _MAX_RANKS,
+                counters[programs:],
+            )
         offset, first_program = capacity, 0
         for count, rows in shapes:
             self.lanes.append(
@@ -105,13 +123,14 @@ class PeerAllReduce:
         dtype: torch.dtype,
         device: torch.device,
         hidden: int | None = None,
+        prefill_rows: int = 0,
     ) -> PeerAllReduce | None:
         """One, or None where peer memory is not available (then NCCL all-reduces)."""
         if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
         PeerAllReduce.tried_in_this_process = True
         try:
-            return cls(group_name, capacity, dtype, device, hidden)
+            return cls(group_name, capacity, dtype, device, hidden, prefill_rows=prefill_rows)
         except (ImportError, AttributeError, RuntimeError) as exc:
             logger.warning("peer-memory all-reduce unavailable (%s); NCCL serves them all", exc)
             return None
@@ -139,6 +158,8 @@ class PeerAllReduce:
     @property
     def norm_rows(self) -> int:
         """The most rows a fused all-reduce + norm takes (0: none)."""
+        if self.two_shot is not None:
+            return self.two_shot.max_rows
         return self.lanes[-1].max_rows if self.lanes else 0
 
     def fits_norm(self, partial: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -160,12 +181,25 @@ class PeerAllReduce:
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual) in
-        one kernel (`fits_norm` must hold), in the first lane with room for its rows."""
-        from kvfleet.engine.parallel.triton_peer import all_reduce_add_rms_norm
+        one kernel (`fits_norm` must hold), in the first lane with room for its rows: one-shot
+        for decode batches, two-shot beyond (the residual and weight alike on every rank)."""
+        from kvfleet.engine.parallel import triton_peer
 
         rows = partial.shape[0]
-        lane = next(lane for lane in self.lanes if lane.max_rows >= rows)
-        return all_reduce_add_rms_norm(
+        lane = next((lane for lane in self.lanes if lane.max_rows >= rows), None)
+        if lane is None:
+            assert self.two_shot is not None
+            return triton_peer.two_shot_add_rms_norm(
+                partial,
+                residual,
+                weight,
+                eps,
+                self._bases,
+                self.two_shot,
+                self.rank,
+                self.world_size,
+            )
+        return triton_peer.all_reduce_add_rms_norm(
             partial, residual, weight, eps, self._bases, lane, self.rank, self.world_size
         )
 

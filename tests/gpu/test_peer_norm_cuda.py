@@ -3,7 +3,7 @@ bit-equal to NCCL's all-reduce followed by `add_rms_norm`, called eagerly with v
 counts in each lane (up to 16, 64 and 160 rows), then replayed from a CUDA graph of 160 calls
 (as a decode step of 80 layers runs them; three chains of 8, 48 and 150 rows, one per lane,
 taking turns) many times over, where a slip in the flags or the halves would show as a wrong
-sum."""
+sum; and the two-shot kernel of prefill steps (161 to 2,048 rows) against the same."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 HIDDEN = 1024
+PREFILL = 2048  # rows of the two-shot lane
 
 
 def _worker(rank: int, world: int, port: int) -> None:
@@ -33,9 +34,12 @@ def _worker(rank: int, world: int, port: int) -> None:
     )
     group = dist.group.WORLD
     assert group is not None
-    peer = PeerAllReduce.create(group.group_name, 160 * HIDDEN, torch.bfloat16, device, HIDDEN)
+    peer = PeerAllReduce.create(
+        group.group_name, 160 * HIDDEN, torch.bfloat16, device, HIDDEN, prefill_rows=PREFILL
+    )
     assert peer is not None
-    assert peer.norm_rows == 160
+    assert peer.norm_rows == PREFILL
+    assert peer.two_shot is not None
     lanes = [(lane.programs, lane.max_rows) for lane in peer.lanes]
     assert lanes == [(16, 16), (64, 64), (128, 160)]
     gen = torch.Generator(device).manual_seed(rank)
@@ -83,6 +87,16 @@ def _worker(rank: int, world: int, port: int) -> None:
         for (hidden, res), (want_hidden, want_res) in zip(chains, wants, strict=True):
             assert torch.equal(hidden, want_hidden), f"rank {rank} replay {replay}"
             assert torch.equal(res, want_res), f"rank {rank} replay {replay}"
+    # Prefill steps: the two-shot kernel, with the residual and weight alike on every rank.
+    alike = torch.Generator(device).manual_seed(1234)
+    weight = torch.randn(HIDDEN, device=device, generator=alike).bfloat16()
+    for step in range(24):
+        rows = (161, 300, 264, 529, 1000, PREFILL)[step % 6]
+        x = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
+        residual = None if step % 5 == 0 else torch.randn_like(x, generator=alike)
+        got, want = peer.add_rms_norm(x, residual, weight, 1e-5), unfused(x, residual)
+        assert torch.equal(got[0], want[0]), f"rank {rank} prefill step {step}: normed"
+        assert torch.equal(got[1], want[1]), f"rank {rank} prefill step {step}: residual"
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()

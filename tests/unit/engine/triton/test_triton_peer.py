@@ -70,3 +70,63 @@ def test_lanes_cover_the_rows_with_the_fewest_programs_that_serve_them() -> None
     assert _lane_shapes((16, 256), 300) == [(16, 16), (256, 300)]  # (some with two rows)
     assert _lane_shapes((16, 64, 256), 40) == [(16, 16), (64, 40)]
     assert _lane_shapes((16, 256), 0) == []
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (2, 3)])
+def test_two_shot_all_reduce_norm_follows_the_protocol_and_matches_the_unfused(
+    rank: int, world: int
+) -> None:
+    """The two-shot kernel (prefill steps), one rank played for real: it must put its partial
+    sums of the rows others own into its parts half, sum its own rows (its part, then the
+    peers' from their parts halves, in rank order), put those sums into its sums half, signal
+    both exchanges, and take the other rows' sums from their owners' sums halves."""
+    programs, max_rows = 2, 12
+    gen = torch.Generator().manual_seed(rank * 10 + world)
+    half = max_rows * HIDDEN
+    parts, sums = 8, 8 + 2 * half  # (after another part of the buffer)
+    flags_start = sums + 2 * half  # (float16 elements; the flags are int32)
+    buffers = [
+        torch.zeros(flags_start + 2 * 2 * programs * world, dtype=torch.float16)
+        for _ in range(world)
+    ]
+    flags = [b[flags_start:].view(torch.int32).view(2, programs, world) for b in buffers]
+    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    counters = torch.zeros(programs, dtype=torch.int32)
+    lane = triton_peer.TwoShotLane(
+        programs, max_rows, parts, sums, half, flags_start * 2 // 4, counters
+    )
+    weight = torch.randn(HIDDEN, generator=gen).half()  # (alike on every rank)
+    for call, rows in enumerate([5, 12, 1, 7, 12], start=1):
+        partials = [torch.randn(rows, HIDDEN, generator=gen).half() for _ in range(world)]
+        residual = torch.randn(rows, HIDDEN, generator=gen).half() if call != 3 else None
+        total = torch.zeros(rows, HIDDEN)
+        for part in partials:
+            total += part.float()
+        want = add_rms_norm(total.half(), residual, weight, 1e-5)
+        owner = [(row // programs) % world for row in range(rows)]
+        offset = (call % 2) * half
+        for peer in range(world):
+            if peer == rank:
+                continue
+            for row in range(rows):
+                at = slice(offset + row * HIDDEN, offset + (row + 1) * HIDDEN)
+                if owner[row] == rank:  # the peer's part of this rank's row
+                    buffers[peer][parts:][at] = partials[peer][row]
+                elif owner[row] == peer:  # the peer's sum of its own row
+                    buffers[peer][sums:][at] = want[1][row]
+            flags[rank][:, :, peer] = call
+        got = triton_peer.two_shot_add_rms_norm(
+            partials[rank], residual, weight, 1e-5, bases, lane, rank, world
+        )
+        assert torch.equal(got[0], want[0]), f"call {call}: normed"
+        assert torch.equal(got[1], want[1]), f"call {call}: residual"
+        for row in range(rows):
+            at = slice(offset + row * HIDDEN, offset + (row + 1) * HIDDEN)
+            if owner[row] == rank:
+                assert torch.equal(buffers[rank][sums:][at], want[1][row])
+            else:
+                assert torch.equal(buffers[rank][parts:][at], partials[rank][row])
+        for peer in range(world):
+            if peer != rank:
+                assert flags[peer][:, :, rank].flatten().tolist() == [call] * 2 * programs
+        assert counters.tolist() == [call] * programs
