@@ -1,0 +1,105 @@
+"""Verification of draft tokens by rejection sampling: the emitted tokens follow the target
+model's distribution exactly, whatever the drafts.
+
+Per request with drafts d_1..d_k, drafted from distributions q_1..q_k (a point mass for the
+n-gram proposer), and the target's distributions p_1..p_{k+1} after each input position: d_j is
+accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the request
+emits a token drawn from the residual max(0, p_j - q_j) (normalized) and stops; when every
+draft is accepted it emits a bonus token drawn from p_{k+1}. So each step emits between 1 and
+k + 1 tokens, each distributed as sampling from p would have been (Leviathan et al. 2023;
+Chen et al. 2023). Greedy requests accept a draft iff it is the target's argmax and emit the
+argmax at the first mismatch: the same tokens as decoding without drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvfleet.engine.sampler import exponential_race
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    greedy: Sequence[bool],
+    num_drafts: Sequence[int],
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> list[list[int]]:
+    """The tokens each request emits. Rows of `target_probs` [sum(k_i + 1), vocab] (each a
+    distribution after temperature and top-k/p/min-p; any values in greedy requests' rows) and
+    `target_argmax` [same rows] (of the logits) come in request order, k_i + 1 per request;
+    `draft_token_ids` [sum k_i] likewise k_i per request, and `draft_probs` [sum k_i, vocab]
+    the distributions they were drawn from (None: each draft was certain, q(d) = 1).
+    `generators`: request index -> its own generator (seeded requests)."""
+    device = target_probs.device
+    counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
+    num_reqs = len(num_drafts)
+    # Each draft's request and the target row that judges it (row t of its request).
+    draft_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), counts)
+    first_row = torch.cumsum(counts + 1, 0) - (counts + 1)
+    first_draft = torch.cumsum(counts, 0) - counts
+    within = torch.arange(draft_token_ids.numel(), device=device) - first_draft[draft_req]
+    judge_row = first_row[draft_req] + within
+    last_row = first_row + counts
+
+    greedy_req = torch.tensor(list(greedy), dtype=torch.bool, device=device)
+    draft_greedy = greedy_req[draft_req]
+    p_draft = target_probs[judge_row, draft_token_ids]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(1, draft_token_ids[:, None]).squeeze(1)
+    uniform = torch.rand(p_draft.shape, device=device)
+    draft_gens = _rows_of(generators or {}, draft_req.tolist())
+    for row, generator in draft_gens.items():
+        uniform[row] = torch.rand((), device=device, generator=generator)
+    accept = torch.where(
+        draft_greedy,
+        draft_token_ids == target_argmax[judge_row],
+        uniform * q_draft < p_draft,
+    )
+
+    # What a rejected draft's request emits instead: from the residual max(0, p - q).
+    judged = target_probs[judge_row]
+    if draft_probs is None:
+        residual = judged.scatter(1, draft_token_ids[:, None], 0.0)
+    else:
+        residual = (judged - draft_probs).clamp_(min=0.0)
+    recovered = torch.where(
+        draft_greedy, target_argmax[judge_row], exponential_race(residual, draft_gens)
+    )
+    # ... and, all drafts accepted, the bonus token from the last row.
+    bonus = torch.where(
+        greedy_req,
+        target_argmax[last_row],
+        exponential_race(target_probs[last_row], generators or {}),
+    )
+
+    accepted, drafts, fallback, extra = (
+        t.tolist() for t in (accept, draft_token_ids, recovered, bonus)
+    )
+    emitted = []
+    begin = 0
+    for i, k in enumerate(num_drafts):
+        tokens: list[int] = []
+        for j in range(begin, begin + k):
+            if not accepted[j]:
+                tokens.append(fallback[j])
+                break
+            tokens.append(drafts[j])
+        else:
+            tokens.append(extra[i])
+        emitted.append(tokens)
+        begin += k
+    return emitted
+
+
+def _rows_of(
+    generators: dict[int, torch.Generator], row_requests: list[int]
+) -> dict[int, torch.Generator]:
+    """Each row's generator, where its request has one."""
+    return {row: generators[req] for row, req in enumerate(row_requests) if req in generators}

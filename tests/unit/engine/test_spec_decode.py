@@ -1,0 +1,128 @@
+"""Speculative decoding's pieces: the n-gram proposer against a brute-force search, and the
+rejection sampler: greedy requests emit exactly the target's argmax tokens, sampled ones the
+target's distribution (chi-square over many draws, with draft-model and with certain drafts,
+at temperature 1 and under top-p)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy import stats
+
+from kvfleet.engine.sampler import SamplingMetadata, filtered_probs
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.spec_decode.ngram import NgramProposer
+from kvfleet.engine.spec_decode.rejection import rejection_sample
+
+
+def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_proposals_follow_the_latest_longest_match() -> None:
+    proposer = NgramProposer(1, 3)
+    # "a b c d | a b c" -> the 3-gram a b c matched, d follows
+    assert proposer.propose("r", [1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
+    # a longer match beats a later shorter one: [7 8] once followed by 5, [8] later by 6
+    assert proposer.propose("s", [7, 8, 5, 0, 8, 6, 1, 7, 8], 1) == [5]
+    assert proposer.propose("t", [1, 2, 3], 4) == []  # nothing repeats
+    assert proposer.propose("u", [5, 5], 3) == [5]  # (only one token after the earlier 5)
+    assert proposer.propose("r", [1, 2, 3, 4, 9, 1, 2, 3, 4], 0) == []
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        NgramProposer(3, 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_index_grown_token_by_token_equals_a_fresh_search(seed: int) -> None:
+    rng = random.Random(seed)
+    proposer = NgramProposer(2, 4)
+    tokens = [rng.randrange(4) for _ in range(5)]
+    for _ in range(120):
+        assert proposer.propose("r", tokens, 3) == brute_force(tokens, 2, 4, 3)
+        tokens.append(rng.randrange(4))
+    proposer.forget("r")
+    proposer.forget("never-seen")
+
+
+def test_greedy_requests_keep_drafts_up_to_the_first_mismatch() -> None:
+    vocab = 10
+    argmax = torch.tensor([3, 4, 5, 6, 1, 2, 7, 8, 0, 9])  # rows: 3 + 1 + 5 + 1
+    probs = torch.full((10, vocab), 1.0 / vocab)
+    drafts = torch.tensor([3, 4, 0, 1, 2, 7])  # req 0: 3 4 | req 2: 0 1 2 7 (rejected at 0)
+    emitted = rejection_sample(probs, argmax, [True, True, True, True], [2, 0, 4, 0], drafts)
+    assert emitted == [[3, 4, 5], [6], [1], [9]]
+    drafts = torch.tensor([3, 9, 1, 2, 7, 8])  # req 0 rejected at its second draft
+    emitted = rejection_sample(probs, argmax, [True, True, True, True], [2, 0, 4, 0], drafts)
+    assert emitted == [[3, 4], [6], [1, 2, 7, 8, 0], [9]]
+
+
+def _chi_square(samples: list[int], probs: torch.Tensor) -> float:
+    observed = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+    support = probs > 0
+    assert observed[~support].sum() == 0, "a token outside the target's support"
+    observed = observed[support]
+    expected = probs[support].double()
+    expected = expected / expected.sum() * observed.sum()
+    return float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue)
+
+
+@pytest.mark.parametrize("drafts_from", ["draft-model", "certain"])
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_sampled_requests_emit_the_target_distribution(drafts_from: str, top_p: float) -> None:
+    """20,000 requests, two drafts each, against fixed target distributions p1, p2, p3 (the
+    target here ignores context): the first emitted token follows p1, the second (when the
+    first draft was kept) p2, the third p3."""
+    torch.manual_seed(0)
+    vocab, num, k = 6, 20_000, 2
+    logits = torch.tensor([[1.0, 0.3, -0.5, 0.8, -1.2, 0.1], [0.2, 1.1, 0.0, -0.7, 0.9, -2.0]])
+    logits = torch.cat([logits, torch.tensor([[0.5, 0.4, 0.3, 0.2, 0.1, 0.0]])])
+    meta = SamplingMetadata.build(
+        [SamplingParams(temperature=1.0, top_p=top_p)] * 3,
+        [[]] * 3,
+        [[]] * 3,
+        {},
+        vocab,
+        torch.device("cpu"),
+    )
+    target = filtered_probs(logits, meta)  # [3, vocab]: p1, p2, p3
+    q = torch.tensor([[0.05, 0.05, 0.5, 0.1, 0.2, 0.1], [0.3, 0.1, 0.1, 0.1, 0.1, 0.3]])
+    if drafts_from == "draft-model":
+        draft_ids = torch.stack([torch.multinomial(q[j], num, replacement=True) for j in range(k)])
+        draft_ids = draft_ids.T.reshape(-1)
+        draft_probs = q.repeat(num, 1)
+    else:  # certain drafts (as n-gram ones), half of them starting outside top-p's nucleus
+        draft_ids = torch.tensor([2, 1, 0, 1]).repeat(num // 2)
+        draft_probs = None
+    emitted = rejection_sample(
+        target.repeat(num, 1),
+        logits.argmax(-1).repeat(num),
+        [False] * num,
+        [k] * num,
+        draft_ids,
+        draft_probs,
+    )
+    for position in range(3):
+        tokens = [e[position] for e in emitted if len(e) > position]
+        assert len(tokens) > 500
+        assert _chi_square(tokens, target[position]) > 1e-3, position
+
+
+def test_seeded_requests_repeat_their_draws() -> None:
+    vocab, num = 5, 8
+    target = torch.softmax(torch.randn(num * 3, vocab), -1)
+    drafts = torch.randint(0, vocab, (num * 2,))
+
+    def run() -> list[list[int]]:
+        generators = {i: torch.Generator().manual_seed(i) for i in range(num)}
+        return rejection_sample(
+            target, target.argmax(-1), [False] * num, [2] * num, drafts, None, generators
+        )
+
+    assert run() == run()
