@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -208,6 +209,75 @@ class LoRAConfig:
             )
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as `--speculative-config '{"method": "ngram",
+    "num_speculative_tokens": 4}'` gives it: drafts by prompt lookup (`ngram`: the tokens that
+    followed the latest earlier occurrence of the request's last `prompt_lookup_min` to
+    `prompt_lookup_max` tokens) or by a smaller model of the same tokenizer (`draft`, `model`),
+    up to `num_speculative_tokens` per request and step, verified by the target in one forward.
+    With `adaptive`, fewer drafts (down to none) where the batch's size and acceptance say they
+    would cost more than they save."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                "num_speculative_tokens must be between 1 and 16, got "
+                f"{self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError(
+                'the "draft" method needs a draft "model" (a smaller model with the same '
+                'tokenizer); "ngram" takes none'
+            )
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """From the JSON object (or the mapping) a user gives; ValueError naming what is
+        wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the speculative config is not valid JSON: {exc}") from exc
+        if not isinstance(value, Mapping):
+            raise ValueError("the speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise ValueError(f"the speculative config needs {name!r}")
+        types = {"method": str, "model": str, "adaptive": bool}
+        for name, item in value.items():
+            want = types.get(name, int)
+            if item is not None and (
+                not isinstance(item, want) or (want is int and isinstance(item, bool))
+            ):
+                raise ValueError(f"speculative config {name!r} must be {want.__name__}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)

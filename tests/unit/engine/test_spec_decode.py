@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
+from kvfleet.engine.config import SpeculativeConfig
 from kvfleet.engine.sampler import SamplingMetadata, filtered_probs
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.ngram import NgramProposer
@@ -126,3 +127,28 @@ def test_seeded_requests_repeat_their_draws() -> None:
         )
 
     assert run() == run()
+
+
+def test_speculative_config_parses_json_and_names_what_is_wrong() -> None:
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (config.method, config.num_speculative_tokens, config.adaptive) == ("ngram", 4, True)
+    draft = SpeculativeConfig.parse(
+        {"method": "draft", "num_speculative_tokens": 3, "model": "smollm2", "adaptive": False}
+    )
+    assert (draft.model, draft.adaptive) == ("smollm2", False)
+    bad = {
+        "{": "not valid JSON",
+        "[1]": "must be a JSON object",
+        '{"method": "ngram"}': "needs 'num_speculative_tokens'",
+        '{"method": "eagle", "num_speculative_tokens": 2}': "must be one of",
+        '{"method": "ngram", "num_speculative_tokens": 0}': "between 1 and 16",
+        '{"method": "ngram", "num_speculative_tokens": true}': "must be int",
+        '{"method": "ngram", "num_speculative_tokens": "4"}': "must be int",
+        '{"method": "draft", "num_speculative_tokens": 2}': "needs a draft",
+        '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}': "takes none",
+        '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}': "unknown speculative",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}': "<=",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(text)
