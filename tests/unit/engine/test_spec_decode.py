@@ -14,6 +14,12 @@ from scipy import stats
 from kvfleet.engine.config import SpeculativeConfig
 from kvfleet.engine.sampler import SamplingMetadata, filtered_probs
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.spec_decode.adaptive import (
+    AcceptanceRate,
+    StepCosts,
+    choose_num_drafts,
+    expected_tokens,
+)
 from kvfleet.engine.spec_decode.ngram import NgramProposer
 from kvfleet.engine.spec_decode.rejection import rejection_sample
 
@@ -152,3 +158,30 @@ def test_speculative_config_parses_json_and_names_what_is_wrong() -> None:
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(text)
+
+
+def test_adaptive_length_drafts_where_they_pay_and_not_elsewhere() -> None:
+    # An 8B model on an H100, roughly: 4.8 ms of weights a step, 23 us of work a token.
+    costs = StepCosts(fixed=4.8e-3, per_token=23e-6)
+    assert choose_num_drafts(1, 0.8, 5, costs) == 5  # batch 1: drafts are nearly free
+    assert 0 < choose_num_drafts(64, 0.8, 5, costs) < 5
+    assert choose_num_drafts(256, 0.5, 5, costs) == 0  # the work per token dominates
+    assert choose_num_drafts(1, 0.0, 5, costs) == 0  # nothing is ever accepted
+    assert choose_num_drafts(0, 0.9, 5, costs) == 0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_step_costs_and_acceptance_follow_what_they_observe() -> None:
+    costs = StepCosts(fixed=1.0, per_token=1.0)
+    costs.observe(10, 0.0051)
+    assert (costs.fixed, costs.per_token) == (1.0, 1.0)  # one size: no fit yet
+    for n in (10, 40, 100, 400):
+        costs.observe(n, 0.005 + 1e-5 * n)
+    assert costs.fixed == pytest.approx(0.005, rel=1e-3)
+    assert costs.per_token == pytest.approx(1e-5, rel=1e-3)
+    rate = AcceptanceRate(prior=0.5, weight=0.5)
+    rate.update(4, 4)
+    assert rate.value == pytest.approx(0.75)
+    rate.update(0, 0)  # a step without drafts says nothing
+    assert rate.value == pytest.approx(0.75)

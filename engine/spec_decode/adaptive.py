@@ -1,0 +1,82 @@
+"""How many draft tokens a step should carry: as many as pay for themselves.
+
+With per-draft acceptance rate a, a request that carries k drafts emits on average
+E(k) = (1 - a^(k+1)) / (1 - a) tokens per step. Carrying them makes the step compute B(k+1)
+tokens instead of B, so the step takes t(B(k+1)) instead of t(B), where t(n) = fixed + per_token
+x n: the weights streamed once a step (fixed) and the work per token. The speedup of k drafts
+over none is E(k) t(B) / t(B(k+1)); the controller picks the k that maximizes it, and 0 unless
+that beats 1 by a margin. At batch 1 the step is all weight streaming, so drafts are nearly
+free; at large batches the per-token work dominates and drafts stop paying.
+
+`StepCosts` learns fixed and per_token from the steps the engine times (least squares over a
+window), starting from a prior, so the choice follows the hardware and the model it runs on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class AcceptanceRate:
+    """Exponential moving average of the fraction of drafts accepted (prior: 0.5)."""
+
+    def __init__(self, prior: float = 0.5, weight: float = 0.1) -> None:
+        self.value = prior
+        self.weight = weight
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts > 0:
+            rate = num_accepted / num_drafts
+            self.value += self.weight * (rate - self.value)
+
+
+class StepCosts:
+    """t(n) = fixed + per_token x n seconds for a step of n tokens, fitted to recent steps."""
+
+    def __init__(self, fixed: float, per_token: float, window: int = 256) -> None:
+        self.fixed = fixed
+        self.per_token = per_token
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.fixed + self.per_token * num_tokens
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A timed step; the fit moves once steps of at least two sizes were seen."""
+        self._samples.append((num_tokens, seconds))
+        n = len(self._samples)
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        var = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        if var == 0:
+            return
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var
+        if slope > 0 and mean_y - slope * mean_x > 0:
+            self.per_token, self.fixed = slope, mean_y - slope * mean_x
+
+
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens a request emits per step on average with `num_drafts` drafts."""
+    if acceptance >= 1.0:
+        return float(num_drafts + 1)
+    return (1.0 - acceptance ** (num_drafts + 1)) / (1.0 - acceptance)
+
+
+def choose_num_drafts(
+    batch_size: int,
+    acceptance: float,
+    max_drafts: int,
+    costs: StepCosts,
+    margin: float = 1.05,
+) -> int:
+    """The draft count (0..max_drafts) with the best expected speedup for this batch; 0 when
+    none beats decoding without drafts by `margin`."""
+    if batch_size < 1:
+        return 0
+    base = costs.seconds(batch_size)
+    best, best_speedup = 0, margin
+    for k in range(1, max_drafts + 1):
+        speedup = expected_tokens(acceptance, k) * base / costs.seconds(batch_size * (k + 1))
+        if speedup > best_speedup:
+            best, best_speedup = k, speedup
+    return best
