@@ -34,6 +34,7 @@ both exchanges of the call between.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -175,36 +176,20 @@ def all_reduce_add_rms_norm(
     """(RMSNorm(sum over ranks of `partial` + residual) * weight, that sum + residual), in
     `lane` (`partial` has at most lane.max_rows rows). Collective: every rank calls it with the
     same shapes at the same point."""
-    num_rows, hidden = partial.shape
-    out = torch.empty_like(partial)
-    residual_out = torch.empty_like(partial)
-    source = residual if residual is not None else partial
-    _all_reduce_add_rms_norm_kernel[(lane.programs,)](
+    offsets = (lane.rows_offset, lane.half_size, lane.flags_offset)
+    return _launch(
+        _all_reduce_add_rms_norm_kernel,
+        offsets,
         partial,
-        source,
+        residual,
         weight,
-        out,
-        residual_out,
+        eps,
         bases,
         lane.counters,
-        partial.stride(0),
-        source.stride(0),
-        out.stride(0),
-        residual_out.stride(0),
-        num_rows,
-        hidden,
-        lane.rows_offset,
-        lane.half_size,
-        lane.flags_offset,
-        eps,
-        RANK=rank,
-        WORLD=world_size,
-        PROGRAMS=lane.programs,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=triton.next_power_of_2(hidden),
-        num_warps=NORM_WARPS,
+        lane.programs,
+        rank,
+        world_size,
     )
-    return out, residual_out
 
 
 @triton.jit
@@ -317,32 +302,60 @@ def two_shot_add_rms_norm(
     """As `all_reduce_add_rms_norm`, for many rows (prefill steps): each rank sums and
     normalizes the rows it owns, then takes the others' sums from their owners (residual and
     weight must be the same on every rank, as they are in a tensor-parallel model)."""
+    offsets = (lane.parts_offset, lane.sums_offset, lane.half_size, lane.flags_offset)
+    return _launch(
+        _two_shot_add_rms_norm_kernel,
+        offsets,
+        partial,
+        residual,
+        weight,
+        eps,
+        bases,
+        lane.counters,
+        lane.programs,
+        rank,
+        world_size,
+    )
+
+
+def _launch(
+    kernel: Any,
+    offsets: tuple[int, ...],
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    bases: torch.Tensor,
+    counters: torch.Tensor,
+    programs: int,
+    rank: int,
+    world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused kernel over `programs` programs; `offsets`: its lane's places in the
+    symmetric buffer, in the kernel's order."""
     num_rows, hidden = partial.shape
     out = torch.empty_like(partial)
     residual_out = torch.empty_like(partial)
     source = residual if residual is not None else partial
-    _two_shot_add_rms_norm_kernel[(lane.programs,)](
+    kernel[(programs,)](
         partial,
         source,
         weight,
         out,
         residual_out,
         bases,
-        lane.counters,
+        counters,
         partial.stride(0),
         source.stride(0),
         out.stride(0),
         residual_out.stride(0),
         num_rows,
         hidden,
-        lane.parts_offset,
-        lane.sums_offset,
-        lane.half_size,
-        lane.flags_offset,
+        *offsets,
         eps,
         RANK=rank,
         WORLD=world_size,
-        PROGRAMS=lane.programs,
+        PROGRAMS=programs,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=NORM_WARPS,
