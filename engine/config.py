@@ -273,9 +273,9 @@ class SpeculativeConfig:
         types = {"method": str, "model": str, "adaptive": bool}
         for name, item in value.items():
             want = types.get(name, int)
-            if item is not None and (
-                not isinstance(item, want) or (want is int and isinstance(item, bool))
-            ):
+            if name == "model" and item is None:
+                continue
+            if not isinstance(item, want) or (want is int and isinstance(item, bool)):
                 raise ValueError(f"speculative config {name!r} must be {want.__name__}")
         return cls(**value)
 

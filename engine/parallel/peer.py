@@ -10,9 +10,10 @@ against NCCL's 23.4 us, and 2 MiB (256 Llama-3-8B tokens) 18.7 against 46.0
 overwrite the buffer at once. From 2 MiB on, two-shot: each rank sums its share of the
 elements from every buffer, then the shares are gathered (less traffic per GPU, one more step).
 
-For decode batches (up to capacity // hidden rows), the all-reduce before an RMSNorm runs fused
-with it (residual add and norm in the same kernel, `triton_peer.py`), in the lanes' own parts
-of the same allocation.
+The all-reduce before an RMSNorm runs fused with it (residual add and norm in the same
+kernel, `triton_peer.py`), in the lanes' own parts of the same allocation: one-shot lanes for
+decode batches (up to capacity // hidden rows), a two-shot lane for larger steps (prefill, up to
+`prefill_rows` rows).
 """
 
 from __future__ import annotations

@@ -37,22 +37,30 @@ class StepCosts:
         self.fixed = fixed
         self.per_token = per_token
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        # Running sums over the window: n, x, y, x^2, xy (so a step costs O(1) to fit).
+        self._sums = [0.0] * 5
 
     def seconds(self, num_tokens: int) -> float:
         return self.fixed + self.per_token * num_tokens
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A timed step; the fit moves once steps of at least two sizes were seen."""
+        if len(self._samples) == self._samples.maxlen:
+            self._add(*self._samples[0], sign=-1.0)
         self._samples.append((num_tokens, seconds))
-        n = len(self._samples)
-        mean_x = sum(x for x, _ in self._samples) / n
-        mean_y = sum(y for _, y in self._samples) / n
-        var = sum((x - mean_x) ** 2 for x, _ in self._samples)
-        if var == 0:
-            return
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var
-        if slope > 0 and mean_y - slope * mean_x > 0:
-            self.per_token, self.fixed = slope, mean_y - slope * mean_x
+        self._add(num_tokens, seconds, sign=1.0)
+        n, sx, sy, sxx, sxy = self._sums
+        var = sxx - sx * sx / n
+        if var <= 1e-9 * max(sxx, 1.0):
+            return  # (one size only)
+        slope = (sxy - sx * sy / n) / var
+        intercept = (sy - slope * sx) / n
+        if slope > 0 and intercept > 0:
+            self.per_token, self.fixed = slope, intercept
+
+    def _add(self, x: float, y: float, sign: float) -> None:
+        for i, term in enumerate((1.0, x, y, x * x, x * y)):
+            self._sums[i] += sign * term
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:

@@ -47,6 +47,56 @@ def rejection_sample(
     last_row = first_row + counts
 
     greedy_req = torch.tensor(list(greedy), dtype=torch.bool, device=device)
+    argmax_judged = target_argmax[judge_row]
+    if all(greedy):  # (no draws, no residuals)
+        accept = draft_token_ids == argmax_judged
+        recovered, bonus = argmax_judged, target_argmax[last_row]
+    else:
+        accept, recovered, bonus = _sampled_verdicts(
+            target_probs,
+            greedy_req,
+            draft_req,
+            judge_row,
+            last_row,
+            argmax_judged,
+            target_argmax,
+            draft_token_ids,
+            draft_probs,
+            generators or {},
+        )
+    # Each request keeps its leading accepted drafts, then one token: the rejected draft's
+    # replacement, or the bonus when all were kept.
+    table = torch.zeros(num_reqs, max(num_drafts, default=0) + 1, dtype=torch.int64, device=device)
+    table[draft_req, within] = accept.long()
+    num_accepted = table.cumprod(1).sum(1)
+    last = bonus
+    if draft_token_ids.numel():
+        replaced = recovered[(first_draft + num_accepted).clamp(max=draft_token_ids.numel() - 1)]
+        last = torch.where(num_accepted < counts, replaced, bonus)
+    drafts, kept, tails = (t.tolist() for t in (draft_token_ids, num_accepted, last))
+    emitted = []
+    begin = 0
+    for k, a, tail in zip(num_drafts, kept, tails, strict=True):
+        emitted.append([*drafts[begin : begin + a], tail])
+        begin += k
+    return emitted
+
+
+def _sampled_verdicts(
+    target_probs: torch.Tensor,
+    greedy_req: torch.Tensor,
+    draft_req: torch.Tensor,
+    judge_row: torch.Tensor,
+    last_row: torch.Tensor,
+    argmax_judged: torch.Tensor,
+    target_argmax: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generators: dict[int, torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per draft, whether it is kept and what replaces it when it is not (from the residual
+    max(0, p - q)); per request, the bonus token (from its last row). Greedy rows: argmax."""
+    device = target_probs.device
     draft_greedy = greedy_req[draft_req]
     p_draft = target_probs[judge_row, draft_token_ids]
     if draft_probs is None:
@@ -54,48 +104,24 @@ def rejection_sample(
     else:
         q_draft = draft_probs.gather(1, draft_token_ids[:, None]).squeeze(1)
     uniform = torch.rand(p_draft.shape, device=device)
-    draft_gens = _rows_of(generators or {}, draft_req.tolist())
+    draft_gens = _rows_of(generators, draft_req.tolist())
     for row, generator in draft_gens.items():
         uniform[row] = torch.rand((), device=device, generator=generator)
     accept = torch.where(
-        draft_greedy,
-        draft_token_ids == target_argmax[judge_row],
-        uniform * q_draft < p_draft,
+        draft_greedy, draft_token_ids == argmax_judged, uniform * q_draft < p_draft
     )
-
-    # What a rejected draft's request emits instead: from the residual max(0, p - q).
     judged = target_probs[judge_row]
     if draft_probs is None:
         residual = judged.scatter(1, draft_token_ids[:, None], 0.0)
     else:
         residual = (judged - draft_probs).clamp_(min=0.0)
-    recovered = torch.where(
-        draft_greedy, target_argmax[judge_row], exponential_race(residual, draft_gens)
-    )
-    # ... and, all drafts accepted, the bonus token from the last row.
+    recovered = torch.where(draft_greedy, argmax_judged, exponential_race(residual, draft_gens))
     bonus = torch.where(
         greedy_req,
         target_argmax[last_row],
-        exponential_race(target_probs[last_row], generators or {}),
+        exponential_race(target_probs[last_row], generators),
     )
-
-    accepted, drafts, fallback, extra = (
-        t.tolist() for t in (accept, draft_token_ids, recovered, bonus)
-    )
-    emitted = []
-    begin = 0
-    for i, k in enumerate(num_drafts):
-        tokens: list[int] = []
-        for j in range(begin, begin + k):
-            if not accepted[j]:
-                tokens.append(fallback[j])
-                break
-            tokens.append(drafts[j])
-        else:
-            tokens.append(extra[i])
-        emitted.append(tokens)
-        begin += k
-    return emitted
+    return accept, recovered, bonus
 
 
 def _rows_of(

@@ -70,6 +70,18 @@ def test_greedy_requests_keep_drafts_up_to_the_first_mismatch() -> None:
     assert emitted == [[3, 4], [6], [1, 2, 7, 8, 0], [9]]
 
 
+def test_greedy_requests_stay_exact_beside_sampled_ones() -> None:
+    vocab = 10
+    argmax = torch.tensor([3, 4, 5, 6, 1, 2])  # rows: 3 (greedy) + 3 (sampled)
+    probs = torch.full((6, vocab), 1.0 / vocab)
+    drafts = torch.tensor([3, 9, 1, 2])
+    for _ in range(20):
+        emitted = rejection_sample(probs, argmax, [True, False], [2, 2], drafts)
+        assert emitted[0] == [3, 4]
+        assert 1 <= len(emitted[1]) <= 3
+        assert emitted[1][: len(emitted[1]) - 1] == [1, 2][: len(emitted[1]) - 1]
+
+
 def _chi_square(samples: list[int], probs: torch.Tensor) -> float:
     observed = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
     support = probs > 0
@@ -142,6 +154,7 @@ def test_speculative_config_parses_json_and_names_what_is_wrong() -> None:
         {"method": "draft", "num_speculative_tokens": 3, "model": "smollm2", "adaptive": False}
     )
     assert (draft.model, draft.adaptive) == ("smollm2", False)
+    assert SpeculativeConfig.parse({**config.__dict__, "model": None}) == config
     bad = {
         "{": "not valid JSON",
         "[1]": "must be a JSON object",
@@ -150,6 +163,8 @@ def test_speculative_config_parses_json_and_names_what_is_wrong() -> None:
         '{"method": "ngram", "num_speculative_tokens": 0}': "between 1 and 16",
         '{"method": "ngram", "num_speculative_tokens": true}': "must be int",
         '{"method": "ngram", "num_speculative_tokens": "4"}': "must be int",
+        '{"method": "ngram", "num_speculative_tokens": null}': "must be int",
+        '{"method": null, "num_speculative_tokens": 2}': "must be str",
         '{"method": "draft", "num_speculative_tokens": 2}': "needs a draft",
         '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}': "takes none",
         '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}': "unknown speculative",
@@ -180,6 +195,13 @@ def test_step_costs_and_acceptance_follow_what_they_observe() -> None:
         costs.observe(n, 0.005 + 1e-5 * n)
     assert costs.fixed == pytest.approx(0.005, rel=1e-3)
     assert costs.per_token == pytest.approx(1e-5, rel=1e-3)
+    windowed = StepCosts(fixed=1.0, per_token=1.0, window=4)
+    for n in (10, 40, 100, 400):  # older steps, then four of a slower machine: only those count
+        windowed.observe(n, 0.001 + 1e-6 * n)
+    for n in (20, 50, 200, 300):
+        windowed.observe(n, 0.008 + 3e-5 * n)
+    assert windowed.fixed == pytest.approx(0.008, rel=1e-6)
+    assert windowed.per_token == pytest.approx(3e-5, rel=1e-6)
     rate = AcceptanceRate(prior=0.5, weight=0.5)
     rate.update(4, 4)
     assert rate.value == pytest.approx(0.75)

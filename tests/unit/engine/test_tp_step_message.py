@@ -10,27 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.loader.source import resolve_model_source
 from kvfleet.engine.parallel import group as group_module
 from kvfleet.engine.parallel.group import PackedStep, TPGroup
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.worker import free_port
 
 SEQS = (3, group_module._INLINE_SEQS, group_module._INLINE_SEQS + 45)
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
+# (any model splits over two ranks; the plan only names this rank's shards)
+CONFIG = resolve_model_source("llama-3-8b", "dummy").read_config()
 
 
 def _step(num_seqs: int) -> PackedStep:
