@@ -300,6 +300,7 @@ class EngineConfig:
     enable_kv_events: bool = False
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split across
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

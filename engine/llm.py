@@ -6,7 +6,13 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from kvfleet.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.protocol import Message
@@ -34,7 +40,8 @@ class LLM:
     """`LLM(model="smollm2", dtype="float32", max_num_batched_tokens=64, ...)`.
 
     Keyword arguments are EngineConfig fields, or CacheConfig and SchedulerConfig fields given
-    flat (block_size, num_blocks, enable_prefix_caching, max_num_batched_tokens, ...).
+    flat (block_size, num_blocks, enable_prefix_caching, max_num_batched_tokens, ...), and
+    `speculative_config` (a dict or its JSON, as `--speculative-config` takes it).
     """
 
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
@@ -47,6 +54,9 @@ class LLM:
                 (str(n), str(p))
                 for n, p in (modules.items() if isinstance(modules, Mapping) else modules)
             )
+        speculative = engine_args.pop("speculative_config", None)
+        if speculative is not None:
+            engine_args["speculative"] = SpeculativeConfig.parse(speculative)
         config = EngineConfig(
             model=model,
             cache=CacheConfig(**cache),

@@ -37,6 +37,7 @@ from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.worker import WorkerPool, free_port
 from kvfleet.engine.runner import LaunchedStep, ModelRunner, kv_cache_bytes_per_block
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.spec_decode.speculator import Speculator
 from kvfleet.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,11 @@ class LLMEngine:
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.speculator = (
+            Speculator(config.speculative, model, self.device) if config.speculative else None
+        )
         self._in_flight: LaunchedStep | None = None  # launched, its outputs not taken yet
+        self._last_collected = 0.0  # when the last step's outputs were taken
         self._penalized: set[str] = set()  # requests whose sampling reads all their outputs
         self._children: dict[str, list[RequestId]] = {}
         self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter
@@ -326,7 +331,9 @@ class LLMEngine:
         return running
 
     def _request_done(self, request_id: str) -> None:
-        self._children.pop(request_id, None)
+        children = self._children.pop(request_id, None)
+        if self.speculator is not None and children:
+            self.speculator.forget(children)
         self._penalized.discard(request_id)
         adapter = self._adapter_of.pop(request_id, None)
         if adapter is not None and self.lora is not None and self.lora.release(adapter):
@@ -385,18 +392,27 @@ class LLMEngine:
             self.workers.check()  # WorkerDiedError: no step can run any more
         outputs: list[RequestOutput] = []
         try:
-            if self._in_flight is not None and not self._may_overlap():
-                outputs += self._finish_step(final_only)
-            scheduler_output = self.scheduler.schedule()
+            num_drafts = self._num_drafts()
+            if self._in_flight is not None and (num_drafts or not self._may_overlap()):
+                outputs += self._finish_step(final_only)  # (drafts follow the latest tokens)
+            drafts = None
+            if num_drafts:
+                assert self.speculator is not None
+                drafts = self.speculator.propose(self.scheduler.running, num_drafts)
+            scheduler_output = self.scheduler.schedule(drafts)
             self.last_scheduler_output = scheduler_output
             now = time.monotonic()
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)
+            launched_at = time.monotonic()
             launched = self.runner.launch(scheduler_output)
+            launched.launched_at = launched_at
             if self._in_flight is not None:
                 outputs += self._finish_step(final_only)
             self._in_flight = None if scheduler_output.is_empty else launched
-            if self._in_flight is not None and not self._may_overlap():
+            if self._in_flight is not None and (
+                scheduler_output.scheduled_spec_decode_tokens or not self._may_overlap()
+            ):
                 outputs += self._finish_step(final_only)
         except BaseException:
             self._in_flight = None  # (its requests are aborted by the caller)
@@ -407,13 +423,31 @@ class LLMEngine:
         """Whether the next step may be scheduled before the last one's outputs are taken."""
         return self.config.scheduler.async_scheduling and not self._penalized
 
+    def _num_drafts(self) -> int:
+        """Drafts per decoding request for the next step (0: none, or no speculation)."""
+        if self.speculator is None:
+            return 0
+        return self.speculator.num_drafts(self.scheduler.num_running)
+
     def _finish_step(self, final_only: bool) -> list[RequestOutput]:
         """Take the outputs of the step in flight: token stops, detokenizing, stop strings."""
         launched, self._in_flight = self._in_flight, None
         assert launched is not None
         runner_output = self.runner.collect(launched)
         scheduler_output = launched.scheduler_output
+        stats = self.scheduler.spec_decode_stats
+        drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.monotonic()
+        if self.speculator is not None:  # (a step overlapped with the one before it runs
+            # on the device from that one's end)
+            self.speculator.observe(
+                scheduler_output.total_num_scheduled_tokens,
+                now - max(launched.launched_at, self._last_collected),
+                stats.num_draft_tokens - drafted,
+                stats.num_accepted_tokens - accepted,
+            )
+        self._last_collected = now
         outputs, stopped = self.output_processor.process(core_outputs, time.monotonic(), final_only)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:

@@ -70,6 +70,7 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     cache_salt: str | None = None
+    speculative: bool = True  # false: no speculative decoding for this request
 
 
 class CompletionRequest(SamplingFields):

@@ -26,6 +26,7 @@ from kvfleet.engine.models.llama import LlamaForCausalLM
 from kvfleet.engine.parallel.group import PackedStep, RaceInputs, StepInputs, TPGroup
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvfleet.engine.spec_decode.rejection import StepDrafts, sample_with_drafts
 
 
 @dataclass
@@ -59,15 +60,19 @@ _RaceRows = tuple[np.ndarray, dict[int, int]]
 class ModelInputs:
     step: StepInputs  # views into `packed`: ids, positions, attention metadata, sampled rows
     sampled_req_ids: list[RequestId]
-    sampled_positions: list[int]  # per sampled request, the position of the token it samples
+    # per sampled request, the position of the token it samples (the first, with drafts)
+    sampled_positions: list[int]
     packed: PackedStep  # the same inputs as two flat buffers (what tensor parallelism sends)
     lora: LoRABatch | None = None  # None: no token of the step uses an adapter
+    # Speculative steps: per sampled request, the drafts it verifies (else None)
+    drafts: list[list[int]] | None = None
 
 
 class LaunchedStep:
     """A step queued on the device. Its sampled tokens (and logprobs) travel back to the host
     asynchronously; until they arrive, the next step reads the tokens it feeds from
-    `results.sampled_token_ids` on the device."""
+    `results.sampled_token_ids` on the device (never after a step with drafts: how many of
+    them are kept decides what comes next)."""
 
     def __init__(
         self,
@@ -75,16 +80,22 @@ class LaunchedStep:
         sampled_req_ids: list[RequestId],
         num_logprobs: list[int | None],
         results: SamplerOutput | None,
+        drafts: list[list[int]] | None = None,
     ) -> None:
         self.scheduler_output = scheduler_output
         self.sampled_req_ids = sampled_req_ids
         self.num_logprobs = num_logprobs
         self.results = results
+        self.drafts = drafts
+        self.launched_at = 0.0  # (time.monotonic() when launched: the engine times steps)
         self.row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
         self.ready: torch.cuda.Event | None = None
         self._host: list[torch.Tensor] = []
         if results is not None:
             on_device = [results.sampled_token_ids]
+            if drafts is not None:
+                assert results.num_accepted is not None
+                on_device.append(results.num_accepted)
             if results.logprobs is not None:
                 assert results.logprob_token_ids is not None
                 assert results.sampled_ranks is not None
@@ -95,12 +106,19 @@ class LaunchedStep:
                 self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self.ready.record()
 
-    def host_results(self) -> tuple[list[int], dict[RequestId, list[TokenLogprobs]]]:
-        """The sampled tokens in row order, and the logprobs of the requests that asked."""
-        tokens: list[int] = self._host[0].tolist()
+    def host_results(self) -> tuple[list[list[int]], dict[RequestId, list[TokenLogprobs]]]:
+        """Each sampled row's tokens (one, or its kept drafts and one), and the logprobs of the
+        requests that asked."""
+        host = list(self._host)
+        last: list[int] = host.pop(0).tolist()
+        if self.drafts is None:
+            tokens = [[token] for token in last]
+        else:
+            kept: list[int] = host.pop(0).tolist()
+            tokens = [[*d[:a], t] for d, a, t in zip(self.drafts, kept, last, strict=True)]
         logprobs: dict[RequestId, list[TokenLogprobs]] = {}
-        if len(self._host) > 1:
-            ids, values, ranks = (t.tolist() for t in self._host[1:])
+        if host:
+            ids, values, ranks = (t.tolist() for t in host)
             for row, (req_id, k) in enumerate(
                 zip(self.sampled_req_ids, self.num_logprobs, strict=True)
             ):
@@ -234,21 +252,26 @@ class ModelRunner:
         if self.model.tp is not None:  # the other ranks run the same forward
             self.model.tp.broadcast_step(inputs.packed)
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
-        sampling = None
-        if inputs.step.race is None:
+        sampling = drafts = None
+        if inputs.drafts is not None:
+            sampling, drafts = self._draft_sampling(states, inputs.drafts)
+        elif inputs.step.race is None:
             # NOTE: built before the forward is queued (the copies are asynchronous anyway).
             sampling = self._sampling_metadata(states)
-            for row, generator in sampling.generators.items():
+        if sampling is not None:
+            generators = drafts.generators if drafts is not None else sampling.generators
+            for row, generator in generators.items():
                 seed = states[row].sampling_params.seed
                 assert seed is not None
                 generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
-        sampled = self._sample(inputs.step, inputs.lora, sampling)
+        sampled = self._sample(inputs.step, inputs.lora, sampling, drafts)
         assert sampled is not None
         step = LaunchedStep(
             scheduler_output,
             inputs.sampled_req_ids,
             [s.sampling_params.logprobs for s in states],
             sampled,
+            inputs.drafts,
         )
         self._latest = step
         return step
@@ -262,13 +285,13 @@ class ModelRunner:
             step.ready.synchronize()
         tokens, logprobs = step.host_results()
         by_req = dict(zip(step.sampled_req_ids, tokens, strict=True))
-        for req_id, token in by_req.items():
+        for req_id, new in by_req.items():
             state = self.requests.get(req_id)
             if state is not None:  # (gone if finished or preempted since)
-                state.token_ids.append(token)
+                state.token_ids += new
         return ModelRunnerOutput(
             req_ids=req_ids,
-            sampled_token_ids=[[by_req[r]] if r in by_req else [] for r in req_ids],
+            sampled_token_ids=[by_req.get(r, []) for r in req_ids],
             logprobs=[logprobs.get(r) for r in req_ids],
         )
 
@@ -284,11 +307,13 @@ class ModelRunner:
         step: StepInputs,
         lora: LoRABatch | None = None,
         sampling: SamplingMetadata | None = None,
+        drafts: StepDrafts | None = None,
     ) -> SamplerOutput | None:
         """The forward (a graph replay for decode-only steps), then the sampled rows' tokens:
         by a race over the vocabulary (shards), else by the sampler from all the logits (None
-        without `sampling`: a tensor-parallel worker only joins the collectives). Every rank
-        makes the same choices from the same inputs, so their collectives match."""
+        without `sampling`: a tensor-parallel worker only joins the collectives), verifying
+        `drafts` where the step has some. Every rank makes the same choices from the same
+        inputs, so their collectives match."""
         graphs = self.decode_graphs
         try:
             if graphs is not None and graphs.can_run(step.metadata):
@@ -302,7 +327,11 @@ class ModelRunner:
         if step.race is not None:
             return SamplerOutput(self._race(rows, step.race))
         logits = self.model.compute_logits(rows)
-        return None if sampling is None else self.sampler(logits, sampling)
+        if sampling is None:
+            return None
+        if drafts is not None:
+            return sample_with_drafts(logits, sampling, drafts)
+        return self.sampler(logits, sampling)
 
     def _race(self, rows: torch.Tensor, inputs: RaceInputs) -> torch.Tensor:
         """Each row's token by the vocabulary race: each rank over its shard, then the best."""
@@ -362,10 +391,13 @@ class ModelRunner:
         input_ids: list[int] = []
         # (token index, row in the step in flight): inputs sampled by that step, not known yet
         pending: list[tuple[int, int]] = []
+        spec = out.scheduled_spec_decode_tokens
         for state, start, end in zip(states, starts.tolist(), ends.tolist(), strict=True):
             known = state.token_ids[start:end]
             input_ids += known
-            if len(known) < end - start:  # only ever the last input token
+            if spec and state.req_id in spec:  # its last token, then its drafts
+                input_ids += spec[state.req_id]
+            elif len(known) < end - start:  # only ever the last input token
                 assert self._latest is not None
                 assert len(known) == end - start - 1
                 pending.append((len(input_ids), self._latest.row_of[state.req_id]))
@@ -384,7 +416,10 @@ class ModelRunner:
         logits_indices = cu_seqlens_q[1:][sampled] - 1
         sampled_states = [s for s, keep in zip(states, sampled, strict=True) if keep]
         sampled_positions = ends[sampled]
-        race = self._race_inputs(sampled_states, sampled_positions)
+        drafts, logits_indices, sampled_positions = _rows_with_drafts(
+            spec, sampled_states, logits_indices, sampled_positions
+        )
+        race = None if spec else self._race_inputs(sampled_states, sampled_positions)
         # NOTE: the pending tokens' places and rows ride in the same copy, after the inputs.
         fill = np.array(pending, np.int64).T.ravel()
         parts = [np.array(input_ids, np.int64), positions, slots, logits_indices]
@@ -418,6 +453,7 @@ class ModelRunner:
             sampled_positions=sampled_positions.tolist(),
             packed=packed,
             lora=lora,
+            drafts=drafts,
         )
 
     def _race_inputs(
@@ -448,6 +484,31 @@ class ModelRunner:
             keys[row], bases[row] = position_seed(seed, int(positions[row])), 0
         return np.concatenate((keys, bases, temperature.view(np.int64)))
 
+    def _draft_sampling(
+        self, states: list[CachedRequestState], drafts: list[list[int]]
+    ) -> tuple[SamplingMetadata, StepDrafts]:
+        """A speculative step's sampling tensors, one row per logits row (k + 1 per request
+        with k drafts), and its drafts."""
+        counts = [len(d) + 1 for d in drafts]
+        rows = [s for s, count in zip(states, counts, strict=True) for _ in range(count)]
+        # (penalties read the outputs: requests with them carry no drafts)
+        penalized = any(s.sampling_params.has_penalties for s in states)
+        meta = SamplingMetadata.build(
+            [s.sampling_params for s in rows],
+            [s.token_ids[: s.num_prompt_tokens] if penalized else [] for s in rows],
+            [s.token_ids[s.num_prompt_tokens :] if penalized else [] for s in rows],
+            {},
+            self.config.vocab_size,
+            self.device,
+        )
+        step_drafts = StepDrafts(
+            num_drafts=[count - 1 for count in counts],
+            token_ids=to_device(np.array([t for d in drafts for t in d], np.int64), self.device),
+            greedy=[s.sampling_params.is_greedy for s in states],
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+        )
+        return meta, step_drafts
+
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         """The batch's sampling tensors; reused while the same requests are sampled in the same
         order (steady decoding), unless penalties need this step's output tokens."""
@@ -465,3 +526,21 @@ class ModelRunner:
         )
         self._last_sampling = None if meta.presence_penalty is not None else (key, meta)
         return meta
+
+
+def _rows_with_drafts(
+    spec: dict[RequestId, list[int]],
+    sampled: list[CachedRequestState],
+    last_rows: np.ndarray,
+    positions: np.ndarray,
+) -> tuple[list[list[int]] | None, np.ndarray, np.ndarray]:
+    """With drafts in the step (`spec`): each sampled request's drafts, the logits rows (a
+    request with k drafts samples after each of its last k + 1 tokens, not only its last) and
+    each request's first sampled position. Without: None, and the rows and positions as given."""
+    if not spec:
+        return None, last_rows, positions
+    drafts = [spec.get(s.req_id, []) for s in sampled]
+    counts = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.repeat(last_rows + 1 - counts, counts) + within
+    return drafts, rows, positions - (counts - 1)

@@ -85,6 +85,9 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None
+    # Speculative steps: per request, the drafts it kept (its tokens are those, then
+    # sampled_token_ids' entry).
+    num_accepted: torch.Tensor | None = None
 
 
 class Sampler:
@@ -103,7 +106,7 @@ class Sampler:
             )
         if raw_logprobs is None:
             return SamplerOutput(sampled)
-        return _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+        return gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -166,7 +169,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return (probs / noise).argmax(dim=-1)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
     sampled_logprob = raw_logprobs.gather(1, sampled[:, None])
     ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
     top_logprobs, top_ids = (

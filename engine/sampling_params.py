@@ -35,6 +35,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # With speculative decoding on: False keeps this request out of it (no drafts, one token
+    # per step). Requests with penalties or logprobs are never drafted for.
+    speculative: bool = True
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -80,10 +83,20 @@ class SamplingParams:
             self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"
         )
         _check(
+            isinstance(self.speculative, bool),
+            f"speculative must be true or false, got {self.speculative!r}",
+        )
+        _check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether drafts may be verified for this request (penalties read every output token
+        and logprobs are given per sampled token: those requests decode one token a step)."""
+        return self.speculative and not self.has_penalties and self.logprobs is None
 
     @property
     def is_greedy(self) -> bool:

@@ -151,8 +151,12 @@ class SpeculativeSpec(CrdModel):
         return self
 
     def engine_config(self) -> dict[str, Any]:
-        """The engine's `--speculative-config` JSON (snake_case keys, as vLLM takes them)."""
-        return self.model_dump(mode="json", exclude_none=True)
+        """The engine's `--speculative-config` JSON (snake_case keys, as vLLM takes them; the
+        draft model under "model")."""
+        config = self.model_dump(mode="json", exclude_none=True)
+        if "draft_model" in config:
+            config["model"] = config.pop("draft_model")
+        return config
 
 
 class EngineSpec(CrdModel):

@@ -40,6 +40,9 @@ class SchedulerOutput:
     # Requests finished or preempted since the last step: the runner drops their state.
     finished_req_ids: set[RequestId]
     preempted_req_ids: set[RequestId] = field(default_factory=set)
+    # Draft tokens to verify, per decoding request that carries some: its scheduled tokens are
+    # its last token, then these (speculative decoding).
+    scheduled_spec_decode_tokens: dict[RequestId, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -9,13 +9,21 @@ later).
 `num_computed_tokens` advances when a step is scheduled, so the next step can be scheduled
 before this one's output arrives (asynchronous scheduling): a request whose step samples a token
 holds it as pending and may decode it next step, its id filled in on the device.
+
+Speculative decoding: a decoding request may come with draft tokens (`schedule(drafts)`); it
+then computes its last token and the drafts in one step, and samples after each. Drafts are
+cut to what max_tokens, max_model_len and the budget leave room for. When the output comes
+back, `num_computed_tokens` falls back by the drafts rejected (their KV slots are rewritten
+by the tokens that replace them). A step that carries drafts must be taken before the next
+is scheduled.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.outputs import (
@@ -26,6 +34,21 @@ from kvfleet.engine.core.outputs import (
     SchedulerOutput,
 )
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding so far (vLLM's counters): requests' steps that carried drafts,
+    the drafts, and those accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafted step emits on average (1 + accepted per drafted step; 0: none)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 class Scheduler:
@@ -69,6 +92,7 @@ class Scheduler:
         self._arrival_order: dict[RequestId, int] = {}
         self._counter = itertools.count()
         self._finished_since_last_step: set[RequestId] = set()
+        self.spec_decode_stats = SpecDecodeStats()
 
     @property
     def num_running(self) -> int:
@@ -108,17 +132,22 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, status)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[RequestId, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. `drafts`: draft tokens proposed for running requests (speculative
+        decoding), used where the request is decoding and there is room."""
         budget = self.max_num_batched_tokens
         num_scheduled: dict[RequestId, int] = {}
         cached_reqs: list[CachedRequestData] = []
         preempted: set[RequestId] = set()
+        scheduled_drafts: dict[RequestId, list[int]] = {}
 
         self.running.sort(key=self._queue_key)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._num_tokens_to_schedule(request, budget)
+            proposed = drafts.get(request.request_id) if drafts else None
+            spec = self._drafts_that_fit(request, proposed, budget) if proposed else []
+            num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec))
             if num_new == 0:
                 i += 1
                 continue
@@ -133,6 +162,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            if spec:
+                scheduled_drafts[request.request_id] = spec
             cached_reqs.append(
                 CachedRequestData(
                     request.request_id,
@@ -140,7 +171,7 @@ class Scheduler:
                     request.num_computed_tokens,
                 )
             )
-            self._advance(request, num_new)
+            self._advance(request, num_new, len(spec))
             budget -= num_new
             i += 1
 
@@ -158,6 +189,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=scheduled_drafts,
         )
 
     def _admit_waiting(
@@ -210,8 +242,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Take each scheduled request's sampled tokens (those of a request preempted since the
-        step was scheduled too); apply the token stops."""
+        step was scheduled too); apply the token stops; roll back rejected drafts."""
         index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        spec = scheduler_output.scheduled_spec_decode_tokens
         outputs = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -221,6 +254,8 @@ class Scheduler:
             sampled = runner_output.sampled_token_ids[i]
             logprobs = runner_output.logprobs[i]
             request.num_pending_tokens -= 1
+            if req_id in spec:
+                self._take_verdict(request, len(spec[req_id]), len(sampled) - 1)
             new_token_ids: list[int] = []
             status = None
             for token_id in sampled:
@@ -251,12 +286,32 @@ class Scheduler:
             return True
         return len(adapters) < self.max_loras
 
+    def _drafts_that_fit(self, request: Request, drafts: list[int], budget: int) -> list[int]:
+        """The leading drafts this step can verify: only for a request about to compute its
+        last token (decoding, none pending), with room for them and the token after them
+        within max_tokens, max_model_len and the budget."""
+        if request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(budget, self.max_model_len - request.num_tokens) - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
+
+    def _take_verdict(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A drafted step's outcome: the rejected drafts' tokens are to compute again."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        stats = self.spec_decode_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+
     def _num_tokens_to_schedule(
-        self, request: Request, budget: int, num_hit_tokens: int = 0
+        self, request: Request, budget: int, num_hit_tokens: int = 0, num_drafts: int = 0
     ) -> int:
         if request.num_pending_tokens and self._ends_with_pending(request):
             return 0  # its pending token is its last: nothing more to compute
-        num_inputs = request.num_tokens + request.num_pending_tokens
+        num_inputs = request.num_tokens + request.num_pending_tokens + num_drafts
         num_new = num_inputs - max(request.num_computed_tokens, num_hit_tokens)
         if num_new > budget and not self.enable_chunked_prefill:
             return 0
@@ -270,10 +325,13 @@ class Scheduler:
             request.num_tokens + request.num_pending_tokens >= self.max_model_len
         )
 
-    def _advance(self, request: Request, num_new: int) -> None:
-        """`num_new` tokens scheduled: a step that reaches the last input samples one more."""
+    def _advance(self, request: Request, num_new: int, num_drafts: int = 0) -> None:
+        """`num_new` tokens scheduled: a step that reaches the last input (the last draft, if
+        any) samples one more (and with drafts maybe several: counted when they arrive)."""
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens + (
+            num_drafts
+        ):
             request.num_pending_tokens += 1
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -103,7 +103,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument(
         "--speculative-config",
         metavar="JSON",
-        help='e.g. {"method": "ngram", "num_speculative_tokens": 4} (not in this build yet)',
+        help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive": true}',
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20)
     parser.add_argument(
@@ -119,17 +120,23 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
 
 
 def _settings(args: argparse.Namespace, model: str) -> Any:
-    from kvfleet.engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+    from kvfleet.engine.config import (
+        CacheConfig,
+        EngineConfig,
+        LoRAConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
     from kvfleet.engine.protocol import parse_named_paths
     from kvfleet.engine.server.app import ServerSettings
 
-    # NOTE: refused here, clearly, until the engine has it; never silently ignored.
-    if args.speculative_config:
-        raise SystemExit(
-            "kvfleet: error: --speculative-config: speculative decoding is not available in "
-            "this engine build yet"
-        )
     try:
+        speculative = None
+        if args.speculative_config:
+            try:
+                speculative = SpeculativeConfig.parse(args.speculative_config)
+            except ValueError as exc:
+                raise ValueError(f"--speculative-config: {exc}") from exc
         modules = parse_named_paths(args.lora_modules, "--lora-modules")
         engine = EngineConfig(
             model=model,
@@ -143,6 +150,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
+            speculative=speculative,
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

@@ -197,6 +197,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                speculative=req.speculative,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc

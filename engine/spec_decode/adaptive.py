@@ -88,3 +88,38 @@ def choose_num_drafts(
         if speedup > best_speedup:
             best, best_speedup = k, speedup
     return best
+
+
+class DraftLength:
+    """The engine's choice of drafts per request for each step: `max_drafts`, or with
+    `adaptive` the count `choose_num_drafts` finds worth it for the batch, from the acceptance
+    and step costs observed so far."""
+
+    # After this many steps without drafts, one step tries a single draft per request, so the
+    # acceptance and the cost of larger steps stay measured (they change with the traffic).
+    EXPLORE_EVERY = 64
+
+    def __init__(self, max_drafts: int, adaptive: bool, costs: StepCosts) -> None:
+        self.max_drafts = max_drafts
+        self.adaptive = adaptive
+        self.costs = costs
+        self.acceptance = AcceptanceRate()
+        self._steps_without = 0
+
+    def choose(self, batch_size: int) -> int:
+        if not batch_size:
+            return 0
+        if not self.adaptive:
+            return self.max_drafts
+        k = choose_num_drafts(batch_size, self.acceptance.value, self.max_drafts, self.costs)
+        self._steps_without = 0 if k else self._steps_without + 1
+        if self._steps_without >= self.EXPLORE_EVERY:
+            self._steps_without = 0
+            return 1
+        return k
+
+    def observe(self, num_tokens: int, seconds: float, num_drafts: int, num_accepted: int) -> None:
+        """A finished step: its size and duration, and its drafts and those kept."""
+        if self.adaptive:
+            self.costs.observe(num_tokens, seconds)
+            self.acceptance.update(num_drafts, num_accepted)

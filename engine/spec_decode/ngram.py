@@ -13,7 +13,10 @@ request's own suffix never matches itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from kvfleet.engine.core.request import Request, RequestId
+from kvfleet.engine.spec_decode.proposer import Proposer
 
 
 class NgramIndex:
@@ -45,7 +48,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Draft tokens for each request by prompt lookup over its prompt and output so far."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
@@ -55,7 +58,15 @@ class NgramProposer:
         self.max_n = max_n
         self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, requests: Sequence[Request], num_drafts: int) -> dict[RequestId, list[int]]:
+        drafts = {}
+        for request in requests:
+            found = self.draft(request.request_id, request.all_token_ids, num_drafts)
+            if found:
+                drafts[request.request_id] = found
+        return drafts
+
+    def draft(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` draft tokens to follow `token_ids` (the request's prompt and outputs)."""
         if k <= 0:
             return []
@@ -65,6 +76,6 @@ class NgramProposer:
         index.extend(token_ids)
         return index.lookup(token_ids, k)
 
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's index (unknown ids are ignored)."""
-        self._indexes.pop(request_id, None)
+    def forget(self, request_ids: Iterable[RequestId]) -> None:
+        for request_id in request_ids:
+            self._indexes.pop(request_id, None)

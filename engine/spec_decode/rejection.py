@@ -14,10 +14,57 @@ argmax at the first mismatch: the same tokens as decoding without drafts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.sampler import exponential_race
+from kvfleet.engine.sampler import (
+    SamplerOutput,
+    SamplingMetadata,
+    apply_penalties,
+    exponential_race,
+    filtered_probs,
+    gather_logprobs,
+)
+
+
+@dataclass(frozen=True)
+class StepDrafts:
+    """A step's drafts, per sampled request in row order: how many (its logits rows are that
+    many plus one), whether it samples greedily, and its own generator if seeded."""
+
+    num_drafts: list[int]
+    token_ids: torch.Tensor  # [sum(num_drafts)] int64, request after request
+    greedy: list[bool]
+    generators: dict[int, torch.Generator]  # request index -> generator
+
+
+def sample_with_drafts(
+    logits: torch.Tensor, meta: SamplingMetadata, drafts: StepDrafts
+) -> SamplerOutput:
+    """The sampler's work for a step whose requests have num_drafts + 1 logits rows each
+    (`meta` per row): penalties, argmax, filtered distributions, then the verdicts. A request
+    without drafts samples exactly as `Sampler` would (the same draw from the same generator);
+    logprobs, asked only by requests without drafts, are those of each request's last row."""
+    raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+    if meta.presence_penalty is not None:
+        logits = apply_penalties(logits, meta)
+    argmax = logits.argmax(dim=-1)
+    probs = logits if meta.all_greedy else filtered_probs(logits, meta)
+    num_accepted, last = verify_drafts(
+        probs,
+        argmax,
+        drafts.greedy,
+        drafts.num_drafts,
+        drafts.token_ids,
+        generators=drafts.generators,
+    )
+    if raw_logprobs is None:
+        return SamplerOutput(last, num_accepted=num_accepted)
+    rows = torch.tensor(drafts.num_drafts, device=logits.device).add_(1).cumsum_(0).sub_(1)
+    result = gather_logprobs(raw_logprobs[rows], last, meta.max_num_logprobs or 0)
+    result.num_accepted = num_accepted
+    return result
 
 
 def rejection_sample(
@@ -29,12 +76,32 @@ def rejection_sample(
     draft_probs: torch.Tensor | None = None,
     generators: dict[int, torch.Generator] | None = None,
 ) -> list[list[int]]:
-    """The tokens each request emits. Rows of `target_probs` [sum(k_i + 1), vocab] (each a
-    distribution after temperature and top-k/p/min-p; any values in greedy requests' rows) and
-    `target_argmax` [same rows] (of the logits) come in request order, k_i + 1 per request;
-    `draft_token_ids` [sum k_i] likewise k_i per request, and `draft_probs` [sum k_i, vocab]
-    the distributions they were drawn from (None: each draft was certain, q(d) = 1).
-    `generators`: request index -> its own generator (seeded requests)."""
+    """The tokens each request emits (`verify_drafts`, then `emitted_tokens`)."""
+    num_accepted, last = verify_drafts(
+        target_probs, target_argmax, greedy, num_drafts, draft_token_ids, draft_probs, generators
+    )
+    return emitted_tokens(
+        draft_token_ids.tolist(), num_drafts, num_accepted.tolist(), last.tolist()
+    )
+
+
+def verify_drafts(
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    greedy: Sequence[bool],
+    num_drafts: Sequence[int],
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request, how many of its drafts it keeps and the token after them (the rejected
+    draft's replacement, or the bonus), both [num_requests] int64 on the device, queued
+    without waiting. Rows of `target_probs` [sum(k_i + 1), vocab] (each a distribution after
+    temperature and top-k/p/min-p; any values in greedy requests' rows) and `target_argmax`
+    [same rows] (of the logits) come in request order, k_i + 1 per request; `draft_token_ids`
+    [sum k_i] likewise k_i per request, and `draft_probs` [sum k_i, vocab] the distributions
+    they were drawn from (None: each draft was certain, q(d) = 1). `generators`: request index
+    -> its own generator (seeded requests)."""
     device = target_probs.device
     counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
     num_reqs = len(num_drafts)
@@ -73,11 +140,20 @@ def rejection_sample(
     if draft_token_ids.numel():
         replaced = recovered[(first_draft + num_accepted).clamp(max=draft_token_ids.numel() - 1)]
         last = torch.where(num_accepted < counts, replaced, bonus)
-    drafts, kept, tails = (t.tolist() for t in (draft_token_ids, num_accepted, last))
+    return num_accepted, last
+
+
+def emitted_tokens(
+    draft_token_ids: Sequence[int],
+    num_drafts: Sequence[int],
+    num_accepted: Sequence[int],
+    last: Sequence[int],
+) -> list[list[int]]:
+    """Per request, its kept drafts and the token after them (from `verify_drafts`)."""
     emitted = []
     begin = 0
-    for k, a, tail in zip(num_drafts, kept, tails, strict=True):
-        emitted.append([*drafts[begin : begin + a], tail])
+    for k, a, tail in zip(num_drafts, num_accepted, last, strict=True):
+        emitted.append([*draft_token_ids[begin : begin + a], tail])
         begin += k
     return emitted
 

@@ -12,6 +12,7 @@ import torch
 from scipy import stats
 
 from kvfleet.engine.config import SpeculativeConfig
+from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.sampler import SamplingMetadata, filtered_probs
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.adaptive import (
@@ -36,12 +37,12 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
 def test_ngram_proposals_follow_the_latest_longest_match() -> None:
     proposer = NgramProposer(1, 3)
     # "a b c d | a b c" -> the 3-gram a b c matched, d follows
-    assert proposer.propose("r", [1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
+    assert proposer.draft("r", [1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
     # a longer match beats a later shorter one: [7 8] once followed by 5, [8] later by 6
-    assert proposer.propose("s", [7, 8, 5, 0, 8, 6, 1, 7, 8], 1) == [5]
-    assert proposer.propose("t", [1, 2, 3], 4) == []  # nothing repeats
-    assert proposer.propose("u", [5, 5], 3) == [5]  # (only one token after the earlier 5)
-    assert proposer.propose("r", [1, 2, 3, 4, 9, 1, 2, 3, 4], 0) == []
+    assert proposer.draft("s", [7, 8, 5, 0, 8, 6, 1, 7, 8], 1) == [5]
+    assert proposer.draft("t", [1, 2, 3], 4) == []  # nothing repeats
+    assert proposer.draft("u", [5, 5], 3) == [5]  # (only one token after the earlier 5)
+    assert proposer.draft("r", [1, 2, 3, 4, 9, 1, 2, 3, 4], 0) == []
     with pytest.raises(ValueError, match="n-gram sizes"):
         NgramProposer(3, 2)
 
@@ -52,10 +53,9 @@ def test_ngram_index_grown_token_by_token_equals_a_fresh_search(seed: int) -> No
     proposer = NgramProposer(2, 4)
     tokens = [rng.randrange(4) for _ in range(5)]
     for _ in range(120):
-        assert proposer.propose("r", tokens, 3) == brute_force(tokens, 2, 4, 3)
+        assert proposer.draft("r", tokens, 3) == brute_force(tokens, 2, 4, 3)
         tokens.append(rng.randrange(4))
-    proposer.forget("r")
-    proposer.forget("never-seen")
+    proposer.forget([RequestId("r"), RequestId("never-seen")])
 
 
 def test_greedy_requests_keep_drafts_up_to_the_first_mismatch() -> None:

@@ -276,14 +276,34 @@ def test_engine_replicas_follow_spec_within_autoscaling_bounds(
     assert build_engine_deployment(owner(spec), CONFIG)["spec"]["replicas"] == expected
 
 
-def test_engine_takes_tensor_parallelism_and_refuses_speculation_clearly() -> None:
+def test_engine_takes_the_operators_tensor_parallelism_and_speculation() -> None:
+    from kvfleet.engine.config import SpeculativeConfig
     from kvfleet.engine.server.cli import _settings
 
     args = build_parser().parse_args(["engine", "--tensor-parallel-size=2"])
     assert _settings(args, args.model).engine.tensor_parallel_size == 2
-    args = build_parser().parse_args(["engine", '--speculative-config={"method":"ngram"}'])
-    with pytest.raises(SystemExit, match="not available"):
-        _settings(args, args.model)
+    for spec, want in (
+        (
+            {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMax": 5},
+            SpeculativeConfig("ngram", 3, prompt_lookup_max=5),
+        ),
+        (
+            {"method": "draft", "draftModel": "smollm2"},
+            SpeculativeConfig("draft", 4, model="smollm2"),
+        ),
+    ):
+        o = owner({"model": {"source": "smollm2"}, "engine": {"speculative": spec}})
+        given = _engine_container(o)["args"]
+        args = build_parser().parse_args(given)
+        assert _settings(args, args.model).engine.speculative == want
+    for flag, error in (
+        ('{"method":"ngram"}', "needs 'num_speculative_tokens'"),
+        ('{"method":"ngram","num_speculative_tokens":4,"k":1}', "unknown speculative config keys"),
+        ("{method: ngram}", "not valid JSON"),
+    ):
+        args = build_parser().parse_args(["engine", f"--speculative-config={flag}"])
+        with pytest.raises(SystemExit, match=f"--speculative-config: .*{error}"):
+            _settings(args, args.model)
 
 
 def test_prometheus_rule_carries_the_deployments_slos() -> None:

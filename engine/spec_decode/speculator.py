@@ -1,0 +1,66 @@
+"""Speculator: what the engine holds for speculative decoding, set up from the config.
+
+Each step the engine asks it how many drafts the batch affords (`num_drafts`), then for the
+drafts of the running requests that are decoding (`propose`); the scheduler verifies them as
+tokens to compute, and the engine reports each finished step back (`observe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvfleet.engine.config import SpeculativeConfig
+from kvfleet.engine.core.request import Request, RequestId
+from kvfleet.engine.spec_decode.adaptive import DraftLength, StepCosts
+from kvfleet.engine.spec_decode.ngram import NgramProposer
+from kvfleet.engine.spec_decode.proposer import Proposer
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, device: torch.device):
+        """`model`: the target (its size gives the step-cost prior)."""
+        self.config = config
+        self.proposer = _proposer(config)
+        self.draft_length = DraftLength(
+            config.num_speculative_tokens, config.adaptive, _cost_prior(model, device)
+        )
+
+    def num_drafts(self, batch_size: int) -> int:
+        """Drafts per decoding request for the next step of about `batch_size` requests."""
+        return self.draft_length.choose(batch_size)
+
+    def propose(self, running: Sequence[Request], num_drafts: int) -> dict[RequestId, list[int]]:
+        """Drafts for the running requests that are decoding and take them (not those that
+        opted out, nor those with penalties or logprobs)."""
+        decoding = [
+            r
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1
+            and not r.num_pending_tokens
+            and r.sampling_params.may_speculate
+        ]
+        return self.proposer.propose(decoding, num_drafts) if decoding else {}
+
+    def observe(self, num_tokens: int, seconds: float, num_drafts: int, num_accepted: int) -> None:
+        """A finished step: its size and duration, its drafts and those kept."""
+        self.draft_length.observe(num_tokens, seconds, num_drafts, num_accepted)
+
+    def forget(self, request_ids: Iterable[RequestId]) -> None:
+        self.proposer.forget(request_ids)
+
+
+def _proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method != "ngram":
+        raise ValueError(f"speculative method {config.method!r} is not available")
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def _cost_prior(model: torch.nn.Module, device: torch.device) -> StepCosts:
+    """Step costs before any step is timed: the weights streamed at an assumed bandwidth (at
+    least a millisecond of launches), and the work per token at an assumed arithmetic rate."""
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth, flops = (3e12, 4e14) if device.type == "cuda" else (2e10, 2e11)
+    return StepCosts(fixed=max(1e-3, weight_bytes / bandwidth), per_token=2 * params / flops)

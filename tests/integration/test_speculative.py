@@ -1,0 +1,180 @@
+"""Speculative decoding in the real engine (SmolLM2 on the CPU, n-gram drafts).
+
+Greedy output with drafts is token for token the output without them: prompts that quote a
+document (most drafts kept), others (most rejected), max_tokens not a multiple of the draft
+count, stop strings, stop token ids, and an end-of-sequence token kept in the middle of a step's
+drafts. The same holds with chunked prefill, preemption and prefix-cache hits all in play, and
+with the draft count changing from step to step (down to none, where steps overlap again).
+Requests that opt out, ask for logprobs or use penalties get no drafts and the same output.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.sampling_params import SamplingParams
+
+from .conftest import MODEL
+
+DOC = (
+    "Kubernetes schedules containers onto nodes. A Deployment keeps a set of identical pods "
+    "running, replacing those that fail; a Service gives them one stable address."
+)
+PROMPTS = [
+    f"Repeat the following text exactly.\n{DOC}\nRepeated text:\n",
+    f"{DOC}\nQuote the first sentence of the text above:",
+    "Count from one: 1, 2, 3, 4, 5, 6, 7,",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+
+
+def make(**extra: Any) -> LLM:
+    return LLM(MODEL, dtype="float32", seed=0, num_blocks=256, max_model_len=1024, **extra)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[LLM]:
+    yield make()
+
+
+@pytest.fixture(scope="module")
+def speculative() -> Iterator[LLM]:
+    yield make(speculative_config=NGRAM)
+
+
+def cases(llm: LLM) -> list[tuple[Any, SamplingParams]]:
+    """(prompt, params) pairs covering the ways a request ends."""
+    tokenizer = llm.tokenizer
+    eos = llm.engine.eos_token_id
+    # A sentence that ends in EOS, repeated: the drafts after its start run through the EOS
+    # and on into the next repetition, and the model keeps them all.
+    sentence = tokenizer.encode("The cat sat on the mat today")
+    looping = (sentence + [eos]) * 4 + sentence[:3]
+    greedy = SamplingParams(temperature=0, max_tokens=64)
+    return [
+        *((p, greedy) for p in PROMPTS),
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=13)),
+        (PROMPTS[2], SamplingParams(temperature=0, max_tokens=17)),
+        (PROMPTS[1], SamplingParams(temperature=0, max_tokens=64, stop=["blog post"])),
+        (PROMPTS[2], SamplingParams(temperature=0, max_tokens=64, stop=[" 12,"])),
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[30])),
+        (looping, SamplingParams(temperature=0, max_tokens=30)),
+    ]
+
+
+def run(llm: LLM, pairs: list[tuple[Any, SamplingParams]]) -> list[tuple[Any, ...]]:
+    prompts, params = zip(*pairs, strict=True)
+    outputs = llm.generate(list(prompts), list(params))
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs
+    ]
+
+
+def test_greedy_output_with_drafts_is_the_output_without(plain: LLM, speculative: LLM) -> None:
+    pairs = cases(plain)
+    want = run(plain, pairs)
+    stats = speculative.engine.scheduler.spec_decode_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    got = run(speculative, pairs)
+    for (prompt, _), a, b in zip(pairs, want, got, strict=True):
+        assert a == b, prompt
+    drafted = stats.num_draft_tokens - before[1]
+    accepted = stats.num_accepted_tokens - before[2]
+    assert 0 < accepted < drafted  # drafts kept and drafts rejected
+    assert [r[2] for r in got[-6:]] == ["length", "length", "stop", "stop", "stop", "stop"]
+    # the looping prompt stops at its EOS, which came in the middle of a step's drafts
+    tokens, _, reason = got[-1]
+    assert reason == "stop" and len(tokens) < 30
+
+
+def test_the_eos_is_kept_mid_draft(speculative: LLM) -> None:
+    """One request alone: its step drafts past the EOS, keeps them all, and stops at the EOS."""
+    llm = speculative
+    prompt, params = cases(llm)[-1]
+    stats = llm.engine.scheduler.spec_decode_stats
+    before = stats.num_accepted_tokens
+    longer = make(speculative_config={**NGRAM, "num_speculative_tokens": 7})
+    (output,) = longer.generate([prompt], params)
+    long_stats = longer.engine.scheduler.spec_decode_stats
+    tokens = output.outputs[0].token_ids
+    assert tokens[-1] == llm.engine.eos_token_id
+    assert (long_stats.num_drafts, long_stats.num_accepted_tokens) == (1, 7)  # past the EOS
+    assert len(tokens) < 7 + 1  # cut at the EOS
+    (again,) = llm.generate([prompt], params)
+    assert again.outputs[0].token_ids == tokens
+    assert stats.num_accepted_tokens > before
+
+
+def test_chunked_prefill_preemption_and_prefix_hits_with_changing_draft_counts(
+    plain: LLM,
+) -> None:
+    """A small step budget (every prompt in chunks), too few blocks for the batch (requests
+    preempted and recomputed), prompts sent twice (prefix-cache hits), and a draft count
+    that goes 4, 0, 2, 0, 0, 1 step after step (async overlap on and off)."""
+    llm = LLM(
+        MODEL,
+        dtype="float32",
+        seed=0,
+        num_blocks=40,
+        max_model_len=256,
+        max_num_batched_tokens=48,
+        speculative_config=NGRAM,
+    )
+    counts = itertools.cycle([4, 0, 2, 0, 0, 1])
+    speculator = llm.engine.speculator
+    assert speculator is not None
+    speculator.num_drafts = lambda batch_size: next(counts)  # type: ignore[method-assign]
+    pairs = [(p, SamplingParams(temperature=0, max_tokens=48)) for p in PROMPTS * 2]
+    want = run(plain, pairs)
+    got = run(llm, pairs)
+    assert got == want
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache_manager.prefix_cache_hits > 0
+    assert engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_requests_that_opt_out_or_need_every_token_get_no_drafts(
+    plain: LLM, speculative: LLM
+) -> None:
+    stats = speculative.engine.scheduler.spec_decode_stats
+    for params in (
+        SamplingParams(temperature=0, max_tokens=24, speculative=False),
+        SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+    ):
+        before = stats.num_drafts
+        (want,) = plain.generate([PROMPTS[0]], params)
+        (got,) = speculative.generate([PROMPTS[0]], params)
+        assert stats.num_drafts == before
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        if params.logprobs:
+            pairs = zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True)
+            for a, b in pairs:
+                assert a.top_token_ids == b.top_token_ids
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    # beside drafted requests in the same steps
+    mixed = [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24),
+    ]
+    want = plain.generate([PROMPTS[0], PROMPTS[0]], mixed)
+    got = speculative.generate([PROMPTS[0], PROMPTS[0]], mixed)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert [t.token_id for t in got[0].outputs[0].logprobs] == got[0].outputs[0].token_ids
+
+
+def test_seeded_sampling_with_drafts_repeats_itself(speculative: LLM) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40)
+    first = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    second = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    assert first == second and len(first) == 40
