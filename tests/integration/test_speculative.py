@@ -11,7 +11,6 @@ Requests that opt out, ask for logprobs or use penalties get no drafts and the s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -41,13 +40,13 @@ def make(**extra: Any) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def plain() -> Iterator[LLM]:
-    yield make()
+def plain() -> LLM:
+    return make()
 
 
 @pytest.fixture(scope="module")
-def speculative() -> Iterator[LLM]:
-    yield make(speculative_config=NGRAM)
+def speculative() -> LLM:
+    return make(speculative_config=NGRAM)
 
 
 def cases(llm: LLM) -> list[tuple[Any, SamplingParams]]:
@@ -57,7 +56,7 @@ def cases(llm: LLM) -> list[tuple[Any, SamplingParams]]:
     # A sentence that ends in EOS, repeated: the drafts after its start run through the EOS
     # and on into the next repetition, and the model keeps them all.
     sentence = tokenizer.encode("The cat sat on the mat today")
-    looping = (sentence + [eos]) * 4 + sentence[:3]
+    looping = [*sentence, eos] * 4 + sentence[:3]
     greedy = SamplingParams(temperature=0, max_tokens=64)
     return [
         *((p, greedy) for p in PROMPTS),
@@ -92,7 +91,8 @@ def test_greedy_output_with_drafts_is_the_output_without(plain: LLM, speculative
     assert [r[2] for r in got[-6:]] == ["length", "length", "stop", "stop", "stop", "stop"]
     # the looping prompt stops at its EOS, which came in the middle of a step's drafts
     tokens, _, reason = got[-1]
-    assert reason == "stop" and len(tokens) < 30
+    assert reason == "stop"
+    assert len(tokens) < 30
 
 
 def test_the_eos_is_kept_mid_draft(speculative: LLM) -> None:
@@ -177,4 +177,5 @@ def test_seeded_sampling_with_drafts_repeats_itself(speculative: LLM) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40)
     first = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
     second = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
-    assert first == second and len(first) == 40
+    assert first == second
+    assert len(first) == 40
