@@ -93,6 +93,7 @@ class _State:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
             lora=lora,
+            spec_decode=scheduler.spec_decode_stats if core.speculator is not None else None,
         )
 
     def ready_serving(self) -> OpenAIServing:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfleet.engine.core.scheduler import SpecDecodeStats
 from kvfleet.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (
@@ -94,6 +95,7 @@ class EngineStats:
     num_preemptions: int
     # LoRA (None when off): adapters of running and of waiting requests, and the slot count
     lora: tuple[list[str], list[str], int] | None = None
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 class _EngineCollector(Collector):
@@ -147,6 +149,32 @@ class _EngineCollector(Collector):
                 yield counter
             if stats.lora is not None:
                 yield _lora_info(p, stats.lora)
+            if stats.spec_decode is not None:
+                yield from _spec_decode(p, self.model_name, stats.spec_decode)
+
+
+def _spec_decode(prefix: str, model_name: str, stats: SpecDecodeStats) -> Iterator[Metric]:
+    """vLLM's speculative counters, and the mean acceptance length (tokens a drafted step
+    emits per request, since the start)."""
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Requests' steps that carried drafts.", stats.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
+        (
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            stats.num_accepted_tokens,
+        ),
+    ):
+        counter = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
+        counter.add_metric([model_name], value)
+        yield counter
+    gauge = GaugeMetricFamily(
+        prefix + "spec_decode_mean_acceptance_length",
+        "Tokens a drafted step emits per request on average (1 + accepted per draft run).",
+        labels=["model_name"],
+    )
+    gauge.add_metric([model_name], stats.mean_acceptance_length)
+    yield gauge
 
 
 def _lora_info(prefix: str, lora: tuple[list[str], list[str], int]) -> Metric:

@@ -11,14 +11,17 @@ Requests that opt out, ask for logprobs or use penalties get no drafts and the s
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
-from .conftest import MODEL
+from .conftest import MODEL, start_server, stop_server
 
 DOC = (
     "Kubernetes schedules containers onto nodes. A Deployment keeps a set of identical pods "
@@ -179,3 +182,49 @@ def test_seeded_sampling_with_drafts_repeats_itself(speculative: LLM) -> None:
     second = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
     assert first == second
     assert len(first) == 40
+
+
+def test_server_speculates_counts_and_honours_the_opt_out(tmp_path: Path) -> None:
+    """`kvfleet engine --speculative-config`, driven by the openai client: the same greedy
+    text as the engine without drafts, the speculative counters on /metrics, and a request
+    with `speculative: false` that adds no drafts."""
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    server = start_server(tmp_path, "--speculative-config", config)
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none")
+        prompt = PROMPTS[0]
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        (want,) = make().generate([prompt], SamplingParams(temperature=0, max_tokens=40))
+        assert reply.choices[0].text == want.outputs[0].text
+        metrics = server.metrics()
+        name = 'kvfleet:spec_decode_num_{}_total{{model_name="smollm2"}}'
+        drafted = metrics[name.format("draft_tokens")]
+        assert 0 < metrics[name.format("accepted_tokens")] <= drafted
+        length = metrics['kvfleet:spec_decode_mean_acceptance_length{model_name="smollm2"}']
+        assert 1.0 < length <= 4.0
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"speculative": False},
+        )
+        assert server.metrics()[name.format("draft_tokens")] == drafted
+        with pytest.raises(openai.BadRequestError, match="speculative"):
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculative": "maybe"}
+            )
+    finally:
+        stop_server(server)
+
+
+def test_two_ranks_verify_drafts_as_one_does(plain: LLM) -> None:
+    """Tensor parallelism (gloo): rank 0 proposes and verifies; the workers run the same
+    forward over the drafts."""
+    llm = make(speculative_config=NGRAM, tensor_parallel_size=2)
+    try:
+        pairs = [(p, SamplingParams(temperature=0, max_tokens=32)) for p in PROMPTS[:3]]
+        assert run(llm, pairs) == run(plain, pairs)
+        assert llm.engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
+    finally:
+        llm.engine.close()
