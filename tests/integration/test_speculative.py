@@ -15,8 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
+from scipy import stats as stats_module
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
@@ -228,3 +230,84 @@ def test_two_ranks_verify_drafts_as_one_does(plain: LLM) -> None:
         assert llm.engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
     finally:
         llm.engine.close()
+
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 6,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampling_with_drafts_keeps_the_models_distribution(tmp_path: Path, top_p: float) -> None:
+    """A random model over 6 tokens, 3 tokens sampled at temperature 1 by 12,000 requests with
+    n-gram drafts (the second token verified against a draft, the third the bonus or sampled
+    next step): the joint distribution of the 3 tokens is the model's, computed exactly from its
+    logprobs (chi-square), and tokens outside the top-p nucleus never appear."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    llm = LLM(
+        str(path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        num_blocks=2048,
+        max_model_len=64,
+        speculative_config={**NGRAM, "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+    )
+    llm.engine.runner.model.lm_head.weight.data.mul_(15)  # (peaked distributions)
+    once = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    # The prompt: the model's own greedy text, so that drafts copied from it are often kept.
+    prompt = [0, 1, 2, 3, 4, 5]
+    prompt += llm.generate([prompt], once)[0].outputs[0].token_ids
+
+    def target(context: list[int]) -> np.ndarray:
+        """The distribution after `context`: from all 6 logprobs, then the top-p nucleus."""
+        exact = SamplingParams(temperature=0, max_tokens=1, logprobs=6, ignore_eos=True)
+        (top,) = llm.generate([context], exact)[0].outputs[0].logprobs
+        probs = np.zeros(6)
+        probs[top.top_token_ids] = np.exp(top.top_logprobs)
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        probs[order[mass_before >= top_p]] = 0.0
+        return probs / probs.sum()
+
+    joint = np.zeros((6, 6, 6))
+    first = target(prompt)
+    for a in np.flatnonzero(first):
+        second = target([*prompt, int(a)])
+        for b in np.flatnonzero(second):
+            joint[a, b] = first[a] * second[b] * target([*prompt, int(a), int(b)])
+
+    stats = llm.engine.scheduler.spec_decode_stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    samples = 12_000
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, ignore_eos=True)
+    counts = np.zeros((6, 6, 6))
+    for output in llm.generate([prompt] * samples, params):
+        counts[tuple(output.outputs[0].token_ids)] += 1
+    drafted = stats.num_draft_tokens - before[0]
+    accepted = stats.num_accepted_tokens - before[1]
+    assert drafted >= samples  # every request verified a draft for its second token
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # kept often, rejected often
+
+    assert counts[joint == 0].sum() == 0  # (outside the nucleus)
+    expected = (joint * samples).ravel()
+    observed = counts.ravel()
+    rare = (expected > 0) & (expected < 5)  # pooled into one cell
+    keep = expected >= 5
+    f_obs, f_exp = observed[keep], expected[keep]
+    if rare.any():
+        f_obs = np.append(f_obs, observed[rare].sum())
+        f_exp = np.append(f_exp, expected[rare].sum())
+    assert stats_module.chisquare(f_obs, f_exp).pvalue > 1e-3
