@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.text = ""
         self.stop_string: str | None = None  # the stop string that ended the text, if any
+        self.num_past_stop = 0
 
     @property
     def releasable_text(self) -> str:
@@ -46,11 +47,15 @@ class IncrementalDetokenizer:
         return self.text[: max(0, len(self.text) - hold)] if hold else self.text
 
     def add_tokens(self, token_ids: Sequence[int], final: bool = False) -> bool:
-        """Append tokens; returns True when a stop string ended the text."""
-        for token_id in token_ids:
+        """Append tokens; returns True when a stop string ended the text (then
+        `num_past_stop` of these tokens came after the one that completed it: a step that
+        emits several tokens, with speculative decoding, may run past a stop string)."""
+        self.num_past_stop = 0
+        for i, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
             delta = self._decode_delta(final=False)
             if delta and self._append(delta):
+                self.num_past_stop = len(token_ids) - i - 1
                 return True
         if final:
             delta = self._decode_delta(final=True)

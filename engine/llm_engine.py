@@ -1,157 +1,48 @@
 """LLMEngine: tokenizer, scheduler, KV cache and model runner, stepped by its owner.
 
-Wiring happens here and only here. `add_request` validates (ValueError on bad input, nothing
+Wiring happens here (what every tensor-parallel rank sets up alike is in rank_setup.py).
+`add_request` validates (ValueError on bad input, nothing
 added); `step` schedules, runs the model once, and returns the requests that progressed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import torch
-
-from kvfleet.engine.attention.metadata import AttentionBackend, AttentionLayer
-from kvfleet.engine.attention.torch_backend import TorchAttention
-from kvfleet.engine.config import EngineConfig, ModelConfig
+from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.hashing import lora_key
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.outputs import SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
-from kvfleet.engine.loader.model_loader import load_model
-from kvfleet.engine.loader.source import ModelSource, resolve_model_source
 from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.lora.manager import LoRAManager
-from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.parallel.group import TPGroup
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.worker import WorkerPool, free_port
-from kvfleet.engine.runner import LaunchedStep, ModelRunner, kv_cache_bytes_per_block
+from kvfleet.engine.rank_setup import (
+    build_speculator,
+    enable_peer_all_reduce,
+    join_group,
+    load_draft,
+    load_rank_model,
+    num_kv_blocks,
+    resolve_setup,
+    uses_graphs,
+)
+from kvfleet.engine.runner import LaunchedStep, ModelRunner
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.spec_decode.speculator import Speculator
 from kvfleet.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1 << 30
 _CLOSE_TIMEOUT_S = 10.0
-# CUDA graphs' memory pool and allocator fragmentation, beside the profiled step.
-_GRAPHS_RESERVE = _GIB // 2
-_PEER_MAX_BYTES = 4 << 20
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What every tensor-parallel rank derives alike from the EngineConfig."""
-
-    source: ModelSource
-    model_config: ModelConfig
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
-    attention_backend: str
-
-
-def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
-    device = _pick_device(config.device)
-    if device.type == "cuda" and config.tensor_parallel_size > 1:
-        device = torch.device("cuda", rank)  # one GPU per rank
-    source = resolve_model_source(config.model, config.load_format)
-    model_config = source.read_config()
-    return RankSetup(
-        source=source,
-        model_config=model_config,
-        dtype=_pick_dtype(config.dtype, model_config, device),
-        device=device,
-        max_model_len=_max_model_len(config, model_config),
-        attention_backend=_pick_attention_backend(config.attention_backend, device),
-    )
-
-
-def join_group(setup: RankSetup, rank: int, world_size: int, port: int) -> TPGroup | None:
-    """This rank's place in the tensor-parallel group (None without tensor parallelism)."""
-    if world_size == 1:
-        return None
-    if setup.device.type == "cuda":
-        torch.cuda.set_device(setup.device)
-    else:  # ranks share the cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    plan = TPPlan.build(setup.model_config, rank, world_size)
-    return TPGroup.initialize(plan, setup.device, port)
-
-
-def load_rank_model(config: EngineConfig, setup: RankSetup, tp: TPGroup | None) -> LlamaForCausalLM:
-    torch.manual_seed(config.seed)
-    return load_model(
-        setup.source,
-        setup.model_config,
-        setup.dtype,
-        setup.device,
-        _attention_factory(setup.attention_backend),
-        config.seed,
-        fused=setup.attention_backend == "triton",
-        tp=tp,
-    )
-
-
-def build_rank(
-    config: EngineConfig, rank: int, world_size: int, port: int
-) -> tuple[ModelRunner, TPGroup]:
-    """A tensor-parallel worker's runner: its model shard and KV cache, built in the same order
-    (and so with the same collectives) as rank 0's engine builds its own."""
-    setup = resolve_setup(config, rank)
-    tp = join_group(setup, rank, world_size, port)
-    assert tp is not None
-    model = load_rank_model(config, setup, tp)
-    enable_peer_all_reduce(config, setup, tp)
-    runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
-    runner.allocate_kv_cache(tp.min_int(_num_blocks(config, runner, setup)))
-    if _uses_graphs(config, setup):
-        runner.enable_decode_graphs(config.scheduler.max_num_seqs, setup.max_model_len)
-    return runner, tp
-
-
-def freeze_startup_heap() -> None:
-    """Put everything built so far (an engine's KV-cache blocks, modules, graphs: ~400,000
-    objects at TP=2 on Llama-3-8B) out of the garbage collector's reach. Otherwise each full
-    collection walks them all: 6 of ~90 ms each in one 256-request run on 2 x H200, stalling
-    the step loop while the GPUs wait. For processes that serve one engine for their life (the
-    server, tensor-parallel workers, benchmarks): a frozen engine's reference cycles (the free
-    block queue's links) are never collected."""
-    gc.collect()
-    gc.freeze()
-
-
-def enable_peer_all_reduce(config: EngineConfig, setup: RankSetup, tp: TPGroup) -> None:
-    """All-reduces through peer memory where the GPUs have it, each fused with the RMSNorm
-    after it: one-shot for decode batches (up to max_num_seqs x hidden, at most 4 MiB), two-shot
-    for larger steps (up to max_num_batched_tokens rows; 8,192 x 4,096 on 2 x H200: 238 us
-    against 321 for NCCL then the norm). Plain all-reduces above 4 MiB stay with NCCL, whose
-    ring beats the one-shot there (64 MiB: 266 us against 549). Before the KV cache is sized,
-    which counts the buffer (4 halves of the largest step's rows for the two-shot)."""
-    element = torch.empty((), dtype=setup.dtype).element_size()
-    sched = config.scheduler
-    hidden = setup.model_config.hidden_size
-    numel = min(sched.max_num_seqs * hidden, _PEER_MAX_BYTES // element)
-    rows = sched.max_num_batched_tokens
-    on = tp.enable_peer_all_reduce(numel, setup.dtype, hidden, rows)
-    if tp.rank == 0:
-        logger.info(
-            "all-reduces: %s", "peer memory (fused with the norms)" if on else "NCCL / gloo"
-        )
-
-
-def _uses_graphs(config: EngineConfig, setup: RankSetup) -> bool:
-    return setup.attention_backend == "triton" and not config.enforce_eager
 
 
 class LLMEngine:
@@ -198,13 +89,19 @@ class LLMEngine:
                 self.lora.add(name, path)
         block_size = config.cache.block_size
         self.runner = ModelRunner(model, block_size, self.dtype, self.device, self.lora)
-        num_blocks = _num_blocks(config, self.runner, setup)
+        # NOTE: the draft model before the KV cache is sized: its weights and its own cache
+        # (as many blocks as the target's) count.
+        draft = load_draft(config, setup) if config.speculative else None
+        num_blocks = num_kv_blocks(config, self.runner, setup, draft)
         if self.tp is not None and self.workers is not None:
             tp, own = self.tp, num_blocks  # every rank holds the same blocks
             num_blocks = self.workers.run_while_alive(lambda: tp.min_int(own))
         self.runner.allocate_kv_cache(num_blocks)
-        if _uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
+        if uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+        self.speculator = build_speculator(
+            config, setup, model, draft, num_blocks, self.max_model_len
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events
         )
@@ -218,9 +115,6 @@ class LLMEngine:
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.speculator = (
-            Speculator(config.speculative, model, self.device) if config.speculative else None
-        )
         self._in_flight: LaunchedStep | None = None  # launched, its outputs not taken yet
         self._last_collected = 0.0  # when the last step's outputs were taken
         self._penalized: set[str] = set()  # requests whose sampling reads all their outputs
@@ -481,95 +375,3 @@ class LLMEngine:
             for t in self.model_config.eos_token_ids
             if t != self.eos_token_id and t not in params.stop_token_ids
         )
-
-
-def _num_blocks(config: EngineConfig, runner: ModelRunner, setup: RankSetup) -> int:
-    """The configured count; else what fits in `gpu_memory_utilization` of the GPU once the
-    weights, the largest step's activations (profiled) and the CUDA context are counted."""
-    cache = config.cache
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = kv_cache_bytes_per_block(runner.config, cache.block_size, setup.dtype)
-    if setup.device.type == "cuda":
-        sched = config.scheduler
-        peak = runner.profile_peak_bytes(
-            min(sched.max_num_batched_tokens, setup.max_model_len), sched.max_num_seqs
-        )
-        free, total = torch.cuda.mem_get_info(setup.device)
-        # Memory the CUDA context, libraries and other processes hold outside our allocator.
-        outside = total - free - torch.cuda.memory_reserved(setup.device)
-        weights = torch.cuda.memory_allocated(setup.device)
-        budget = total * cache.gpu_memory_utilization - outside - weights - peak - _GRAPHS_RESERVE
-        logger.info(
-            "memory: %.2f GiB total, weights %.2f GiB, largest step %.2f GiB, outside "
-            "torch %.2f GiB; %.2f GiB for the KV cache at utilization %.2f",
-            total / _GIB,
-            weights / _GIB,
-            peak / _GIB,
-            outside / _GIB,
-            budget / _GIB,
-            cache.gpu_memory_utilization,
-        )
-    else:
-        budget = cache.cpu_kv_cache_gib * _GIB
-    num_blocks = int(budget // per_block)
-    if num_blocks < 2:
-        raise ValueError(
-            f"no memory is left for the KV cache (budget {budget / _GIB:.2f} GiB); raise "
-            "gpu_memory_utilization or lower max_num_batched_tokens"
-        )
-    return num_blocks
-
-
-def _attention_factory(backend: str) -> AttentionFactory:
-    """Builds each layer's attention for the chosen backend (Triton imported only when used)."""
-    layer_class: type[AttentionLayer] = TorchAttention
-    if backend == "triton":
-        from kvfleet.engine.attention.triton_attention import TritonAttention
-
-        layer_class = TritonAttention
-
-    def make(config: ModelConfig) -> AttentionBackend:
-        return layer_class(
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.sliding_window,
-        )
-
-    return make
-
-
-def _pick_attention_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda":
-        raise ValueError("the triton attention backend needs a CUDA device; use torch on the CPU")
-    return backend
-
-
-def _pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
-    return torch.device(device)
-
-
-def _pick_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return getattr(torch, dtype)  # type: ignore[no-any-return]
-    if device.type == "cpu":
-        return torch.float32
-    return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
-
-
-def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's {limit} positions"
-        )
-    return config.max_model_len

@@ -119,19 +119,24 @@ class OutputProcessor:
         if out.new_token_ids:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
-        completion.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs and completion.logprobs is not None:
-            completion.logprobs.extend(out.new_logprobs)
-            total = sum(lp.logprob for lp in out.new_logprobs)
-            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + total
+        new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
         hit_stop_string = False
         if child.detokenizer is not None:
-            final = out.finished
-            hit_stop_string = child.detokenizer.add_tokens(out.new_token_ids, final=final)
-            if hit_stop_string:
-                completion.finish_reason = "stop"
-                completion.stop_reason = child.detokenizer.stop_string
-                return not out.finished
+            hit_stop_string = child.detokenizer.add_tokens(new_token_ids, final=out.finished)
+            if hit_stop_string:  # the tokens after the stop string's last are not output
+                keep = len(new_token_ids) - child.detokenizer.num_past_stop
+                new_token_ids = new_token_ids[:keep]
+                new_logprobs = new_logprobs[:keep] if new_logprobs else new_logprobs
+        completion.token_ids.extend(new_token_ids)
+        if new_logprobs and completion.logprobs is not None:
+            completion.logprobs.extend(new_logprobs)
+            total = sum(lp.logprob for lp in new_logprobs)
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + total
+        if hit_stop_string:
+            assert child.detokenizer is not None
+            completion.finish_reason = "stop"
+            completion.stop_reason = child.detokenizer.stop_string
+            return not out.finished
         if out.finished:
             completion.finish_reason = out.finish_reason
             completion.stop_reason = out.stop_reason

@@ -257,7 +257,7 @@ _NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served
 def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
     import uvicorn
 
-    from kvfleet.engine.llm_engine import freeze_startup_heap
+    from kvfleet.engine.rank_setup import freeze_startup_heap
     from kvfleet.engine.server.app import create_app
 
     url = f"http://{args.host}:{args.port}"

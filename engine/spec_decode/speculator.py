@@ -19,10 +19,17 @@ from kvfleet.engine.spec_decode.proposer import Proposer
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, device: torch.device):
-        """`model`: the target (its size gives the step-cost prior)."""
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        model: torch.nn.Module,
+        device: torch.device,
+        proposer: Proposer | None = None,
+    ) -> None:
+        """`model`: the target (its size gives the step-cost prior); `proposer`: the draft
+        model's for the `draft` method (the `ngram` one is built here)."""
         self.config = config
-        self.proposer = _proposer(config)
+        self.proposer = proposer or _ngram(config)
         self.draft_length = DraftLength(
             config.num_speculative_tokens, config.adaptive, _cost_prior(model, device)
         )
@@ -51,9 +58,9 @@ class Speculator:
         self.proposer.forget(request_ids)
 
 
-def _proposer(config: SpeculativeConfig) -> Proposer:
+def _ngram(config: SpeculativeConfig) -> Proposer:
     if config.method != "ngram":
-        raise ValueError(f"speculative method {config.method!r} is not available")
+        raise ValueError(f"the {config.method!r} speculative method needs its proposer")
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 

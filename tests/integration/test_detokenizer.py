@@ -6,8 +6,12 @@ import random
 
 import pytest
 
+from kvfleet.engine.core.outputs import EngineCoreOutput
+from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.engine.loader.source import resolve_model_source
+from kvfleet.engine.output_processor import OutputProcessor
+from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer
 
 TEXT = "Robots 🤖 say 你好 and 👩‍💻 codes; naïve café — done. The end. Nothing after."
@@ -59,3 +63,27 @@ def test_stop_string_is_never_emitted_in_part(tokenizer: Tokenizer, include: boo
     for snapshot in snapshots:  # everything shown along the way survives in the final text
         assert expected.startswith(snapshot)
     assert not any(s.endswith(("The", "The e")) and not include for s in snapshots)
+
+
+def test_tokens_past_a_stop_string_in_one_step_are_not_output(tokenizer: Tokenizer) -> None:
+    """A step with several tokens (speculative decoding) that completes a stop string midway:
+    the output ends with the token that completed it, as when the tokens come one a step."""
+    token_ids = tokenizer.encode(TEXT)
+    one_by_one = IncrementalDetokenizer(tokenizer, [], stop_strings=["The end"])
+    used = len(stream(one_by_one, token_ids)) + 1  # (the stopping token included)
+    assert used % 4  # (it comes mid-step below)
+
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(stop=["The end"], max_tokens=100)
+    processor.add_request("r", [RequestId("r")], "", [], params, 0.0)
+    outputs, stopped = [], []
+    for start in range(0, len(token_ids), 4):  # four tokens a step
+        step = EngineCoreOutput(RequestId("r"), token_ids[start : start + 4], None)
+        outputs, stopped = processor.process([step], 1.0)
+        if stopped:
+            break
+    assert stopped == ["r"]
+    (completion,) = outputs[0].outputs
+    assert completion.token_ids == token_ids[:used]
+    assert completion.text == one_by_one.text
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "The end")

@@ -99,7 +99,7 @@ def test_tokenizer_and_chat_template_from_a_folder(tmp_path: Path) -> None:
 def test_shipped_configs_resolve_for_dummy_loads() -> None:
     from kvfleet.engine.loader.source import builtin_configs
 
-    assert builtin_configs() == ["llama-3-70b", "llama-3-8b", "qwen2.5-7b"]
+    assert builtin_configs() == ["llama-3-70b", "llama-3-8b", "llama-3.2-1b", "qwen2.5-7b"]
     config = resolve_model_source("llama-3-8b", "dummy").read_config()
     assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (4096, 8, 128)
     assert (config.rope_scaling or {})["rope_type"] == "llama3"

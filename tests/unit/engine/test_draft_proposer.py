@@ -1,0 +1,102 @@
+"""The draft-model proposer on a small random model: its drafts are the draft model's greedy
+continuation, also after verifications that kept some drafts (the KV it reuses is right),
+within its step budget and its blocks, which it gives back when requests end."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.core.request import Request, RequestId
+from kvfleet.engine.rank_setup import load_rank_model, resolve_setup
+from kvfleet.engine.runner import ModelRunner
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.spec_decode.draft_model import DraftModelProposer
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
+    path = tmp_path_factory.mktemp("draft") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return EngineConfig(model=str(path), load_format="dummy", device="cpu", dtype="float32")
+
+
+def proposer(config: EngineConfig, num_blocks: int = 64, budget: int = 256) -> DraftModelProposer:
+    setup = resolve_setup(config)
+    model = load_rank_model(config, setup, None)
+    for weight in model.parameters():  # (not N(0, 0.02): continuations that vary with context)
+        weight.data.mul_(25.0)
+    runner = ModelRunner(model, BLOCK, setup.dtype, setup.device)
+    runner.allocate_kv_cache(num_blocks)
+    return DraftModelProposer(runner, num_blocks, budget, max_model_len=256)
+
+
+def request(req_id: str, tokens: list[int]) -> Request:
+    return Request(RequestId(req_id), tokens, SamplingParams(max_tokens=None), None, 0.0)
+
+
+def continuation(fresh: DraftModelProposer, tokens: list[int], k: int) -> list[int]:
+    """The draft model's greedy continuation, from a proposer that never saw the request."""
+    req = request(f"fresh-{len(tokens)}-{tokens[-1]}", list(tokens))
+    drafts = fresh.propose([req], k)[req.request_id]
+    fresh.forget([req.request_id])
+    return drafts
+
+
+def test_drafts_follow_the_draft_model_across_verifications(config: EngineConfig) -> None:
+    draft, fresh = proposer(config), proposer(config)
+    rng = random.Random(0)
+    requests = [request(f"r{i}", [rng.randrange(64) for _ in range(5 + 7 * i)]) for i in range(3)]
+    for round_ in range(8):
+        k = 1 + round_ % 4
+        drafts = draft.propose(requests, k)
+        for r in requests:
+            assert drafts[r.request_id] == continuation(fresh, r.all_token_ids, k)
+        # the target keeps a leading part of each request's drafts, then its own token
+        for r in requests:
+            kept = rng.randrange(k + 1)
+            for token in [*drafts[r.request_id][:kept], rng.randrange(64)]:
+                r.append_output_token(token)
+    assert len({tuple(d) for d in drafts.values()}) > 1  # (the contexts matter)
+
+
+def test_a_request_beyond_the_step_budget_drafts_once_caught_up(config: EngineConfig) -> None:
+    draft, fresh = proposer(config, budget=16), proposer(config)
+    short, long = request("short", [1, 2, 3]), request("long", list(range(30)))
+    drafts = draft.propose([short, long], 2)
+    assert set(drafts) == {"short"}  # long took the 13 tokens left, and drafts later
+    assert draft.propose([long], 2) == {}  # 16 more: 29 of 30
+    drafts = draft.propose([long], 2)
+    assert drafts == {"long": continuation(fresh, long.all_token_ids, 2)}
+
+
+def test_no_drafts_without_blocks_and_blocks_come_back(config: EngineConfig) -> None:
+    draft = proposer(config, num_blocks=6)  # 5 usable blocks of 4 tokens
+    first, second = request("a", list(range(10))), request("b", list(range(10)))
+    drafts = draft.propose([first, second], 3)  # 12 slots each: 3 blocks each
+    assert set(drafts) == {"a"}
+    assert draft.pool.num_free_blocks == 2
+    draft.forget([RequestId("a"), RequestId("never-seen")])
+    assert draft.pool.num_free_blocks == 5
+    assert set(draft.propose([second], 3)) == {"b"}
+    again = request("a", [5, 6, 7])  # an id reused after it ended
+    assert set(draft.propose([again], 1)) == {"a"}
