@@ -19,6 +19,11 @@ def add_commands(commands: Any) -> None:
     )
     _add_throughput_arguments(throughput)
     throughput.set_defaults(run=_run_throughput)
+    speculative = kinds.add_parser(
+        "speculative", help="speculative decoding against none on a document-repeating task"
+    )
+    _add_speculative_arguments(speculative)
+    speculative.set_defaults(run=_run_speculative)
     serve = kinds.add_parser(
         "serve", help="online client for an OpenAI server: TTFT, ITL, e2e percentiles"
     )
@@ -54,6 +59,29 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of the batch that names an adapter (round robin); 0: LoRA on, base only",
     )
     parser.add_argument("--json", help="also write the result to this file")
+
+
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--load-format", default="auto", help="dummy: random prompts, weights")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-size", type=int, default=1, help="1: one request at a time")
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    parser.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4}',
+        help="the engine's --speculative-config JSON",
+    )
+    parser.add_argument("--json", help="also write the result to this file")
+
+
+def _run_speculative(args: argparse.Namespace) -> int:
+    from kvfleet.bench import speculative
+
+    return speculative.run(args)
 
 
 def _run_latency(args: argparse.Namespace) -> int:

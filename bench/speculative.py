@@ -1,0 +1,157 @@
+"""`kvfleet bench speculative`: speculative decoding on an input-grounded task, against the same
+engine without drafts, in one run.
+
+The task: the model repeats a given document word for word (chat-rendered "Repeat the
+following text exactly" over one of the documents below), greedy, so the drafted output must
+equal the plain output (checked). `--batch-size 1` runs the documents one request at a time
+(latency: each request alone on the GPU); a larger batch runs that many requests at once,
+documents cycled (throughput, where the adaptive draft count has to keep the cost of drafts
+below their gain). A model without a tokenizer (dummy weights) gets random prompts of the same
+length: its drafts are rarely kept, which measures what speculation costs when it fails.
+
+Reports output tokens/s of both runs, the speedup, the drafts verified and kept, and the mean
+acceptance length (tokens a drafted step emits per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from typing import Any
+
+import torch
+
+from kvfleet.bench.ceilings import sync
+from kvfleet.bench.report import emit
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.rank_setup import freeze_startup_heap
+from kvfleet.engine.sampling_params import SamplingParams
+
+DOCUMENTS = [
+    "Kubernetes schedules containers onto nodes. A Deployment keeps a set of identical pods "
+    "running and replaces those that fail; a Service gives them one stable address. Each pod "
+    "gets its own IP address, and the containers in a pod share it. Labels select which pods a "
+    "Service sends traffic to. When a node runs out of memory, the kubelet evicts pods in order "
+    "of their quality of service class, best effort first. A rolling update replaces pods a few "
+    "at a time, so the Service always has ready endpoints. Readiness probes decide when a pod "
+    "may receive traffic; liveness probes decide when it must be restarted.",
+    "A paged KV cache stores the keys and values of every token in fixed-size blocks, so a "
+    "sequence's cache need not be contiguous. A block table maps each sequence's logical "
+    "blocks to physical ones. When two requests share a prefix, they can share the blocks that "
+    "hold it, and a new request whose prompt starts with a cached prefix skips computing it. "
+    "Blocks are freed when a request finishes; cached blocks stay until they are evicted, least "
+    "recently used first. The scheduler admits new requests while free blocks remain and "
+    "preempts the newest request when a running one needs a block and none is free.",
+    "The lighthouse keeper climbed the stairs every evening at dusk. There were one hundred and "
+    "twelve steps, and he counted each of them, as his father had. At the top he trimmed the "
+    "wick, polished the great lens, and lit the lamp. Ships passing in the night saw the beam "
+    "sweep across the water every ten seconds. In winter the wind howled around the tower and "
+    "the glass rattled in its frame, but the light never went out. In the morning he wrote the "
+    "weather in the logbook, the ships he had seen, and the hour the lamp was put out.",
+    "To bake bread, mix five hundred grams of flour with ten grams of salt and seven grams of "
+    "yeast. Add three hundred and fifty millilitres of warm water and stir until a rough dough "
+    "forms. Knead it on a floured table for ten minutes, until it is smooth and springs back "
+    "when pressed. Leave it in a covered bowl for an hour, until it has doubled in size. Shape "
+    "it into a loaf, let it rise for another forty minutes, and bake it at two hundred and "
+    "twenty degrees for thirty minutes, until the crust is brown and the base sounds hollow.",
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    speculative = json.loads(args.speculative_config)
+    plain = _measure(args, None)
+    drafted = _measure(args, speculative)
+    same = plain.pop("outputs") == drafted.pop("outputs")
+    result: dict[str, Any] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "batch_size": args.batch_size,
+        "output_len": args.output_len,
+        "speculative_config": speculative,
+        "plain": plain,
+        "speculative": drafted,
+        "speedup": round(drafted["output_tok_per_s"] / plain["output_tok_per_s"], 3),
+        "same_output": same,
+    }
+    emit(result, args.json)
+    return 0 if same else 1
+
+
+def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> dict[str, Any]:
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(args.batch_size, 1),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative_config=speculative,
+    )
+    freeze_startup_heap()
+    engine = llm.engine
+    prompts = _prompts(llm, args)
+    params = SamplingParams(
+        temperature=0, max_tokens=args.output_len, ignore_eos=engine.tokenizer is None
+    )
+    batches = [[p] for p in prompts] if args.batch_size == 1 else [prompts]
+    llm.generate(batches[0], params)  # warm-up (and the adaptive fit's first steps)
+    stats = engine.scheduler.spec_decode_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    outputs: list[list[int]] = []
+    seconds = 0.0
+    for batch in batches * args.repeats:
+        sync(engine.device)
+        began = time.perf_counter()
+        done = llm.generate(batch, params)
+        sync(engine.device)
+        seconds += time.perf_counter() - began
+        outputs += [list(o.outputs[0].token_ids) for o in done]
+    drafts, draft_tokens, accepted = (
+        stats.num_drafts - before[0],
+        stats.num_draft_tokens - before[1],
+        stats.num_accepted_tokens - before[2],
+    )
+    num_tokens = sum(len(o) for o in outputs)
+    measured = {
+        "output_tokens": num_tokens,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(num_tokens / seconds, 1),
+        "drafted_steps": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "outputs": outputs,
+    }
+    engine.close()
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return measured
+
+
+def _prompts(llm: LLM, args: argparse.Namespace) -> list[Any]:
+    """`args.batch_size` prompts (at least one per document at batch 1): the repeat task, or
+    random token ids of the same lengths without a tokenizer."""
+    count = max(args.batch_size, len(DOCUMENTS) if args.batch_size == 1 else 0)
+    documents = [DOCUMENTS[i % len(DOCUMENTS)] for i in range(count)]
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        vocab = llm.engine.model_config.vocab_size
+        return [
+            torch.randint(100, vocab - 100, (320,), generator=generator).tolist() for _ in documents
+        ]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Repeat the following text exactly:\n\n{doc}"}],
+                True,
+            ),
+            add_special_tokens=False,
+        )
+        for doc in documents
+    ]
