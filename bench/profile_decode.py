@@ -97,7 +97,7 @@ def main() -> None:
     graphs = runner.decode_graphs
     if graphs is not None and args.tensor_parallel_size == 1:  # (a lone replay would wait)
         bucket = min(b for b in graphs.buckets if b >= args.batch_size)
-        graph, hidden = graphs.graphs[bucket, False]
+        graph, hidden = graphs.graphs[bucket, 1, False]
         print(f"  GPU graph replay (bucket {bucket}) {_gpu_ms(graph.replay):.3f} ms")
         rows = hidden[: args.batch_size]
         print(

@@ -5,6 +5,12 @@ set of static input buffers. A step of B sequences runs the smallest bucket >= B
 rows write their K/V into the null block and their outputs are dropped. With LoRA, each bucket
 has a second graph that also runs the LoRA kernels over static grouping buffers; steps without
 adapter tokens replay the plain one and pay nothing for LoRA.
+
+With `max_query_len` q > 1 (speculative decoding: a token and its drafts per sequence), each
+bucket also has a graph for steps of up to q tokens per sequence ("verification steps"): room
+for bucket x q tokens, each sequence's count read from the copied cu_seqlens_q (the attention
+kernel takes any count up to q), padding tokens after the last sequence's and padding
+sequences of none.
 """
 
 from __future__ import annotations
@@ -35,15 +41,17 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         lora: tuple[LoRAContext, int] | None = None,  # the models' LoRA context, max_loras
+        max_query_len: int = 1,
     ) -> None:
         self.model = model
         self.lora = lora
         self.kv_caches = kv_caches
+        self.max_query_len = max_query_len
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [
             next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])
         ]
         self.max_batch = self.buckets[-1]
-        n = self.max_batch
+        n = self.max_batch * max_query_len  # tokens
 
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -55,22 +63,25 @@ class DecodeGraphs:
         self.block_tables = zeros(n, max_blocks_per_seq, dtype=torch.int32)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.cu_seqlens_verify = zeros(self.max_batch + 1, dtype=torch.int32)  # (copied in)
         self.token_order = zeros(n, dtype=torch.int32)
         self.slot_starts = zeros((lora[1] if lora else 0) + 1, dtype=torch.int32)
-        # (bucket, with LoRA) -> the graph and its output
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, query tokens per sequence, with LoRA) -> the graph and its output
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None  # the graphs' shared memory pool handle
 
     def capture_all(self) -> None:
         """Capture every bucket now (at startup), largest first so the pool fits them all."""
+        query_lens = sorted({1, self.max_query_len}, reverse=True)
         for bucket in reversed(self.buckets):
-            for with_lora in (False, True) if self.lora else (False,):
-                if (bucket, with_lora) not in self.graphs:
-                    self.graphs[bucket, with_lora] = self._capture(bucket, with_lora)
+            for q in query_lens:
+                for with_lora in (False, True) if self.lora else (False,):
+                    if (bucket, q, with_lora) not in self.graphs:
+                        self.graphs[bucket, q, with_lora] = self._capture(bucket, q, with_lora)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         num_seqs = len(metadata.query_lens_cpu)
-        return metadata.max_seqlen_q == 1 and num_seqs <= self.max_batch
+        return metadata.max_seqlen_q <= self.max_query_len and num_seqs <= self.max_batch
 
     def run(
         self,
@@ -79,52 +90,62 @@ class DecodeGraphs:
         metadata: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """The model's hidden states [num_seqs, hidden] for a decode-only step."""
-        num_seqs = input_ids.shape[0]
+        """The model's hidden states [num_tokens, hidden] for a step `can_run` takes: a decode
+        step (one token per sequence), else a verification step (up to max_query_len)."""
+        num_tokens = input_ids.shape[0]
+        num_seqs = metadata.seq_lens.shape[0]
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+        q = 1 if metadata.max_seqlen_q == 1 else self.max_query_len
         width = metadata.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(input_ids, non_blocking=True)
-        self.positions[:num_seqs].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping, non_blocking=True)
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens, non_blocking=True)
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables, non_blocking=True)
+        if q > 1:  # padding sequences hold no tokens
+            self.cu_seqlens_verify[: num_seqs + 1].copy_(metadata.cu_seqlens_q, non_blocking=True)
+            self.cu_seqlens_verify[num_seqs + 1 : bucket + 1].fill_(num_tokens)
         # NOTE: padding rows must write into the null block, never into a live block left
         # there by an earlier, larger step.
-        self.slot_mapping[num_seqs:bucket].fill_(NULL_BLOCK_ID)
+        self.slot_mapping[num_tokens : bucket * q].fill_(NULL_BLOCK_ID)
         if lora is not None:
             assert self.lora is not None
             # Padding rows are in no group: they run the base model only.
             self.token_order[: lora.token_order.shape[0]].copy_(lora.token_order, non_blocking=True)
             self.slot_starts.copy_(lora.slot_starts, non_blocking=True)
-        key = (bucket, lora is not None)
+        key = (bucket, q, lora is not None)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, hidden = self.graphs[key]
         graph.replay()
-        return hidden[:num_seqs]
+        return hidden[:num_tokens]
 
-    def _capture(self, bucket: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(
+        self, bucket: int, q: int, with_lora: bool
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         logger.info(
-            "capturing a CUDA graph for decode steps of up to %d sequences%s",
+            "capturing a CUDA graph for steps of up to %d sequences of %d tokens%s",
             bucket,
+            q,
             " with LoRA" if with_lora else "",
         )
+        tokens = bucket * q
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
+            slot_mapping=self.slot_mapping[:tokens],
             block_tables=self.block_tables[:bucket],
-            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+            cu_seqlens_q=(self.cu_seqlens_q if q == 1 else self.cu_seqlens_verify)[: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
-            max_seqlen_q=1,
+            max_seqlen_q=q,
             max_seqlen_k=self.block_tables.shape[1] * self.kv_caches[0].shape[2],
-            query_lens_cpu=[1] * bucket,
-            seq_lens_cpu=[1] * bucket,
+            query_lens_cpu=[q] * bucket,
+            seq_lens_cpu=[q] * bucket,
         )
 
         static_lora = None
         if with_lora:
             assert self.lora is not None
             static_lora = LoRABatch(
-                token_order=self.token_order[:bucket],
+                token_order=self.token_order[:tokens],
                 slot_starts=self.slot_starts,
                 slot_starts_cpu=[],  # read by the torch reference only, never in a graph
             )
@@ -134,7 +155,7 @@ class DecodeGraphs:
                 self.lora[0].batch = static_lora
             try:
                 hidden: torch.Tensor = self.model(
-                    self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
+                    self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, metadata
                 )
             finally:
                 if self.lora is not None:

@@ -29,6 +29,7 @@ from kvfleet.engine.parallel.worker import WorkerPool, free_port
 from kvfleet.engine.rank_setup import (
     build_speculator,
     enable_peer_all_reduce,
+    graph_query_len,
     join_group,
     load_draft,
     load_rank_model,
@@ -98,7 +99,9 @@ class LLMEngine:
             num_blocks = self.workers.run_while_alive(lambda: tp.min_int(own))
         self.runner.allocate_kv_cache(num_blocks)
         if uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
-            self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            self.runner.enable_decode_graphs(
+                config.scheduler.max_num_seqs, self.max_model_len, graph_query_len(config)
+            )
         self.speculator = build_speculator(
             config, setup, model, draft, num_blocks, self.max_model_len
         )

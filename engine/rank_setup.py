@@ -102,8 +102,15 @@ def build_rank(
     runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
     runner.allocate_kv_cache(tp.min_int(num_kv_blocks(config, runner, setup)))
     if uses_graphs(config, setup):
-        runner.enable_decode_graphs(config.scheduler.max_num_seqs, setup.max_model_len)
+        runner.enable_decode_graphs(
+            config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)
+        )
     return runner, tp
+
+
+def graph_query_len(config: EngineConfig) -> int:
+    """Tokens per sequence the target's graphs take: a token and its drafts."""
+    return 1 + config.speculative.num_speculative_tokens if config.speculative else 1
 
 
 def freeze_startup_heap() -> None:
@@ -175,8 +182,8 @@ def build_speculator(
     if draft is not None:
         draft.allocate_kv_cache(num_blocks)
         max_len = min(max_model_len, draft.config.max_position_embeddings)
-        if uses_graphs(config, setup):
-            draft.enable_decode_graphs(config.scheduler.max_num_seqs, max_len)
+        if uses_graphs(config, setup):  # (catching up takes 1 or 2 tokens per sequence)
+            draft.enable_decode_graphs(config.scheduler.max_num_seqs, max_len, 2)
         proposer = DraftModelProposer(
             draft, num_blocks, config.scheduler.max_num_batched_tokens, max_len
         )

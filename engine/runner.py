@@ -221,12 +221,15 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Replay decode-only steps from CUDA graphs (needs graph-safe kernels: Triton)."""
+    def enable_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, max_query_len: int = 1
+    ) -> None:
+        """Replay decode-only steps from CUDA graphs (needs graph-safe kernels: Triton), and
+        with `max_query_len` > 1 steps of up to that many tokens per sequence (drafts)."""
         max_blocks = -(-max_model_len // self.block_size)
         lora = (self.lora.context, self.lora.max_loras) if self.lora is not None else None
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_num_seqs, max_blocks, self.device, lora
+            self.model, self.kv_caches, max_num_seqs, max_blocks, self.device, lora, max_query_len
         )
         self.decode_graphs.capture_all()
 

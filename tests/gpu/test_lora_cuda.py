@@ -105,7 +105,7 @@ def test_engine_triton_path_with_graphs_equals_torch_path(
         if backend == "triton":
             graphs = llm.engine.runner.decode_graphs
             assert graphs is not None
-            assert any(with_lora for _, with_lora in graphs.graphs)
+            assert any(with_lora for _, _, with_lora in graphs.graphs)
     assert results["triton"] == results["torch"]
     tokens, base_tokens = results["torch"]
     assert tokens[1] != base_tokens  # the adapter changes the output

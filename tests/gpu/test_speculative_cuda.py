@@ -50,8 +50,19 @@ def test_greedy_output_with_drafts_on_cuda(method: str) -> None:
         gpu_memory_utilization=0.3,
         speculative_config=SPECULATIVE[method],
     )
-    assert llm.engine.runner.decode_graphs is not None
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None
+    assert graphs.max_query_len == 5
+    query_lens: list[int] = []  # of the steps replayed from graphs
+    run = graphs.run
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        query_lens.append(args[2].max_seqlen_q)
+        return run(*args, **kwargs)
+
+    graphs.run = counted  # type: ignore[method-assign]
     assert outputs(llm, params) == want
+    assert any(q > 1 for q in query_lens)  # verification steps ran from graphs
     stats = llm.engine.scheduler.spec_decode_stats
     assert stats.num_accepted_tokens > 0
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
