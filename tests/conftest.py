@@ -325,3 +325,33 @@ def make_peft_adapter(
                 param.mul_(strength)  # large enough to change outputs, small enough to stay sane
     wrapped.save_pretrained(str(folder))
     return wrapped.merge_and_unload().eval()
+
+
+# A small Llama shape: random weights from it with load_format="dummy" (fast on the CPU).
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_config(**changes)`: a config.json of TINY_LLAMA with those keys changed, written
+    to a fresh folder; its path."""
+
+    def write(**changes: Any) -> Path:
+        path = tmp_path_factory.mktemp("tiny") / "config.json"
+        path.write_text(json.dumps({**TINY_LLAMA, **changes}))
+        return path
+
+    return write

@@ -67,24 +67,6 @@ def sample_with_drafts(
     return result
 
 
-def rejection_sample(
-    target_probs: torch.Tensor,
-    target_argmax: torch.Tensor,
-    greedy: Sequence[bool],
-    num_drafts: Sequence[int],
-    draft_token_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    generators: dict[int, torch.Generator] | None = None,
-) -> list[list[int]]:
-    """The tokens each request emits (`verify_drafts`, then `emitted_tokens`)."""
-    num_accepted, last = verify_drafts(
-        target_probs, target_argmax, greedy, num_drafts, draft_token_ids, draft_probs, generators
-    )
-    return emitted_tokens(
-        draft_token_ids.tolist(), num_drafts, num_accepted.tolist(), last.tolist()
-    )
-
-
 def verify_drafts(
     target_probs: torch.Tensor,
     target_argmax: torch.Tensor,

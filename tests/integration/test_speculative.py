@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,38 +248,26 @@ def test_two_ranks_verify_drafts_as_one_does(plain: LLM) -> None:
         llm.engine.close()
 
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 6,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-
-
 @pytest.mark.parametrize(("method", "top_p"), [("ngram", 1.0), ("ngram", 0.8), ("draft", 0.8)])
 def test_sampling_with_drafts_keeps_the_models_distribution(
-    tmp_path: Path, method: str, top_p: float
+    tiny_config: Callable[..., Path], method: str, top_p: float
 ) -> None:
     """A random model over 6 tokens, 3 tokens sampled at temperature 1 by 12,000 requests with
     drafts (n-gram, or a draft model's greedy tokens): the second token verified against a draft,
     the third the bonus or sampled next step. The joint distribution of the 3 tokens is the
     model's, computed exactly from its logprobs (chi-square), and tokens outside the top-p
     nucleus never appear."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
+    path = tiny_config(
+        vocab_size=6,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     speculative: dict[str, Any] = {**NGRAM, "num_speculative_tokens": 2, "prompt_lookup_min": 1}
-    if method == "draft":
-        draft = tmp_path / "draft.json"
-        draft.write_text(json.dumps(TINY))  # (the same random weights: drafts its argmax)
-        speculative = {**DRAFT, "model": str(draft), "num_speculative_tokens": 2}
+    if method == "draft":  # (the same random weights: it drafts the target's argmax)
+        speculative = {**DRAFT, "model": str(path), "num_speculative_tokens": 2}
     # (room for 256 new requests' prompts in a step: the draft catches up on them at once)
     llm = LLM(
         str(path),

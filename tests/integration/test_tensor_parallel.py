@@ -7,13 +7,12 @@ killing a worker makes the server unhealthy, then exit with code 1 and the reaso
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,25 +71,8 @@ def test_smollm2_two_ranks_generate_what_one_does() -> None:
     assert worst < 1e-3, worst
 
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-}
-
-
-def test_fewer_kv_heads_than_ranks(tmp_path: Path) -> None:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
+def test_fewer_kv_heads_than_ranks(tiny_config: Callable[..., Path]) -> None:
+    path = tiny_config()
     prompts = [list(range(1, 2 + 3 * i)) for i in range(8)]
     one = generate(1, str(path), prompts, load_format="dummy", skip_tokenizer_init=True)
     # four ranks: each KV head on 2 ranks with 2 query heads each; two ranks: 1 KV head each
@@ -127,11 +109,10 @@ def race_tokens(
     return tokens
 
 
-def test_vocabulary_race_over_two_ranks_equals_one(tmp_path: Path) -> None:
+def test_vocabulary_race_over_two_ranks_equals_one(tiny_config: Callable[..., Path]) -> None:
     """Each rank races its vocabulary shard and the ranks take the best: greedy and seeded
     temperature-1 tokens with TP=2 equal TP=1's; greedy ones equal the torch sampler's."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
+    path = tiny_config()
     prompts = [list(range(1, 2 + 3 * i)) for i in range(6)]
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -4,29 +4,16 @@ same greedy output, the figures it reports."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from kvfleet.engine.cli import build_parser
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-}
 
-
-def test_speculative_bench_reports_both_runs(tmp_path: Path) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY))
+def test_speculative_bench_reports_both_runs(
+    tmp_path: Path, tiny_config: Callable[..., Path]
+) -> None:
+    config = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=4)
     out = tmp_path / "result.json"
     args = build_parser().parse_args(
         [

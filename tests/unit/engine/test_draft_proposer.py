@@ -4,8 +4,9 @@ within its step budget and its blocks, which it gives back when requests end."""
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -16,27 +17,18 @@ from kvfleet.engine.runner import ModelRunner
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.draft_model import DraftModelProposer
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
-    path = tmp_path_factory.mktemp("draft") / "config.json"
-    path.write_text(json.dumps(TINY))
+def config(tiny_config: Callable[..., Path]) -> EngineConfig:
+    path = tiny_config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     return EngineConfig(model=str(path), load_format="dummy", device="cpu", dtype="float32")
 
 

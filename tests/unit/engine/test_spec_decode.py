@@ -22,7 +22,23 @@ from kvfleet.engine.spec_decode.adaptive import (
     expected_tokens,
 )
 from kvfleet.engine.spec_decode.ngram import NgramProposer
-from kvfleet.engine.spec_decode.rejection import rejection_sample
+from kvfleet.engine.spec_decode.rejection import emitted_tokens, verify_drafts
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    greedy: list[bool],
+    num_drafts: list[int],
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> list[list[int]]:
+    """The tokens each request emits."""
+    kept, last = verify_drafts(
+        target_probs, target_argmax, greedy, num_drafts, draft_token_ids, draft_probs, generators
+    )
+    return emitted_tokens(draft_token_ids.tolist(), num_drafts, kept.tolist(), last.tolist())
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
