@@ -204,8 +204,10 @@ def num_kv_blocks(
         per_block += kv_cache_bytes_per_block(draft.config, cache.block_size, setup.dtype)
     if setup.device.type == "cuda":
         sched = config.scheduler
+        # (with drafts, each sequence samples after every draft: that many more logits rows)
         peak = runner.profile_peak_bytes(
-            min(sched.max_num_batched_tokens, setup.max_model_len), sched.max_num_seqs
+            min(sched.max_num_batched_tokens, setup.max_model_len),
+            sched.max_num_seqs * graph_query_len(config),
         )
         free, total = torch.cuda.mem_get_info(setup.device)
         # Memory the CUDA context, libraries and other processes hold outside our allocator.
