@@ -66,7 +66,7 @@ class DraftModelProposer(Proposer):
         for request in requests:
             budget -= self._catch_up(request, num_drafts, budget, new, cached, scheduled)
             progress = self._progress.get(request.request_id)
-            if progress is not None and progress.computed == request.num_tokens:
+            if request.request_id in scheduled and progress.computed == request.num_tokens:
                 drafting.append(request.request_id)
         output = self.runner.execute_model(
             SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), self._finished)
@@ -121,8 +121,9 @@ class DraftModelProposer(Proposer):
         if progress is not None and state is not None:
             # The tokens fed are the request's up to `base`, then drafts: those the target
             # kept are valid too.
-            valid = min(progress.base, progress.computed)
-            end = min(progress.computed, len(tokens))
+            # (never the last token: it is fed again, the first draft sampled after it)
+            end = min(progress.computed, len(tokens) - 1)
+            valid = min(progress.base, end)
             while valid < end and state.token_ids[valid] == tokens[valid]:
                 valid += 1
         blocks = progress.blocks if progress is not None else []

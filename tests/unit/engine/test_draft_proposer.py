@@ -92,3 +92,14 @@ def test_no_drafts_without_blocks_and_blocks_come_back(config: EngineConfig) -> 
     assert set(draft.propose([second], 3)) == {"b"}
     again = request("a", [5, 6, 7])  # an id reused after it ended
     assert set(draft.propose([again], 1)) == {"a"}
+
+
+def test_proposing_again_without_verification(config: EngineConfig) -> None:
+    """Drafts proposed but never verified (the step did not take them), or a single token
+    added that happens to be the first draft: the next proposal is still the continuation."""
+    draft, fresh = proposer(config), proposer(config)
+    r = request("r", [3, 1, 4, 1, 5, 9, 2, 6])
+    first = draft.propose([r], 3)[r.request_id]
+    assert draft.propose([r], 3)[r.request_id] == first
+    r.append_output_token(first[0])  # decoded alone, without its drafts
+    assert draft.propose([r], 2)[r.request_id] == continuation(fresh, r.all_token_ids, 2)
