@@ -65,8 +65,9 @@ class DraftModelProposer(Proposer):
         drafting = []  # those fed all their tokens: they draft
         for request in requests:
             budget -= self._catch_up(request, num_drafts, budget, new, cached, scheduled)
-            progress = self._progress.get(request.request_id)
-            if request.request_id in scheduled and progress.computed == request.num_tokens:
+            if request.request_id not in scheduled:
+                continue
+            if self._progress[request.request_id].computed == request.num_tokens:
                 drafting.append(request.request_id)
         output = self.runner.execute_model(
             SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), self._finished)
