@@ -333,7 +333,7 @@ class LLMEngine:
         runner_output = self.runner.collect(launched)
         scheduler_output = launched.scheduler_output
         stats = self.scheduler.spec_decode_stats
-        drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+        accepted, rejections = stats.num_accepted_tokens, stats.num_rejections
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         if self.speculator is not None:  # (a step overlapped with the one before it runs
@@ -341,8 +341,8 @@ class LLMEngine:
             self.speculator.observe(
                 scheduler_output.total_num_scheduled_tokens,
                 now - max(launched.launched_at, self._last_collected),
-                stats.num_draft_tokens - drafted,
                 stats.num_accepted_tokens - accepted,
+                stats.num_rejections - rejections,
             )
         self._last_collected = now
         outputs, stopped = self.output_processor.process(core_outputs, time.monotonic(), final_only)

@@ -44,6 +44,7 @@ class SpecDecodeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0  # drafted steps that had a draft rejected
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -305,6 +306,7 @@ class Scheduler:
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
+        stats.num_rejections += num_accepted < num_drafts
 
     def _num_tokens_to_schedule(
         self, request: Request, budget: int, num_hit_tokens: int = 0, num_drafts: int = 0

@@ -6,7 +6,12 @@ tokens instead of B, so the step takes t(B(k+1)) instead of t(B), where t(n) = f
 x n: the weights streamed once a step (fixed) and the work per token. The speedup of k drafts
 over none is E(k) t(B) / t(B(k+1)); the controller picks the k that maximizes it, and 0 unless
 that beats 1 by a margin. At batch 1 the step is all weight streaming, so drafts are nearly
-free; at large batches the per-token work dominates and drafts stop paying.
+free; at large batches the per-token work dominates and drafts stop paying. Where only a share
+h of the requests gets drafts (prompt lookup finds no match for the others), the step emits
+B((1 - h) + h E(k)) tokens for t(B(1 + h k)).
+
+a is estimated as each draft position were a coin flip until the first rejection: kept drafts
+over kept drafts plus rejections (a request whose drafts were all kept saw no rejection).
 
 `StepCosts` learns fixed and per_token from the steps the engine times (least squares over a
 window), starting from a prior, so the choice follows the hardware and the model it runs on.
@@ -17,17 +22,16 @@ from __future__ import annotations
 from collections import deque
 
 
-class AcceptanceRate:
-    """Exponential moving average of the fraction of drafts accepted (prior: 0.5)."""
+class Rate:
+    """Exponential moving average of a success rate, one update per step (prior: 0.5)."""
 
     def __init__(self, prior: float = 0.5, weight: float = 0.1) -> None:
         self.value = prior
         self.weight = weight
 
-    def update(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts > 0:
-            rate = num_accepted / num_drafts
-            self.value += self.weight * (rate - self.value)
+    def update(self, trials: int, successes: int) -> None:
+        if trials > 0:
+            self.value += self.weight * (successes / trials - self.value)
 
 
 class StepCosts:
@@ -40,7 +44,7 @@ class StepCosts:
         # Running sums over the window: n, x, y, x^2, xy (so a step costs O(1) to fit).
         self._sums = [0.0] * 5
 
-    def seconds(self, num_tokens: int) -> float:
+    def seconds(self, num_tokens: float) -> float:
         return self.fixed + self.per_token * num_tokens
 
     def observe(self, num_tokens: int, seconds: float) -> None:
@@ -76,15 +80,19 @@ def choose_num_drafts(
     max_drafts: int,
     costs: StepCosts,
     margin: float = 1.05,
+    proposal_rate: float = 1.0,
 ) -> int:
-    """The draft count (0..max_drafts) with the best expected speedup for this batch; 0 when
-    none beats decoding without drafts by `margin`."""
+    """The draft count (0..max_drafts) with the best expected speedup for this batch, where a
+    share `proposal_rate` of the requests gets drafts; 0 when none beats decoding without
+    drafts by `margin`."""
     if batch_size < 1:
         return 0
     base = costs.seconds(batch_size)
+    h = proposal_rate
     best, best_speedup = 0, margin
     for k in range(1, max_drafts + 1):
-        speedup = expected_tokens(acceptance, k) * base / costs.seconds(batch_size * (k + 1))
+        tokens = (1 - h) + h * expected_tokens(acceptance, k)
+        speedup = tokens * base / costs.seconds(batch_size * (1 + h * k))
         if speedup > best_speedup:
             best, best_speedup = k, speedup
     return best
@@ -103,7 +111,8 @@ class DraftLength:
         self.max_drafts = max_drafts
         self.adaptive = adaptive
         self.costs = costs
-        self.acceptance = AcceptanceRate()
+        self.acceptance = Rate()  # a: per draft position, until the first rejection
+        self.proposal_rate = Rate(prior=1.0)  # h: decoding requests that got drafts
         self._steps_without = 0
 
     def choose(self, batch_size: int) -> int:
@@ -111,15 +120,28 @@ class DraftLength:
             return 0
         if not self.adaptive:
             return self.max_drafts
-        k = choose_num_drafts(batch_size, self.acceptance.value, self.max_drafts, self.costs)
+        k = choose_num_drafts(
+            batch_size,
+            self.acceptance.value,
+            self.max_drafts,
+            self.costs,
+            proposal_rate=self.proposal_rate.value,
+        )
         self._steps_without = 0 if k else self._steps_without + 1
         if self._steps_without >= self.EXPLORE_EVERY:
             self._steps_without = 0
             return 1
         return k
 
-    def observe(self, num_tokens: int, seconds: float, num_drafts: int, num_accepted: int) -> None:
-        """A finished step: its size and duration, and its drafts and those kept."""
+    def observe(
+        self, num_tokens: int, seconds: float, num_accepted: int, num_rejected: int
+    ) -> None:
+        """A finished step: its size and duration, its kept drafts and its rejections (drafted
+        requests that had one rejected)."""
         if self.adaptive:
             self.costs.observe(num_tokens, seconds)
-            self.acceptance.update(num_drafts, num_accepted)
+            self.acceptance.update(num_accepted + num_rejected, num_accepted)
+
+    def observe_proposals(self, num_decoding: int, num_drafted: int) -> None:
+        """Of `num_decoding` requests asked for drafts, `num_drafted` got some."""
+        self.proposal_rate.update(num_decoding, num_drafted)

@@ -48,11 +48,17 @@ class Speculator:
             and not r.num_pending_tokens
             and r.sampling_params.may_speculate
         ]
-        return self.proposer.propose(decoding, num_drafts) if decoding else {}
+        if not decoding:
+            return {}
+        drafts = self.proposer.propose(decoding, num_drafts)
+        self.draft_length.observe_proposals(len(decoding), len(drafts))
+        return drafts
 
-    def observe(self, num_tokens: int, seconds: float, num_drafts: int, num_accepted: int) -> None:
-        """A finished step: its size and duration, its drafts and those kept."""
-        self.draft_length.observe(num_tokens, seconds, num_drafts, num_accepted)
+    def observe(
+        self, num_tokens: int, seconds: float, num_accepted: int, num_rejected: int
+    ) -> None:
+        """A finished step: its size and duration, its kept drafts and its rejections."""
+        self.draft_length.observe(num_tokens, seconds, num_accepted, num_rejected)
 
     def forget(self, request_ids: Iterable[RequestId]) -> None:
         self.proposer.forget(request_ids)

@@ -16,7 +16,8 @@ from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.sampler import SamplingMetadata, filtered_probs
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.adaptive import (
-    AcceptanceRate,
+    DraftLength,
+    Rate,
     StepCosts,
     choose_num_drafts,
     expected_tokens,
@@ -218,8 +219,34 @@ def test_step_costs_and_acceptance_follow_what_they_observe() -> None:
         windowed.observe(n, 0.008 + 3e-5 * n)
     assert windowed.fixed == pytest.approx(0.008, rel=1e-6)
     assert windowed.per_token == pytest.approx(3e-5, rel=1e-6)
-    rate = AcceptanceRate(prior=0.5, weight=0.5)
+    rate = Rate(prior=0.5, weight=0.5)
     rate.update(4, 4)
     assert rate.value == pytest.approx(0.75)
     rate.update(0, 0)  # a step without drafts says nothing
     assert rate.value == pytest.approx(0.75)
+
+
+def test_draft_length_estimates_acceptance_per_position_and_counts_misses() -> None:
+    """Acceptance a as coin flips until the first rejection: 3 kept and 1 rejection is a =
+    0.75 (the share of drafts kept, 3 of 8, would say 0.375); when few requests get
+    proposals, drafts stop paying."""
+    costs = StepCosts(fixed=4.8e-3, per_token=23e-6)
+    length = DraftLength(8, adaptive=True, costs=costs)
+    length.acceptance.weight = length.proposal_rate.weight = 1.0
+    length.observe(num_tokens=9, seconds=5e-3, num_accepted=3, num_rejected=1)
+    assert length.acceptance.value == pytest.approx(0.75)
+    assert length.choose(64) > 0
+    length.observe_proposals(num_decoding=64, num_drafted=1)
+    assert length.proposal_rate.value == pytest.approx(1 / 64)
+    assert length.choose(64) == 0  # one request in 64 gains: not worth a larger step
+    assert choose_num_drafts(64, 0.75, 8, costs, proposal_rate=0.5) > 0
+    fixed = DraftLength(3, adaptive=False, costs=costs)
+    assert (fixed.choose(256), fixed.choose(0)) == (3, 0)
+
+
+def test_draft_length_explores_after_steps_without_drafts() -> None:
+    costs = StepCosts(fixed=1e-3, per_token=1e-3)  # (drafts never pay)
+    length = DraftLength(4, adaptive=True, costs=costs)
+    choices = [length.choose(32) for _ in range(2 * DraftLength.EXPLORE_EVERY)]
+    assert choices.count(1) == 2
+    assert set(choices) == {0, 1}

@@ -51,6 +51,7 @@ def test_a_decoding_request_computes_its_drafts_and_rolls_back_the_rejected(
     assert s.kv_cache_manager.num_cached_blocks[r.request_id] == 1
     stats = s.spec_decode_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    assert stats.num_rejections == 1
     assert stats.mean_acceptance_length == 2.0
 
     out = s.schedule()  # no drafts: one token, the one that replaced the rejected draft
