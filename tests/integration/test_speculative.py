@@ -47,7 +47,8 @@ METHODS = {"ngram": NGRAM, "draft": DRAFT}
 
 
 def make(**extra: Any) -> LLM:
-    llm = LLM(MODEL, dtype="float32", seed=0, num_blocks=256, max_model_len=1024, **extra)
+    options = {"num_blocks": 256, "max_model_len": 1024, **extra}
+    llm = LLM(MODEL, dtype="float32", seed=0, **options)
     proposer = llm.engine.speculator.proposer if llm.engine.speculator else None
     if isinstance(proposer, DraftModelProposer):
         generator = torch.Generator().manual_seed(0)
@@ -134,20 +135,19 @@ def test_the_eos_is_kept_mid_draft(speculative: LLM) -> None:
     assert stats.num_accepted_tokens > before
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_chunked_prefill_preemption_and_prefix_hits_with_changing_draft_counts(
-    plain: LLM,
+    plain: LLM, method: str
 ) -> None:
-    """A small step budget (every prompt in chunks), too few blocks for the batch (requests
-    preempted and recomputed), prompts sent twice (prefix-cache hits), and a draft count
-    that goes 4, 0, 2, 0, 0, 1 step after step (async overlap on and off)."""
-    llm = LLM(
-        MODEL,
-        dtype="float32",
-        seed=0,
-        num_blocks=40,
+    """A small step budget (every prompt in chunks; the draft model catches up over several
+    proposals), too few blocks for the batch (requests preempted and recomputed; the draft's
+    cache as short), prompts sent twice (prefix-cache hits), and a draft count that goes 4, 0,
+    2, 0, 0, 1 step after step (async overlap on and off)."""
+    llm = make(
+        num_blocks=24,
         max_model_len=256,
         max_num_batched_tokens=48,
-        speculative_config=NGRAM,
+        speculative_config=METHODS[method],
     )
     counts = itertools.cycle([4, 0, 2, 0, 0, 1])
     speculator = llm.engine.speculator
