@@ -88,7 +88,9 @@ def verify_drafts(
     counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
     num_reqs = len(num_drafts)
     # Each draft's request and the target row that judges it (row t of its request).
-    draft_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), counts)
+    draft_req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), counts, output_size=sum(num_drafts)
+    )  # (its size given: no wait for the device)
     first_row = torch.cumsum(counts + 1, 0) - (counts + 1)
     first_draft = torch.cumsum(counts, 0) - counts
     within = torch.arange(draft_token_ids.numel(), device=device) - first_draft[draft_req]
@@ -111,6 +113,7 @@ def verify_drafts(
             target_argmax,
             draft_token_ids,
             draft_probs,
+            _rows_of(generators or {}, num_drafts),
             generators or {},
         )
     # Each request keeps its leading accepted drafts, then one token: the rejected draft's
@@ -150,10 +153,12 @@ def _sampled_verdicts(
     target_argmax: torch.Tensor,
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
+    draft_gens: dict[int, torch.Generator],
     generators: dict[int, torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per draft, whether it is kept and what replaces it when it is not (from the residual
-    max(0, p - q)); per request, the bonus token (from its last row). Greedy rows: argmax."""
+    max(0, p - q)); per request, the bonus token (from its last row). Greedy rows: argmax.
+    `draft_gens`: draft row -> its request's generator; `generators`: by request."""
     device = target_probs.device
     draft_greedy = greedy_req[draft_req]
     p_draft = target_probs[judge_row, draft_token_ids]
@@ -162,7 +167,6 @@ def _sampled_verdicts(
     else:
         q_draft = draft_probs.gather(1, draft_token_ids[:, None]).squeeze(1)
     uniform = torch.rand(p_draft.shape, device=device)
-    draft_gens = _rows_of(generators, draft_req.tolist())
     for row, generator in draft_gens.items():
         uniform[row] = torch.rand((), device=device, generator=generator)
     accept = torch.where(
@@ -183,7 +187,13 @@ def _sampled_verdicts(
 
 
 def _rows_of(
-    generators: dict[int, torch.Generator], row_requests: list[int]
+    generators: dict[int, torch.Generator], num_drafts: Sequence[int]
 ) -> dict[int, torch.Generator]:
-    """Each row's generator, where its request has one."""
-    return {row: generators[req] for row, req in enumerate(row_requests) if req in generators}
+    """Each draft row's generator, where its request has one (from the host's counts)."""
+    rows = {}
+    first = 0
+    for req, count in enumerate(num_drafts):
+        if req in generators:
+            rows.update(dict.fromkeys(range(first, first + count), generators[req]))
+        first += count
+    return rows
