@@ -126,6 +126,7 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         "outputs": outputs,
     }
     engine.close()
+    gc.unfreeze()  # (frozen at startup: its cycles could not be collected to free the GPU)
     del llm, engine
     gc.collect()
     if torch.cuda.is_available():
