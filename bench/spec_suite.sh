@@ -10,14 +10,7 @@ set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 parts=${*:-tests smol8b}
-export PYTHONFAULTHANDLER=1
-run() {
-  local name=$1; shift
-  local began=$SECONDS
-  timeout -s ABRT "${LIMIT:-300}" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: rc=$? in $((SECONDS - began)) s: $*"
-  grep -v "capturing a CUDA graph" "$out/$name.log" | tail -n "${TAIL:-12}"
-}
+source "$(dirname "$0")/suite_lib.sh"
 spec() {  # name, then bench speculative arguments
   local name=$1; shift
   run "$name" python3 -m kvfleet.engine.cli bench speculative --json "$out/$name.json" "$@"

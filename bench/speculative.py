@@ -25,6 +25,7 @@ import torch
 
 from kvfleet.bench.ceilings import sync
 from kvfleet.bench.report import emit
+from kvfleet.engine.core.scheduler import SpecDecodeStats
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.rank_setup import freeze_startup_heap
 from kvfleet.engine.sampling_params import SamplingParams
@@ -108,7 +109,7 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         sync(engine.device)
         seconds += time.perf_counter() - began
         outputs += [list(o.outputs[0].token_ids) for o in done]
-    drafts, draft_tokens, accepted = (
+    run = SpecDecodeStats(
         stats.num_drafts - before[0],
         stats.num_draft_tokens - before[1],
         stats.num_accepted_tokens - before[2],
@@ -118,11 +119,13 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         "output_tokens": num_tokens,
         "seconds": round(seconds, 3),
         "output_tok_per_s": round(num_tokens / seconds, 1),
-        "drafted_steps": drafts,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "drafted_steps": run.num_drafts,
+        "draft_tokens": run.num_draft_tokens,
+        "accepted_tokens": run.num_accepted_tokens,
+        "acceptance_rate": round(run.num_accepted_tokens / run.num_draft_tokens, 3)
+        if run.num_draft_tokens
+        else None,
+        "mean_acceptance_length": round(run.mean_acceptance_length, 3) if run.num_drafts else None,
         "outputs": outputs,
     }
     engine.close()

@@ -9,14 +9,7 @@ set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 parts=${*:-allreduce tput latency70}
-export PYTHONFAULTHANDLER=1
-run() {
-  local name=$1; shift
-  local began=$SECONDS
-  timeout -s ABRT "${LIMIT:-300}" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: rc=$? in $((SECONDS - began)) s: $*"
-  grep -v "capturing a CUDA graph" "$out/$name.log" | tail -n "${TAIL:-12}"
-}
+source "$(dirname "$0")/suite_lib.sh"
 bench=(python3 -m kvfleet.engine.cli bench)
 for part in $parts; do
   case $part in

@@ -301,9 +301,8 @@ class LLMEngine:
             now = time.monotonic()
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)
-            launched_at = time.monotonic()
             launched = self.runner.launch(scheduler_output)
-            launched.launched_at = launched_at
+            launched.launched_at = now
             if self._in_flight is not None:
                 outputs += self._finish_step(final_only)
             self._in_flight = None if scheduler_output.is_empty else launched
@@ -345,7 +344,7 @@ class LLMEngine:
                 stats.num_rejections - rejections,
             )
         self._last_collected = now
-        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic(), final_only)
+        outputs, stopped = self.output_processor.process(core_outputs, now, final_only)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:
             if output.finished:

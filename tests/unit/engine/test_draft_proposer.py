@@ -12,6 +12,7 @@ import pytest
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.request import Request, RequestId
+from kvfleet.engine.llm import LLM
 from kvfleet.engine.rank_setup import load_rank_model, resolve_setup
 from kvfleet.engine.runner import ModelRunner
 from kvfleet.engine.sampling_params import SamplingParams
@@ -103,3 +104,19 @@ def test_proposing_again_without_verification(config: EngineConfig) -> None:
     assert draft.propose([r], 3)[r.request_id] == first
     r.append_output_token(first[0])  # decoded alone, without its drafts
     assert draft.propose([r], 2)[r.request_id] == continuation(fresh, r.all_token_ids, 2)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(
+    config: EngineConfig, tiny_config: Callable[..., Path]
+) -> None:
+    other = tiny_config(vocab_size=96)
+    speculative = {"method": "draft", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        LLM(config.model, load_format="dummy", device="cpu", speculative_config=speculative)
+    with pytest.raises(ValueError, match="speculative method must be one of"):
+        LLM(
+            config.model,
+            load_format="dummy",
+            device="cpu",
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2},
+        )

@@ -29,6 +29,7 @@ from kvfleet.engine.sampling_params import SamplingParams
         ({"stop": [""]}, "stop strings must not be empty"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"speculative": "no"}, "speculative must be true or false"),
     ],
 )
 def test_bad_values_raise(kwargs: dict[str, object], message: str) -> None:
