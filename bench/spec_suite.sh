@@ -10,6 +10,7 @@ set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 parts=${*:-tests smol8b}
+# shellcheck source-path=SCRIPTDIR source=suite_lib.sh
 source "$(dirname "$0")/suite_lib.sh"
 spec() {  # name, then bench speculative arguments
   local name=$1; shift

@@ -9,6 +9,7 @@ set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 parts=${*:-allreduce tput latency70}
+# shellcheck source-path=SCRIPTDIR source=suite_lib.sh
 source "$(dirname "$0")/suite_lib.sh"
 bench=(python3 -m kvfleet.engine.cli bench)
 for part in $parts; do
