@@ -3,8 +3,8 @@
 #   bench/device_env.sh bench/spec_suite.sh OUT_DIR [PART...]
 # PARTs (default: tests smol8b): tests (tests/gpu/test_speculative_cuda.py and the graph and
 # engine tests it touches), smol (SmolLM2 bf16, document-repeating task, batch 1 and 64: ngram
-# k=4, ngram k=8, draft smollm2 k=4), smol8b (smol, then llama-3-8b dummy bf16 at batch 1 and
-# 64 with ngram k=4 and a llama-3.2-1b dummy draft). One log and one JSON per run in OUT_DIR;
+# k=4, ngram k=8, draft smollm2 k=4), 8b (llama-3-8b dummy bf16 at batch 1 and 64 with ngram k=4
+# and a llama-3.2-1b dummy draft), smol8b (smol, then 8b). One log and one JSON per run in OUT_DIR;
 # each run's tail is printed.
 set -uo pipefail
 out=$1; shift
@@ -24,14 +24,14 @@ for part in $parts; do
       run tests python3 -m pytest -o addopts=--import-mode=importlib -q \
         tests/gpu/test_speculative_cuda.py tests/gpu/test_engine_cuda.py \
         tests/gpu/test_triton_cuda.py tests/gpu/test_lora_cuda.py ;;
-    smol|smol8b)
-      for batch in 1 64; do
+    smol|smol8b|8b)
+      [[ $part == 8b ]] || for batch in 1 64; do
         spec "smol-ngram4-b$batch" --batch-size "$batch" --speculative-config "$ngram4"
         spec "smol-ngram8-b$batch" --batch-size "$batch" --speculative-config "$ngram8"
         spec "smol-draft4-b$batch" --batch-size "$batch" --speculative-config \
           '{"method": "draft", "model": "smollm2", "num_speculative_tokens": 4}'
       done
-      if [[ $part == smol8b ]]; then
+      if [[ $part != smol ]]; then
         for batch in 1 64; do
           spec "8b-ngram4-b$batch" --model llama-3-8b --load-format dummy --dtype bfloat16 \
             --batch-size "$batch" --speculative-config "$ngram4"

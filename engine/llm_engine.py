@@ -119,7 +119,6 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._in_flight: LaunchedStep | None = None  # launched, its outputs not taken yet
-        self._last_collected = 0.0  # when the last step's outputs were taken
         self._penalized: set[str] = set()  # requests whose sampling reads all their outputs
         self._children: dict[str, list[RequestId]] = {}
         self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter
@@ -288,10 +287,13 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.check()  # WorkerDiedError: no step can run any more
         outputs: list[RequestOutput] = []
+        began = time.monotonic()  # (of what the step costs the engine, for the speculator)
+        timed: tuple[int, bool] | None = None  # the timed step: its tokens, whether drafted
         try:
             num_drafts = self._num_drafts()
             if self._in_flight is not None and (num_drafts or not self._may_overlap()):
                 outputs += self._finish_step(final_only)  # (drafts follow the latest tokens)
+                began = time.monotonic()
             drafts = None
             if num_drafts:
                 assert self.speculator is not None
@@ -302,17 +304,21 @@ class LLMEngine:
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)
             launched = self.runner.launch(scheduler_output)
-            launched.launched_at = now
-            if self._in_flight is not None:
+            if self._in_flight is not None:  # the step before, overlapped with this call
+                timed = (self._in_flight.scheduler_output.total_num_scheduled_tokens, False)
                 outputs += self._finish_step(final_only)
             self._in_flight = None if scheduler_output.is_empty else launched
             if self._in_flight is not None and (
                 scheduler_output.scheduled_spec_decode_tokens or not self._may_overlap()
             ):
+                timed = (scheduler_output.total_num_scheduled_tokens, num_drafts > 0)
                 outputs += self._finish_step(final_only)
         except BaseException:
             self._in_flight = None  # (its requests are aborted by the caller)
             raise
+        if timed is not None and self.speculator is not None:
+            num_tokens, drafted = timed
+            self.speculator.observe_cost(num_tokens, time.monotonic() - began, drafted)
         return outputs
 
     def _may_overlap(self) -> bool:
@@ -334,16 +340,11 @@ class LLMEngine:
         stats = self.scheduler.spec_decode_stats
         accepted, rejections = stats.num_accepted_tokens, stats.num_rejections
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        now = time.monotonic()
-        if self.speculator is not None:  # (a step overlapped with the one before it runs
-            # on the device from that one's end)
+        if self.speculator is not None:
             self.speculator.observe(
-                scheduler_output.total_num_scheduled_tokens,
-                now - max(launched.launched_at, self._last_collected),
-                stats.num_accepted_tokens - accepted,
-                stats.num_rejections - rejections,
+                stats.num_accepted_tokens - accepted, stats.num_rejections - rejections
             )
-        self._last_collected = now
+        now = time.monotonic()
         outputs, stopped = self.output_processor.process(core_outputs, now, final_only)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:

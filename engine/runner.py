@@ -87,7 +87,6 @@ class LaunchedStep:
         self.num_logprobs = num_logprobs
         self.results = results
         self.drafts = drafts
-        self.launched_at = 0.0  # (time.monotonic() when launched: the engine times steps)
         self.row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
         self.ready: torch.cuda.Event | None = None
         self._host: list[torch.Tensor] = []

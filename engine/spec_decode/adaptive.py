@@ -2,13 +2,15 @@
 
 With per-draft acceptance rate a, a request that carries k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens per step. Carrying them makes the step compute B(k+1)
-tokens instead of B, so the step takes t(B(k+1)) instead of t(B), where t(n) = fixed + per_token
-x n: the weights streamed once a step (fixed) and the work per token. The speedup of k drafts
-over none is E(k) t(B) / t(B(k+1)); the controller picks the k that maximizes it, and 0 unless
-that beats 1 by a margin. At batch 1 the step is all weight streaming, so drafts are nearly
-free; at large batches the per-token work dominates and drafts stop paying. Where only a share
-h of the requests gets drafts (prompt lookup finds no match for the others), the step emits
-B((1 - h) + h E(k)) tokens for t(B(1 + h k)).
+tokens instead of B. A step without drafts takes t(B); one with drafts takes d(B(k+1)), where
+t(n) and d(n) = fixed + per_token x n: the weights streamed once a step (fixed) and the work per
+token. The two differ by what drafts add besides tokens: proposing them (a draft model's own
+forwards), and a step with drafts is not overlapped with the next one's scheduling. The speedup
+of k drafts over none is E(k) t(B) / d(B(k+1)); the controller picks the k that maximizes it,
+and 0 unless that beats 1 by a margin. At batch 1 the step is all weight streaming, so drafts
+are nearly free; at large batches the per-token work dominates and drafts stop paying. Where
+only a share h of the requests gets drafts (prompt lookup finds no match for the others), the
+step emits B((1 - h) + h E(k)) tokens for d(B(1 + h k)).
 
 a is estimated as each draft position were a coin flip until the first rejection: kept drafts
 over kept drafts plus rejections (a request whose drafts were all kept saw no rejection).
@@ -48,15 +50,17 @@ class StepCosts:
         return self.fixed + self.per_token * num_tokens
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """A timed step; the fit moves once steps of at least two sizes were seen."""
+        """A timed step. Over steps of one size only, the work per token stays and the fixed
+        cost moves to fit them; over several sizes both do."""
         if len(self._samples) == self._samples.maxlen:
             self._add(*self._samples[0], sign=-1.0)
         self._samples.append((num_tokens, seconds))
         self._add(num_tokens, seconds, sign=1.0)
         n, sx, sy, sxx, sxy = self._sums
         var = sxx - sx * sx / n
-        if var <= 1e-9 * max(sxx, 1.0):
-            return  # (one size only)
+        if var <= 1e-9 * max(sxx, 1.0):  # (one size only)
+            self.fixed = max((sy - self.per_token * sx) / n, 1e-6)
+            return
         slope = (sxy - sx * sy / n) / var
         intercept = (sy - slope * sx) / n
         if slope > 0 and intercept > 0:
@@ -79,20 +83,23 @@ def choose_num_drafts(
     acceptance: float,
     max_drafts: int,
     costs: StepCosts,
+    drafted_costs: StepCosts | None = None,
     margin: float = 1.05,
     proposal_rate: float = 1.0,
 ) -> int:
     """The draft count (0..max_drafts) with the best expected speedup for this batch, where a
-    share `proposal_rate` of the requests gets drafts; 0 when none beats decoding without
+    share `proposal_rate` of the requests gets drafts, steps without drafts cost `costs` and
+    steps with them `drafted_costs` (the same by default); 0 when none beats decoding without
     drafts by `margin`."""
     if batch_size < 1:
         return 0
+    drafted_costs = drafted_costs or costs
     base = costs.seconds(batch_size)
     h = proposal_rate
     best, best_speedup = 0, margin
     for k in range(1, max_drafts + 1):
         tokens = (1 - h) + h * expected_tokens(acceptance, k)
-        speedup = tokens * base / costs.seconds(batch_size * (1 + h * k))
+        speedup = tokens * base / drafted_costs.seconds(batch_size * (1 + h * k))
         if speedup > best_speedup:
             best, best_speedup = k, speedup
     return best
@@ -101,19 +108,23 @@ def choose_num_drafts(
 class DraftLength:
     """The engine's choice of drafts per request for each step: `max_drafts`, or with
     `adaptive` the count `choose_num_drafts` finds worth it for the batch, from the acceptance
-    and step costs observed so far."""
+    and the step costs (with and without drafts) observed so far."""
 
     # After this many steps without drafts, one step tries a single draft per request, so the
-    # acceptance and the cost of larger steps stay measured (they change with the traffic).
+    # acceptance and the cost of drafted steps stay measured (they change with the traffic).
+    # Each try that does not bring drafts back doubles the wait, up to the most.
     EXPLORE_EVERY = 64
+    MAX_EXPLORE_EVERY = 1024
 
     def __init__(self, max_drafts: int, adaptive: bool, costs: StepCosts) -> None:
         self.max_drafts = max_drafts
         self.adaptive = adaptive
-        self.costs = costs
+        self.costs = costs  # steps without drafts
+        self.drafted_costs = StepCosts(costs.fixed, costs.per_token)  # steps with them
         self.acceptance = Rate()  # a: per draft position, until the first rejection
         self.proposal_rate = Rate(prior=1.0)  # h: decoding requests that got drafts
         self._steps_without = 0
+        self._explore_every = self.EXPLORE_EVERY
 
     def choose(self, batch_size: int) -> int:
         if not batch_size:
@@ -125,22 +136,30 @@ class DraftLength:
             self.acceptance.value,
             self.max_drafts,
             self.costs,
+            self.drafted_costs,
             proposal_rate=self.proposal_rate.value,
         )
-        self._steps_without = 0 if k else self._steps_without + 1
-        if self._steps_without >= self.EXPLORE_EVERY:
-            self._steps_without = 0
-            return 1
-        return k
+        if k:
+            self._steps_without, self._explore_every = 0, self.EXPLORE_EVERY
+            return k
+        self._steps_without += 1
+        if self._steps_without < self._explore_every:
+            return 0
+        self._steps_without = 0
+        self._explore_every = min(2 * self._explore_every, self.MAX_EXPLORE_EVERY)
+        return 1
 
-    def observe(
-        self, num_tokens: int, seconds: float, num_accepted: int, num_rejected: int
-    ) -> None:
-        """A finished step: its size and duration, its kept drafts and its rejections (drafted
-        requests that had one rejected)."""
+    def observe(self, num_accepted: int, num_rejected: int) -> None:
+        """A finished step's kept drafts and rejections (drafted requests that had one
+        rejected)."""
         if self.adaptive:
-            self.costs.observe(num_tokens, seconds)
             self.acceptance.update(num_accepted + num_rejected, num_accepted)
+
+    def observe_cost(self, num_tokens: int, seconds: float, drafted: bool) -> None:
+        """A step's size and what it cost, from scheduling to its outputs taken; `drafted`:
+        drafts were asked for it."""
+        if self.adaptive:
+            (self.drafted_costs if drafted else self.costs).observe(num_tokens, seconds)
 
     def observe_proposals(self, num_decoding: int, num_drafted: int) -> None:
         """Of `num_decoding` requests asked for drafts, `num_drafted` got some."""

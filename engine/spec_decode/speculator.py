@@ -2,7 +2,8 @@
 
 Each step the engine asks it how many drafts the batch affords (`num_drafts`), then for the
 drafts of the running requests that are decoding (`propose`); the scheduler verifies them as
-tokens to compute, and the engine reports each finished step back (`observe`).
+tokens to compute, and the engine reports each finished step back (`observe`: kept drafts;
+`observe_cost`: its size and the time it took).
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ class Speculator:
         self.draft_length.observe_proposals(len(decoding), len(drafts))
         return drafts
 
-    def observe(
-        self, num_tokens: int, seconds: float, num_accepted: int, num_rejected: int
-    ) -> None:
-        """A finished step: its size and duration, its kept drafts and its rejections."""
-        self.draft_length.observe(num_tokens, seconds, num_accepted, num_rejected)
+    def observe(self, num_accepted: int, num_rejected: int) -> None:
+        """A finished step's kept drafts and its rejections."""
+        self.draft_length.observe(num_accepted, num_rejected)
+
+    def observe_cost(self, num_tokens: int, seconds: float, drafted: bool) -> None:
+        """A step of `num_tokens` took `seconds` of the engine's time (`drafted`: with drafts
+        asked for)."""
+        self.draft_length.observe_cost(num_tokens, seconds, drafted)
 
     def forget(self, request_ids: Iterable[RequestId]) -> None:
         self.proposer.forget(request_ids)

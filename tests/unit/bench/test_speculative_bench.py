@@ -34,6 +34,7 @@ def test_speculative_bench_reports_both_runs(
     assert args.run(args) == 0
     result = json.loads(out.read_text())
     assert result["same_output"] is True
+    assert (result["diverged_requests"], result["first_divergence"]) == (0, [])
     for run in ("plain", "speculative"):
         assert result[run]["output_tokens"] == 3 * 12
     assert result["plain"]["draft_tokens"] == 0

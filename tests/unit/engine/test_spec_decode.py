@@ -205,9 +205,10 @@ def test_adaptive_length_drafts_where_they_pay_and_not_elsewhere() -> None:
 
 
 def test_step_costs_and_acceptance_follow_what_they_observe() -> None:
-    costs = StepCosts(fixed=1.0, per_token=1.0)
+    costs = StepCosts(fixed=1.0, per_token=1e-4)
     costs.observe(10, 0.0051)
-    assert (costs.fixed, costs.per_token) == (1.0, 1.0)  # one size: no fit yet
+    costs.observe(10, 0.0051)  # one size: the work per token stays, the fixed cost fits
+    assert (costs.fixed, costs.per_token) == (pytest.approx(0.0051 - 1e-3), 1e-4)
     for n in (10, 40, 100, 400):
         costs.observe(n, 0.005 + 1e-5 * n)
     assert costs.fixed == pytest.approx(0.005, rel=1e-3)
@@ -233,7 +234,7 @@ def test_draft_length_estimates_acceptance_per_position_and_counts_misses() -> N
     costs = StepCosts(fixed=4.8e-3, per_token=23e-6)
     length = DraftLength(8, adaptive=True, costs=costs)
     length.acceptance.weight = length.proposal_rate.weight = 1.0
-    length.observe(num_tokens=9, seconds=5e-3, num_accepted=3, num_rejected=1)
+    length.observe(num_accepted=3, num_rejected=1)
     assert length.acceptance.value == pytest.approx(0.75)
     assert length.choose(64) > 0
     length.observe_proposals(num_decoding=64, num_drafted=1)
@@ -244,9 +245,32 @@ def test_draft_length_estimates_acceptance_per_position_and_counts_misses() -> N
     assert (fixed.choose(256), fixed.choose(0)) == (3, 0)
 
 
-def test_draft_length_explores_after_steps_without_drafts() -> None:
+def test_draft_length_explores_after_steps_without_drafts_less_often_each_time() -> None:
     costs = StepCosts(fixed=1e-3, per_token=1e-3)  # (drafts never pay)
     length = DraftLength(4, adaptive=True, costs=costs)
-    choices = [length.choose(32) for _ in range(2 * DraftLength.EXPLORE_EVERY)]
-    assert choices.count(1) == 2
+    every, most = DraftLength.EXPLORE_EVERY, DraftLength.MAX_EXPLORE_EVERY
+    choices = [length.choose(32) for _ in range(every + 2 * every + 4 * every)]
     assert set(choices) == {0, 1}
+    tries = [i + 1 for i, k in enumerate(choices) if k]
+    assert tries == [every, 3 * every, 7 * every]  # waits 64, 128, 256 steps
+    choices = [length.choose(32) for _ in range(4 * most)]
+    assert choices.count(1) in (3, 4)  # then once every MAX_EXPLORE_EVERY steps at most
+
+
+def test_draft_length_weighs_what_drafted_steps_cost_beyond_their_tokens() -> None:
+    """Steps with drafts that take twice what their size predicts (a draft model's forwards,
+    no overlap) stop drafts that the plain step costs alone would take."""
+    length = DraftLength(4, adaptive=True, costs=StepCosts(fixed=5e-3, per_token=2e-5))
+    length.acceptance.value = 0.6
+    assert length.choose(8) == 4
+    for _ in range(8):
+        length.observe_cost(8, 5e-3 + 8 * 2e-5, drafted=False)
+        length.observe_cost(40, 2 * (5e-3 + 40 * 2e-5), drafted=True)
+    assert length.drafted_costs.seconds(40) == pytest.approx(2 * (5e-3 + 40 * 2e-5))
+    assert length.costs.seconds(8) == pytest.approx(5e-3 + 8 * 2e-5)
+    assert length.choose(8) == 0  # 2.3 tokens a step for twice the time
+    length.acceptance.value = 0.95
+    assert length.choose(8) == 4  # 4.5 tokens a step: worth it again
+    fixed = DraftLength(4, adaptive=False, costs=StepCosts(fixed=5e-3, per_token=2e-5))
+    fixed.observe_cost(40, 1.0, drafted=True)
+    assert fixed.drafted_costs.fixed == 5e-3  # not adaptive: nothing fitted
