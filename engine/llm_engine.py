@@ -308,9 +308,8 @@ class LLMEngine:
                 timed = (self._in_flight.scheduler_output.total_num_scheduled_tokens, False)
                 outputs += self._finish_step(final_only)
             self._in_flight = None if scheduler_output.is_empty else launched
-            if self._in_flight is not None and (
-                scheduler_output.scheduled_spec_decode_tokens or not self._may_overlap()
-            ):
+            if self._in_flight is not None and (num_drafts or not self._may_overlap()):
+                # (a step drafts were asked for is timed alone, with or without drafts)
                 timed = (scheduler_output.total_num_scheduled_tokens, num_drafts > 0)
                 outputs += self._finish_step(final_only)
         except BaseException:

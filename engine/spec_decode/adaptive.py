@@ -2,15 +2,16 @@
 
 With per-draft acceptance rate a, a request that carries k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens per step. Carrying them makes the step compute B(k+1)
-tokens instead of B. A step without drafts takes t(B); one with drafts takes d(B(k+1)), where
-t(n) and d(n) = fixed + per_token x n: the weights streamed once a step (fixed) and the work per
-token. The two differ by what drafts add besides tokens: proposing them (a draft model's own
-forwards), and a step with drafts is not overlapped with the next one's scheduling. The speedup
+tokens instead of B. A step without drafts takes t(B), t(n) = fixed + per_token x n: the weights
+streamed once a step (fixed) and the work per token; one with drafts takes t(B(k+1)) + x(B(k+1)),
+where x(n), fitted the same way to what drafted steps took beyond t, is what drafts add besides
+tokens: proposing them (a draft model's own forwards), and a step with drafts does not overlap
+the next one's scheduling (x is 0 until drafted steps were timed). The speedup
 of k drafts over none is E(k) t(B) / d(B(k+1)); the controller picks the k that maximizes it,
 and 0 unless that beats 1 by a margin. At batch 1 the step is all weight streaming, so drafts
 are nearly free; at large batches the per-token work dominates and drafts stop paying. Where
 only a share h of the requests gets drafts (prompt lookup finds no match for the others), the
-step emits B((1 - h) + h E(k)) tokens for d(B(1 + h k)).
+step emits B((1 - h) + h E(k)) tokens for t(B(1 + h k)) + x(B(1 + h k)).
 
 a is estimated as each draft position were a coin flip until the first rejection: kept drafts
 over kept drafts plus rejections (a request whose drafts were all kept saw no rejection).
@@ -37,11 +38,15 @@ class Rate:
 
 
 class StepCosts:
-    """t(n) = fixed + per_token x n seconds for a step of n tokens, fitted to recent steps."""
+    """t(n) = fixed + per_token x n seconds for a step of n tokens, fitted to recent steps;
+    `signed`: either term may be negative (a difference of costs)."""
 
-    def __init__(self, fixed: float, per_token: float, window: int = 256) -> None:
+    def __init__(
+        self, fixed: float, per_token: float, window: int = 256, signed: bool = False
+    ) -> None:
         self.fixed = fixed
         self.per_token = per_token
+        self.signed = signed
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         # Running sums over the window: n, x, y, x^2, xy (so a step costs O(1) to fit).
         self._sums = [0.0] * 5
@@ -59,11 +64,12 @@ class StepCosts:
         n, sx, sy, sxx, sxy = self._sums
         var = sxx - sx * sx / n
         if var <= 1e-9 * max(sxx, 1.0):  # (one size only)
-            self.fixed = max((sy - self.per_token * sx) / n, 1e-6)
+            fixed = (sy - self.per_token * sx) / n
+            self.fixed = fixed if self.signed else max(fixed, 1e-6)
             return
         slope = (sxy - sx * sy / n) / var
         intercept = (sy - slope * sx) / n
-        if slope > 0 and intercept > 0:
+        if self.signed or (slope > 0 and intercept > 0):
             self.per_token, self.fixed = slope, intercept
 
     def _add(self, x: float, y: float, sign: float) -> None:
@@ -83,23 +89,23 @@ def choose_num_drafts(
     acceptance: float,
     max_drafts: int,
     costs: StepCosts,
-    drafted_costs: StepCosts | None = None,
+    extra: StepCosts | None = None,
     margin: float = 1.05,
     proposal_rate: float = 1.0,
 ) -> int:
     """The draft count (0..max_drafts) with the best expected speedup for this batch, where a
-    share `proposal_rate` of the requests gets drafts, steps without drafts cost `costs` and
-    steps with them `drafted_costs` (the same by default); 0 when none beats decoding without
-    drafts by `margin`."""
+    share `proposal_rate` of the requests gets drafts, steps cost `costs` and those with drafts
+    `extra` more (none by default); 0 when none beats decoding without drafts by `margin`."""
     if batch_size < 1:
         return 0
-    drafted_costs = drafted_costs or costs
     base = costs.seconds(batch_size)
     h = proposal_rate
     best, best_speedup = 0, margin
     for k in range(1, max_drafts + 1):
         tokens = (1 - h) + h * expected_tokens(acceptance, k)
-        speedup = tokens * base / drafted_costs.seconds(batch_size * (1 + h * k))
+        size = batch_size * (1 + h * k)
+        drafted = costs.seconds(size) + (max(extra.seconds(size), 0.0) if extra else 0.0)
+        speedup = tokens * base / drafted
         if speedup > best_speedup:
             best, best_speedup = k, speedup
     return best
@@ -120,7 +126,7 @@ class DraftLength:
         self.max_drafts = max_drafts
         self.adaptive = adaptive
         self.costs = costs  # steps without drafts
-        self.drafted_costs = StepCosts(costs.fixed, costs.per_token)  # steps with them
+        self.extra = StepCosts(0.0, 0.0, signed=True)  # what steps with drafts took beyond
         self.acceptance = Rate()  # a: per draft position, until the first rejection
         self.proposal_rate = Rate(prior=1.0)  # h: decoding requests that got drafts
         self._steps_without = 0
@@ -136,7 +142,7 @@ class DraftLength:
             self.acceptance.value,
             self.max_drafts,
             self.costs,
-            self.drafted_costs,
+            self.extra,
             proposal_rate=self.proposal_rate.value,
         )
         if k:
@@ -158,8 +164,12 @@ class DraftLength:
     def observe_cost(self, num_tokens: int, seconds: float, drafted: bool) -> None:
         """A step's size and what it cost, from scheduling to its outputs taken; `drafted`:
         drafts were asked for it."""
-        if self.adaptive:
-            (self.drafted_costs if drafted else self.costs).observe(num_tokens, seconds)
+        if not self.adaptive:
+            return
+        if drafted:
+            self.extra.observe(num_tokens, seconds - self.costs.seconds(num_tokens))
+        else:
+            self.costs.observe(num_tokens, seconds)
 
     def observe_proposals(self, num_decoding: int, num_drafted: int) -> None:
         """Of `num_decoding` requests asked for drafts, `num_drafted` got some."""

@@ -259,18 +259,22 @@ def test_draft_length_explores_after_steps_without_drafts_less_often_each_time()
 
 def test_draft_length_weighs_what_drafted_steps_cost_beyond_their_tokens() -> None:
     """Steps with drafts that take twice what their size predicts (a draft model's forwards,
-    no overlap) stop drafts that the plain step costs alone would take."""
+    no overlap) stop drafts that the plain step costs alone would take; plain steps slower than
+    the prior do not make drafts look cheap."""
     length = DraftLength(4, adaptive=True, costs=StepCosts(fixed=5e-3, per_token=2e-5))
-    length.acceptance.value = 0.6
+    length.acceptance.value = 0.5
+    assert length.choose(8) == 4
+    for _ in range(8):  # plain steps of 8 take 8 ms, not the prior's 5.16
+        length.observe_cost(8, 8e-3, drafted=False)
+    assert length.costs.seconds(8) == pytest.approx(8e-3)
+    assert length.extra.seconds(40) == 0.0  # (no drafted step timed yet)
     assert length.choose(8) == 4
     for _ in range(8):
-        length.observe_cost(8, 5e-3 + 8 * 2e-5, drafted=False)
-        length.observe_cost(40, 2 * (5e-3 + 40 * 2e-5), drafted=True)
-    assert length.drafted_costs.seconds(40) == pytest.approx(2 * (5e-3 + 40 * 2e-5))
-    assert length.costs.seconds(8) == pytest.approx(5e-3 + 8 * 2e-5)
-    assert length.choose(8) == 0  # 2.3 tokens a step for twice the time
+        length.observe_cost(40, 2 * length.costs.seconds(40), drafted=True)
+    assert length.extra.seconds(40) == pytest.approx(length.costs.seconds(40))
+    assert length.choose(8) == 0  # 1.9 tokens a step for twice the time
     length.acceptance.value = 0.95
     assert length.choose(8) == 4  # 4.5 tokens a step: worth it again
     fixed = DraftLength(4, adaptive=False, costs=StepCosts(fixed=5e-3, per_token=2e-5))
     fixed.observe_cost(40, 1.0, drafted=True)
-    assert fixed.drafted_costs.fixed == 5e-3  # not adaptive: nothing fitted
+    assert fixed.extra.fixed == 0.0  # not adaptive: nothing fitted
