@@ -256,13 +256,12 @@ class ModelRunner:
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
         sampling = drafts = None
         if inputs.drafts is not None:
-            sampling, drafts = self._draft_sampling(states, inputs.drafts)
+            sampling, drafts = self._draft_sampling(states, inputs.drafts, inputs.sampled_positions)
         elif inputs.step.race is None:
             # NOTE: built before the forward is queued (the copies are asynchronous anyway).
             sampling = self._sampling_metadata(states)
-        if sampling is not None:
-            generators = drafts.generators if drafts is not None else sampling.generators
-            for row, generator in generators.items():
+        if sampling is not None and drafts is None:
+            for row, generator in sampling.generators.items():
                 seed = states[row].sampling_params.seed
                 assert seed is not None
                 generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
@@ -487,10 +486,10 @@ class ModelRunner:
         return np.concatenate((keys, bases, temperature.view(np.int64)))
 
     def _draft_sampling(
-        self, states: list[CachedRequestState], drafts: list[list[int]]
+        self, states: list[CachedRequestState], drafts: list[list[int]], positions: list[int]
     ) -> tuple[SamplingMetadata, StepDrafts]:
         """A speculative step's sampling tensors, one row per logits row (k + 1 per request
-        with k drafts), and its drafts."""
+        with k drafts), and its drafts; `positions`: each request's first sampled position."""
         counts = [len(d) + 1 for d in drafts]
         rows = [s for s, count in zip(states, counts, strict=True) for _ in range(count)]
         # (penalties read the outputs: requests with them carry no drafts)
@@ -507,7 +506,11 @@ class ModelRunner:
             num_drafts=[count - 1 for count in counts],
             token_ids=to_device(np.array([t for d in drafts for t in d], np.int64), self.device),
             greedy=[s.sampling_params.is_greedy for s in states],
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            keys={
+                i: [position_seed(seed, positions[i] + j) for j in range(count)]
+                for i, (s, count) in enumerate(zip(states, counts, strict=True))
+                if (seed := s.sampling_params.seed) is not None and not s.sampling_params.is_greedy
+            },
         )
         return meta, step_drafts
 

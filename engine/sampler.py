@@ -169,6 +169,17 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return (probs / noise).argmax(dim=-1)
 
 
+def keyed_exponential_race(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+    """Sample row i of `probs` with the draw a seeded request's generator makes when seeded with
+    keys[i] (`position_seed`): the same token the sampler would take for that row."""
+    generator = torch.Generator(device=probs.device)
+    noise = torch.empty_like(probs)
+    for row, key in enumerate(keys):
+        generator.manual_seed(key)
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
     sampled_logprob = raw_logprobs.gather(1, sampled[:, None])
     ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1

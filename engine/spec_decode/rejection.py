@@ -9,6 +9,13 @@ draft is accepted it emits a bonus token drawn from p_{k+1}. So each step emits 
 k + 1 tokens, each distributed as sampling from p would have been (Leviathan et al. 2023;
 Chen et al. 2023). Greedy requests accept a draft iff it is the target's argmax and emit the
 argmax at the first mismatch: the same tokens as decoding without drafts.
+
+Seeded requests verify by coupling instead: each of their rows is sampled with the draw the
+sampler makes for that position (`keyed_exponential_race`), and drafts are kept while they equal
+those samples. With certain drafts (both proposers draft greedily) that is the same rejection
+sampling (a draft is kept with probability p(d), and at a rejection the sample follows p without
+d, the residual), but what a seeded request emits then depends on neither the drafts nor how
+many there were: the tokens it would have had without speculation.
 """
 
 from __future__ import annotations
@@ -25,18 +32,20 @@ from kvfleet.engine.sampler import (
     exponential_race,
     filtered_probs,
     gather_logprobs,
+    keyed_exponential_race,
 )
 
 
 @dataclass(frozen=True)
 class StepDrafts:
     """A step's drafts, per sampled request in row order: how many (its logits rows are that
-    many plus one), whether it samples greedily, and its own generator if seeded."""
+    many plus one), whether it samples greedily, and for seeded ones the keys of their rows'
+    draws."""
 
     num_drafts: list[int]
     token_ids: torch.Tensor  # [sum(num_drafts)] int64, request after request
     greedy: list[bool]
-    generators: dict[int, torch.Generator]  # request index -> generator
+    keys: dict[int, list[int]]  # seeded request index -> position_seed of each of its rows
 
 
 def sample_with_drafts(
@@ -57,7 +66,7 @@ def sample_with_drafts(
         drafts.greedy,
         drafts.num_drafts,
         drafts.token_ids,
-        generators=drafts.generators,
+        keys=drafts.keys,
     )
     if raw_logprobs is None:
         return SamplerOutput(last, num_accepted=num_accepted)
@@ -74,7 +83,7 @@ def verify_drafts(
     num_drafts: Sequence[int],
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
-    generators: dict[int, torch.Generator] | None = None,
+    keys: dict[int, list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request, how many of its drafts it keeps and the token after them (the rejected
     draft's replacement, or the bonus), both [num_requests] int64 on the device, queued
@@ -82,8 +91,9 @@ def verify_drafts(
     temperature and top-k/p/min-p; any values in greedy requests' rows) and `target_argmax`
     [same rows] (of the logits) come in request order, k_i + 1 per request; `draft_token_ids`
     [sum k_i] likewise k_i per request, and `draft_probs` [sum k_i, vocab] the distributions
-    they were drawn from (None: each draft was certain, q(d) = 1). `generators`: request index
-    -> its own generator (seeded requests)."""
+    they were drawn from (None: each draft was certain, q(d) = 1). `keys`: sampled (not greedy)
+    seeded request index -> the key of each of its k_i + 1 rows' draws (coupled verification;
+    their drafts must be certain)."""
     device = target_probs.device
     counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
     num_reqs = len(num_drafts)
@@ -113,9 +123,18 @@ def verify_drafts(
             target_argmax,
             draft_token_ids,
             draft_probs,
-            _rows_of(generators or {}, num_drafts),
-            generators or {},
         )
+        if keys:
+            accept, recovered, bonus = _coupled_verdicts(
+                target_probs,
+                num_drafts,
+                keys,
+                draft_req,
+                judge_row,
+                last_row,
+                draft_token_ids,
+                (accept, recovered, bonus),
+            )
     # Each request keeps its leading accepted drafts, then one token: the rejected draft's
     # replacement, or the bonus when all were kept.
     table = torch.zeros(num_reqs, max(num_drafts, default=0) + 1, dtype=torch.int64, device=device)
@@ -153,12 +172,9 @@ def _sampled_verdicts(
     target_argmax: torch.Tensor,
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    draft_gens: dict[int, torch.Generator],
-    generators: dict[int, torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per draft, whether it is kept and what replaces it when it is not (from the residual
-    max(0, p - q)); per request, the bonus token (from its last row). Greedy rows: argmax.
-    `draft_gens`: draft row -> its request's generator; `generators`: by request."""
+    max(0, p - q)); per request, the bonus token (from its last row). Greedy rows: argmax."""
     device = target_probs.device
     draft_greedy = greedy_req[draft_req]
     p_draft = target_probs[judge_row, draft_token_ids]
@@ -167,8 +183,6 @@ def _sampled_verdicts(
     else:
         q_draft = draft_probs.gather(1, draft_token_ids[:, None]).squeeze(1)
     uniform = torch.rand(p_draft.shape, device=device)
-    for row, generator in draft_gens.items():
-        uniform[row] = torch.rand((), device=device, generator=generator)
     accept = torch.where(
         draft_greedy, draft_token_ids == argmax_judged, uniform * q_draft < p_draft
     )
@@ -177,23 +191,42 @@ def _sampled_verdicts(
         residual = judged.scatter(1, draft_token_ids[:, None], 0.0)
     else:
         residual = (judged - draft_probs).clamp_(min=0.0)
-    recovered = torch.where(draft_greedy, argmax_judged, exponential_race(residual, draft_gens))
+    recovered = torch.where(draft_greedy, argmax_judged, exponential_race(residual, {}))
     bonus = torch.where(
-        greedy_req,
-        target_argmax[last_row],
-        exponential_race(target_probs[last_row], generators),
+        greedy_req, target_argmax[last_row], exponential_race(target_probs[last_row], {})
     )
     return accept, recovered, bonus
 
 
-def _rows_of(
-    generators: dict[int, torch.Generator], num_drafts: Sequence[int]
-) -> dict[int, torch.Generator]:
-    """Each draft row's generator, where its request has one (from the host's counts)."""
-    rows = {}
-    first = 0
-    for req, count in enumerate(num_drafts):
-        if req in generators:
-            rows.update(dict.fromkeys(range(first, first + count), generators[req]))
-        first += count
-    return rows
+def _coupled_verdicts(
+    target_probs: torch.Tensor,
+    num_drafts: Sequence[int],
+    keys: dict[int, list[int]],
+    draft_req: torch.Tensor,
+    judge_row: torch.Tensor,
+    last_row: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    verdicts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verdicts` (accept, recovered, bonus) with the seeded requests' replaced: each of their
+    rows sampled by its key, drafts kept while equal to those samples."""
+    device = target_probs.device
+    first_rows = [0]
+    for count in num_drafts:
+        first_rows.append(first_rows[-1] + count + 1)
+    rows = [first_rows[req] + j for req, row_keys in keys.items() for j in range(len(row_keys))]
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    sampled = torch.full((first_rows[-1],), -1, dtype=torch.int64, device=device)
+    sampled[index] = keyed_exponential_race(
+        target_probs[index], [key for row_keys in keys.values() for key in row_keys]
+    )
+    seeded = torch.zeros(len(num_drafts), dtype=torch.bool)
+    seeded[list(keys)] = True
+    seeded = seeded.to(device)
+    seeded_draft = seeded[draft_req]
+    accept, recovered, bonus = verdicts
+    judged = sampled[judge_row]
+    accept = torch.where(seeded_draft, draft_token_ids == judged, accept)
+    recovered = torch.where(seeded_draft, judged, recovered)
+    bonus = torch.where(seeded, sampled[last_row], bonus)
+    return accept, recovered, bonus

@@ -1,6 +1,6 @@
 """Speculative decoding on CUDA (Triton attention, decode graphs, the vocabulary race between
-drafted steps): greedy output with drafts, from either proposer, is the output without them;
-seeded sampling with drafts repeats itself."""
+drafted steps): greedy output with drafts, from either proposer, is the output without them, and
+so is seeded sampling's."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def outputs(llm: LLM, params: SamplingParams) -> list[Any]:
 @pytest.mark.parametrize("method", sorted(SPECULATIVE))
 def test_greedy_output_with_drafts_on_cuda(method: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=96)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
     plain = LLM("smollm2", device="cuda", dtype="float32", gpu_memory_utilization=0.3)
     want = outputs(plain, params)
+    want_seeded = outputs(plain, seeded)
     plain.engine.close()
     del plain
     gc.collect()  # (its KV cache freed before the next engine sizes its own)
@@ -68,5 +70,4 @@ def test_greedy_output_with_drafts_on_cuda(method: str) -> None:
     assert any(q > 1 for q in query_lens)  # verification steps ran from graphs
     stats = llm.engine.scheduler.spec_decode_stats
     assert stats.num_accepted_tokens > 0
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
-    assert outputs(llm, seeded) == outputs(llm, seeded)
+    assert outputs(llm, seeded) == want_seeded  # (coupled: each position's own draw)

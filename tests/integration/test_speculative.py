@@ -194,12 +194,25 @@ def test_requests_that_opt_out_or_need_every_token_get_no_drafts(
     assert [t.token_id for t in got[0].outputs[0].logprobs] == got[0].outputs[0].token_ids
 
 
-def test_seeded_sampling_with_drafts_repeats_itself(speculative: LLM) -> None:
+def test_seeded_sampling_with_drafts_is_sampling_without(plain: LLM, speculative: LLM) -> None:
+    """A seeded request's tokens are those it gets without speculation, whatever the number
+    of drafts per step (coupled verification: each position's own draw)."""
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40)
-    first = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
-    second = speculative.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
-    assert first == second
-    assert len(first) == 40
+    want = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[0], PROMPTS[2]], params)]
+    assert all(len(tokens) == 40 for tokens in want)
+    engine = speculative.engine
+    assert engine.speculator is not None
+    length = engine.speculator.draft_length
+    stats = engine.scheduler.spec_decode_stats
+    accepted = stats.num_accepted_tokens
+    try:
+        for k in (4, 1, 3):
+            length.max_drafts = k
+            got = speculative.generate([PROMPTS[0], PROMPTS[2]], params)
+            assert [o.outputs[0].token_ids for o in got] == want, k
+    finally:
+        length.max_drafts = 4
+    assert stats.num_accepted_tokens > accepted
 
 
 def test_server_speculates_counts_and_honours_the_opt_out(tmp_path: Path) -> None:

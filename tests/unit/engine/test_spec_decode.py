@@ -1,7 +1,7 @@
 """Speculative decoding's pieces: the n-gram proposer against a brute-force search, and the
 rejection sampler: greedy requests emit exactly the target's argmax tokens, sampled ones the
 target's distribution (chi-square over many draws, with draft-model and with certain drafts,
-at temperature 1 and under top-p)."""
+seeded or not, at temperature 1 and under top-p); seeded ones their own samples."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from scipy import stats
 
 from kvfleet.engine.config import SpeculativeConfig
 from kvfleet.engine.core.request import RequestId
-from kvfleet.engine.sampler import SamplingMetadata, filtered_probs
+from kvfleet.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    filtered_probs,
+    keyed_exponential_race,
+    position_seed,
+)
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.adaptive import (
     DraftLength,
@@ -33,11 +39,11 @@ def rejection_sample(
     num_drafts: list[int],
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
-    generators: dict[int, torch.Generator] | None = None,
+    keys: dict[int, list[int]] | None = None,
 ) -> list[list[int]]:
     """The tokens each request emits."""
     kept, last = verify_drafts(
-        target_probs, target_argmax, greedy, num_drafts, draft_token_ids, draft_probs, generators
+        target_probs, target_argmax, greedy, num_drafts, draft_token_ids, draft_probs, keys
     )
     return emitted_tokens(draft_token_ids.tolist(), num_drafts, kept.tolist(), last.tolist())
 
@@ -109,12 +115,13 @@ def _chi_square(samples: list[int], probs: torch.Tensor) -> float:
     return float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue)
 
 
-@pytest.mark.parametrize("drafts_from", ["draft-model", "certain"])
+@pytest.mark.parametrize("drafts_from", ["draft-model", "certain", "certain-seeded"])
 @pytest.mark.parametrize("top_p", [1.0, 0.7])
 def test_sampled_requests_emit_the_target_distribution(drafts_from: str, top_p: float) -> None:
     """20,000 requests, two drafts each, against fixed target distributions p1, p2, p3 (the
     target here ignores context): the first emitted token follows p1, the second (when the
-    first draft was kept) p2, the third p3."""
+    first draft was kept) p2, the third p3. Seeded: each request its own seed (coupled
+    verification)."""
     torch.manual_seed(0)
     vocab, num, k = 6, 20_000, 2
     logits = torch.tensor([[1.0, 0.3, -0.5, 0.8, -1.2, 0.1], [0.2, 1.1, 0.0, -0.7, 0.9, -2.0]])
@@ -136,6 +143,9 @@ def test_sampled_requests_emit_the_target_distribution(drafts_from: str, top_p: 
     else:  # certain drafts (as n-gram ones), half of them starting outside top-p's nucleus
         draft_ids = torch.tensor([2, 1, 0, 1]).repeat(num // 2)
         draft_probs = None
+    keys = None
+    if drafts_from == "certain-seeded":
+        keys = {i: [position_seed(1000 + i, 40 + j) for j in range(k + 1)] for i in range(num)}
     emitted = rejection_sample(
         target.repeat(num, 1),
         logits.argmax(-1).repeat(num),
@@ -143,6 +153,7 @@ def test_sampled_requests_emit_the_target_distribution(drafts_from: str, top_p: 
         [k] * num,
         draft_ids,
         draft_probs,
+        keys,
     )
     for position in range(3):
         tokens = [e[position] for e in emitted if len(e) > position]
@@ -150,18 +161,43 @@ def test_sampled_requests_emit_the_target_distribution(drafts_from: str, top_p: 
         assert _chi_square(tokens, target[position]) > 1e-3, position
 
 
-def test_seeded_requests_repeat_their_draws() -> None:
-    vocab, num = 5, 8
-    target = torch.softmax(torch.randn(num * 3, vocab), -1)
-    drafts = torch.randint(0, vocab, (num * 2,))
-
-    def run() -> list[list[int]]:
-        generators = {i: torch.Generator().manual_seed(i) for i in range(num)}
-        return rejection_sample(
-            target, target.argmax(-1), [False] * num, [2] * num, drafts, None, generators
+def test_seeded_requests_emit_their_own_samples_whatever_the_drafts() -> None:
+    """A seeded request emits, at each position, what the sampler draws for it there (the key
+    of that position): the drafts change only how many tokens a step emits."""
+    vocab, num, k = 5, 8, 3
+    torch.manual_seed(0)
+    target = torch.softmax(torch.randn(num * (k + 1), vocab), -1)
+    keys = {i: [position_seed(i, 7 + j) for j in range(k + 1)] for i in range(num)}
+    own = keyed_exponential_race(target, [key for i in range(num) for key in keys[i]])
+    own = own.view(num, k + 1).tolist()  # each request's samples at its k + 1 positions
+    for drafts in (torch.randint(0, vocab, (num * k,)), torch.tensor(own)[:, :k].reshape(-1)):
+        emitted = rejection_sample(
+            target, target.argmax(-1), [False] * num, [k] * num, drafts, None, keys
         )
-
-    assert run() == run()
+        for i, tokens in enumerate(emitted):
+            assert tokens == own[i][: len(tokens)]
+    assert all(len(tokens) == k + 1 for tokens in emitted)  # (drafts = the samples: all kept)
+    one = rejection_sample(
+        target[: k + 1],
+        target[: k + 1].argmax(-1),
+        [False],
+        [k],
+        torch.tensor(own[0][:k]),
+        None,
+        {0: keys[0]},
+    )
+    again = Sampler()(  # the sampler's own draw at the first position, as a plain step takes it
+        torch.log(target[:1]),
+        SamplingMetadata.build(
+            [SamplingParams(temperature=1.0, seed=0)],
+            [[]],
+            [[]],
+            {0: torch.Generator().manual_seed(keys[0][0])},
+            vocab,
+            torch.device("cpu"),
+        ),
+    )
+    assert one[0][0] == own[0][0] == int(again.sampled_token_ids[0])
 
 
 def test_speculative_config_parses_json_and_names_what_is_wrong() -> None:
