@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The speculative-decoding figures of bench/RESULTS.md (issue 11), on one GPU, in one call:
 #   bench/device_env.sh bench/spec_suite.sh OUT_DIR [PART...]
-# PARTs (default: tests smol8b): tests (tests/gpu/test_speculative_cuda.py and the graph and
+# (The device brings back at most 8 files: give an OUT_DIR outside $OUT; the suite ends by
+# packing it into OUT_DIR.tgz, to copy there.)
+# PARTs (default: smol8b tests; tests last, so that nothing a timed-out test leaves running
+# shares the GPU with a benchmark): tests (tests/gpu/test_speculative_cuda.py and the graph and
 # engine tests it touches), smol (SmolLM2 bf16, document-repeating task, batch 1 and 64: ngram
 # k=4, ngram k=8, draft smollm2 k=4), 8b (llama-3-8b dummy bf16 at batch 1 and 64 with ngram k=4
 # and a llama-3.2-1b dummy draft), smol8b (smol, then 8b). One log and one JSON per run in OUT_DIR;
@@ -9,7 +12,7 @@
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
-parts=${*:-tests smol8b}
+parts=${*:-smol8b tests}
 # shellcheck source-path=SCRIPTDIR source=suite_lib.sh
 source "$(dirname "$0")/suite_lib.sh"
 spec() {  # name, then bench speculative arguments
@@ -43,3 +46,4 @@ for part in $parts; do
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"

@@ -117,6 +117,8 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
     llm.generate(batches[0], params)  # warm-up (and the adaptive fit's first steps)
     stats = engine.scheduler.spec_decode_stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    speculator = engine.speculator
+    proposed = (speculator.num_proposals, speculator.propose_seconds) if speculator else (0, 0.0)
     outputs: list[list[int]] = []
     seconds = 0.0
     for batch in batches * args.repeats:
@@ -143,6 +145,9 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         if run.num_draft_tokens
         else None,
         "mean_acceptance_length": round(run.mean_acceptance_length, 3) if run.num_drafts else None,
+        # steps drafts were asked for (some came back or not), and the seconds spent proposing
+        "proposal_steps": speculator.num_proposals - proposed[0] if speculator else 0,
+        "propose_seconds": round(speculator.propose_seconds - proposed[1], 3) if speculator else 0,
         "outputs": outputs,
     }
     engine.close()

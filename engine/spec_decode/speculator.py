@@ -8,6 +8,7 @@ tokens to compute, and the engine reports each finished step back (`observe`: ke
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -34,6 +35,11 @@ class Speculator:
         self.draft_length = DraftLength(
             config.num_speculative_tokens, config.adaptive, _cost_prior(model, device)
         )
+        # Steps drafts were asked for (with or without any coming back), and the time spent
+        # proposing them (a draft model's forwards included): what speculation costs besides
+        # the verified tokens.
+        self.num_proposals = 0
+        self.propose_seconds = 0.0
 
     def num_drafts(self, batch_size: int) -> int:
         """Drafts per decoding request for the next step of about `batch_size` requests."""
@@ -51,7 +57,10 @@ class Speculator:
         ]
         if not decoding:
             return {}
+        began = time.perf_counter()
         drafts = self.proposer.propose(decoding, num_drafts)
+        self.num_proposals += 1
+        self.propose_seconds += time.perf_counter() - began
         self.draft_length.observe_proposals(len(decoding), len(drafts))
         return drafts
 

@@ -37,6 +37,7 @@ def test_speculative_bench_reports_both_runs(
     assert (result["diverged_requests"], result["first_divergence"]) == (0, [])
     for run in ("plain", "speculative"):
         assert result[run]["output_tokens"] == 3 * 12
-    assert result["plain"]["draft_tokens"] == 0
+    assert result["plain"]["draft_tokens"] == result["plain"]["proposal_steps"] == 0
+    assert result["speculative"]["proposal_steps"] >= result["speculative"]["drafted_steps"] > 0
     assert result["speculative"]["draft_tokens"] > 0
     assert result["speedup"] > 0
