@@ -314,3 +314,19 @@ def test_draft_length_weighs_what_drafted_steps_cost_beyond_their_tokens() -> No
     fixed = DraftLength(4, adaptive=False, costs=StepCosts(fixed=5e-3, per_token=2e-5))
     fixed.observe_cost(40, 1.0, drafted=True)
     assert fixed.extra.fixed == 0.0  # not adaptive: nothing fitted
+
+
+def test_drafts_stop_being_asked_for_when_no_proposal_comes_back() -> None:
+    """Random prompts: prompt lookup never finds anything. The engine's steps take 8 ms (the
+    prior says 5.3), each step drafts were asked for 1 ms more (no overlap): drafts are asked for
+    in a handful of steps, then only in the ever rarer exploring ones."""
+    length = DraftLength(4, adaptive=True, costs=StepCosts(fixed=4e-3, per_token=2e-5))
+    asked = []
+    for step in range(2000):
+        k = length.choose(64)
+        if k:
+            asked.append(step)
+            length.observe_proposals(num_decoding=64, num_drafted=0)
+        length.observe_cost(64, 8e-3 + (1e-3 if k else 0.0), drafted=bool(k))
+    assert len(asked) <= 12  # (2,000 steps)
+    assert asked[-1] > 1000  # still exploring, ever more rarely
