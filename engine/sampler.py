@@ -161,23 +161,46 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample each row of `probs` as argmax(p / E) with E ~ Exp(1): one draw per vocab entry,
-    from the row's own generator where it has one (reproducible whatever the batch)."""
+    """Sample each row of `probs` as argmax(p / E) with E ~ Exp(1): one draw per vocab entry;
+    rows with their own generator (seeded, its seed the position's key) take that key's draw
+    (`keyed_exponential_race`: reproducible whatever the batch)."""
     noise = torch.empty_like(probs).exponential_()
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    sampled = (probs / noise).argmax(dim=-1)
+    if generators:
+        rows = torch.tensor(list(generators), dtype=torch.int64, device=probs.device)
+        keys = [generator.initial_seed() for generator in generators.values()]
+        sampled[rows] = keyed_exponential_race(probs[rows], keys)
+    return sampled
 
 
 def keyed_exponential_race(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
-    """Sample row i of `probs` with the draw a seeded request's generator makes when seeded with
-    keys[i] (`position_seed`): the same token the sampler would take for that row."""
+    """Sample row i of `probs` with the draw of key keys[i] (`position_seed`), the same on every
+    path a step may take. On CUDA that is the vocabulary race's keyed noise (engine/
+    triton_sampler.py) over log p: where a plain step races the logits instead (no row of its
+    batch needs the distribution), the same token. Elsewhere: argmax(p / E), E drawn by a
+    generator seeded with the key."""
+    if _draws_by_race(probs.device):
+        from kvfleet.engine.triton_sampler import race, winners
+
+        n, device = len(keys), probs.device
+        packed = race(
+            probs.log().float().contiguous(),
+            torch.ones(n, dtype=torch.float64, device=device),
+            torch.tensor(list(keys), dtype=torch.int64, device=device),
+            torch.zeros(n, dtype=torch.int64, device=device),
+        )
+        return winners(packed)
     generator = torch.Generator(device=probs.device)
     noise = torch.empty_like(probs)
     for row, key in enumerate(keys):
         generator.manual_seed(key)
         noise[row].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def _draws_by_race(device: torch.device) -> bool:
+    """Whether keyed draws come from the vocabulary race (where plain steps race: CUDA)."""
+    return device.type == "cuda"
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:

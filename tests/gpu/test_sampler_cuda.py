@@ -1,6 +1,7 @@
 """The vocabulary race (engine/triton_sampler.py) compiled for the GPU: 200,000 draws follow
-softmax(logits / T) at two temperatures (chi-square), greedy rows are argmax, and a whole
-vocabulary of Llama-3's size splits into shards that agree with it."""
+softmax(logits / T) at two temperatures (chi-square), greedy rows are argmax, a whole
+vocabulary of Llama-3's size splits into shards that agree with it, and a seeded row draws the
+same token by the race or by the torch sampler."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ if not torch.cuda.is_available():
 
 from scipy import stats  # noqa: E402
 
+from kvfleet.engine.sampler import Sampler, SamplingMetadata, position_seed  # noqa: E402
+from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from kvfleet.engine.triton_sampler import race, winners  # noqa: E402
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], device="cuda")
@@ -45,3 +48,29 @@ def test_greedy_and_shards_at_llama3_vocabulary() -> None:
         race(logits[:, s : s + half].contiguous(), t, keys, bases, s, half) for s in (0, half)
     ]
     assert torch.equal(torch.maximum(*shards), whole)
+
+
+def test_seeded_rows_draw_the_same_token_by_the_race_or_by_the_torch_sampler() -> None:
+    rows, vocab = 64, 128_256
+    logits = torch.randn(
+        rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
+    temperatures = [0.5 + (row % 4) * 0.3 for row in range(rows)]
+    keys = [position_seed(11, 100 + row) for row in range(rows)]
+    raced = winners(
+        race(
+            logits,
+            torch.tensor(temperatures, dtype=torch.float64, device="cuda"),
+            torch.tensor(keys, device="cuda"),
+            torch.zeros(rows, dtype=torch.int64, device="cuda"),
+        )
+    )
+    meta = SamplingMetadata.build(
+        [SamplingParams(temperature=t, seed=11) for t in temperatures],
+        [[]] * rows,
+        [[]] * rows,
+        {row: torch.Generator("cuda").manual_seed(key) for row, key in enumerate(keys)},
+        vocab,
+        torch.device("cuda"),
+    )
+    assert torch.equal(Sampler()(logits, meta).sampled_token_ids, raced)

@@ -87,3 +87,32 @@ def test_temperature_follows_softmax() -> None:
     expected = torch.cat([probs[:5], probs[5:].sum(0, keepdim=True)]) * num
     result = stats.chisquare(observed.numpy(), expected.numpy())
     assert result.pvalue > 1e-3, (observed, expected)
+
+
+def test_a_seeded_row_draws_the_same_token_by_the_race_or_by_the_torch_sampler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a plain step races the logits unless a row of its batch needs the distribution,
+    when the torch sampler takes every row (and a speculative step verifies with it): a seeded
+    row's token must not depend on which (the keyed draw is the race's on both paths)."""
+    from kvfleet.engine import sampler as sampler_module
+    from kvfleet.engine.sampler import Sampler, SamplingMetadata, position_seed
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(sampler_module, "_draws_by_race", lambda device: True)  # (as on CUDA)
+    rows, vocab = 8, 300
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    temperatures = [1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 2.0, 0.9]
+    keys = [position_seed(7, 40 + row) for row in range(rows)]
+    raced = winners(run(logits, temperatures, keys, [0] * rows))
+    meta = SamplingMetadata.build(
+        [SamplingParams(temperature=t, seed=7) for t in temperatures],
+        [[]] * rows,
+        [[]] * rows,
+        {row: torch.Generator().manual_seed(key) for row, key in enumerate(keys)},
+        vocab,
+        torch.device("cpu"),
+    )
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    assert sampled.tolist() == raced.tolist()
+    assert len(set(raced.tolist())) > 1  # (not all one token)
