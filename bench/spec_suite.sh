@@ -26,7 +26,7 @@ for part in $parts; do
     tests)
       run tests python3 -m pytest -o addopts=--import-mode=importlib -q \
         tests/gpu/test_speculative_cuda.py tests/gpu/test_engine_cuda.py \
-        tests/gpu/test_triton_cuda.py tests/gpu/test_lora_cuda.py ;;
+        tests/gpu/test_triton_cuda.py tests/gpu/test_lora_cuda.py tests/gpu/test_sampler_cuda.py ;;
     smol|smol8b|8b)
       [[ $part == 8b ]] || for batch in 1 64; do
         spec "smol-ngram4-b$batch" --batch-size "$batch" --speculative-config "$ngram4"
