@@ -27,7 +27,12 @@ MESSAGES = [
 ]
 SPECULATIVE = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
-    "draft": {"method": "draft", "model": "smollm2", "num_speculative_tokens": 4},
+    "draft": {
+        "method": "draft",
+        "model": "smollm2",
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+    },
 }
 
 
