@@ -1,9 +1,9 @@
 """The batched sampler: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 One pass over the whole batch's logits on the device. The only per-request Python work is for
-requests with their own seed, whose random draws come from their own generator, seeded before
-each draw from (seed, position): the same tokens whatever the batch, a preemption or the
-scheduling.
+requests with their own seed, whose draws are keyed by (seed, position) (`position_seed`; on
+CUDA the vocabulary race's noise, as plain steps race): the same tokens whatever the batch, a
+preemption, the scheduling or the drafts verified.
 """
 
 from __future__ import annotations

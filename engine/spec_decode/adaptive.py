@@ -6,8 +6,8 @@ tokens instead of B. A step without drafts takes t(B), t(n) = fixed + per_token 
 streamed once a step (fixed) and the work per token; one with drafts takes t(B(k+1)) + x(B(k+1)),
 where x(n), fitted the same way to what drafted steps took beyond t, is what drafts add besides
 tokens: proposing them (a draft model's own forwards), and a step with drafts does not overlap
-the next one's scheduling (x is 0 until drafted steps were timed). The speedup
-of k drafts over none is E(k) t(B) / d(B(k+1)); the controller picks the k that maximizes it,
+the next one's scheduling (x is 0 until drafted steps were timed). The speedup of k drafts
+over none is E(k) t(B) / (t(B(k+1)) + x(B(k+1))); the controller picks the k that maximizes it,
 and 0 unless that beats 1 by a margin. At batch 1 the step is all weight streaming, so drafts
 are nearly free; at large batches the per-token work dominates and drafts stop paying. Where
 only a share h of the requests gets drafts (prompt lookup finds no match for the others), the
