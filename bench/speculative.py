@@ -21,17 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvfleet.bench.ceilings import sync
 from kvfleet.bench.report import emit
+from kvfleet.engine.core.request import Request
 from kvfleet.engine.core.scheduler import SpecDecodeStats
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.rank_setup import freeze_startup_heap
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.spec_decode.speculator import Speculator
 
 DOCUMENTS = [
     "Kubernetes schedules containers onto nodes. A Deployment keeps a set of identical pods "
@@ -119,6 +123,7 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     speculator = engine.speculator
     proposed = (speculator.num_proposals, speculator.propose_seconds) if speculator else (0, 0.0)
+    trace = _trace(speculator) if speculator else None
     outputs: list[list[int]] = []
     seconds = 0.0
     for batch in batches * args.repeats:
@@ -148,10 +153,40 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         # steps drafts were asked for (some came back or not), and the seconds spent proposing
         "proposal_steps": speculator.num_proposals - proposed[0] if speculator else 0,
         "propose_seconds": round(speculator.propose_seconds - proposed[1], 3) if speculator else 0,
+        **(trace or {}),
         "outputs": outputs,
     }
     engine.close()
     return measured
+
+
+def _trace(speculator: Speculator) -> dict[str, Any]:
+    """Filled in as the engine runs, for the report: each proposal (running requests, drafts
+    asked of each, requests that got some, milliseconds; the first 32), each step drafts were
+    asked for (tokens, milliseconds; the first 32) and the median timed step without them."""
+    trace: dict[str, Any] = {"proposals": [], "drafted_steps_ms": [], "plain_step_ms_median": 0}
+    plain: list[float] = []
+    propose, observe_cost = speculator.propose, speculator.observe_cost
+
+    def timed_propose(running: Sequence[Request], num_drafts: int) -> Any:
+        before = (speculator.num_proposals, time.perf_counter())
+        drafts = propose(running, num_drafts)
+        if speculator.num_proposals > before[0] and len(trace["proposals"]) < 32:
+            ms = round(1e3 * (time.perf_counter() - before[1]), 2)
+            trace["proposals"].append([len(running), num_drafts, len(drafts), ms])
+        return drafts
+
+    def timed_cost(num_tokens: int, seconds: float, drafted: bool) -> None:
+        observe_cost(num_tokens, seconds, drafted)
+        if drafted and len(trace["drafted_steps_ms"]) < 32:
+            trace["drafted_steps_ms"].append([num_tokens, round(1e3 * seconds, 2)])
+        elif not drafted:
+            plain.append(seconds)
+            trace["plain_step_ms_median"] = round(1e3 * statistics.median(plain), 2)
+
+    speculator.propose = timed_propose  # type: ignore[method-assign]
+    speculator.observe_cost = timed_cost  # type: ignore[method-assign]
+    return trace
 
 
 def _prompts(llm: LLM, args: argparse.Namespace) -> list[Any]:

@@ -23,7 +23,13 @@ from kvfleet.engine.host_copy import to_device
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
-from kvfleet.engine.parallel.group import PackedStep, RaceInputs, StepInputs, TPGroup
+from kvfleet.engine.parallel.group import (
+    PackedStep,
+    RaceInputs,
+    StepInputs,
+    TPGroup,
+    pack_aligned,
+)
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvfleet.engine.spec_decode.rejection import StepDrafts, sample_with_drafts
@@ -424,9 +430,11 @@ class ModelRunner:
         # NOTE: the pending tokens' places and rows ride in the same copy, after the inputs.
         fill = np.array(pending, np.int64).T.ravel()
         parts = [np.array(input_ids, np.int64), positions, slots, logits_indices]
-        host = np.concatenate([*parts, *([race] if race is not None else []), fill])
-        copied = to_device(host, self.device)
-        longs = copied[: len(host) - len(fill)]
+        if race is not None:  # (keys, bases, temperatures: each its own part)
+            parts += list(race.reshape(3, -1))
+        packed_longs = pack_aligned(parts, np.int64)
+        copied = to_device(np.concatenate((packed_longs, fill)), self.device)
+        longs = copied[: len(packed_longs)]
         if pending:
             assert self._latest is not None
             assert self._latest.results is not None
@@ -435,12 +443,12 @@ class ModelRunner:
         packed = PackedStep(
             longs=longs,
             ints=to_device(
-                np.concatenate((block_tables.ravel(), cu_seqlens_q, ends)).astype(np.int32),
-                self.device,
+                pack_aligned((block_tables.ravel(), cu_seqlens_q, ends), np.int32), self.device
             ),
             num_tokens=len(input_ids),
             num_seqs=len(states),
             max_blocks=max_blocks,
+            num_sampled=len(logits_indices),
             query_lens_cpu=num_tokens.tolist(),
             seq_lens_cpu=ends.tolist(),
             race=race is not None,

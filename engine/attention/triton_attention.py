@@ -82,7 +82,8 @@ def write_kv_cache(
     )
 
 
-@triton.jit
+# NOTE: the block table's width changes step to step: one compiled kernel for any width.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

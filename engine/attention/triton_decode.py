@@ -54,7 +54,8 @@ def load_kv_tile(
     return k, v
 
 
-@triton.jit
+# NOTE: the block table's width changes step to step: one compiled kernel for any width.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -121,6 +121,7 @@ class DraftLength:
     # Each try that does not bring drafts back doubles the wait, up to the most.
     EXPLORE_EVERY = 64
     MAX_EXPLORE_EVERY = 1024
+    OUTLIER = 10.0  # (times the predicted cost: see observe_cost)
 
     def __init__(self, max_drafts: int, adaptive: bool, costs: StepCosts) -> None:
         self.max_drafts = max_drafts
@@ -131,6 +132,7 @@ class DraftLength:
         self.proposal_rate = Rate(prior=1.0)  # h: decoding requests that got drafts
         self._steps_without = 0
         self._explore_every = self.EXPLORE_EVERY
+        self._last_drafted = False  # (whether the last step timed had drafts asked for)
 
     def choose(self, batch_size: int) -> int:
         if not batch_size:
@@ -163,11 +165,21 @@ class DraftLength:
 
     def observe_cost(self, num_tokens: int, seconds: float, drafted: bool) -> None:
         """A step's size and what it cost, from scheduling to its outputs taken; `drafted`:
-        drafts were asked for it."""
+        drafts were asked for it.
+
+        Not fitted: a step that took more than OUTLIER times what its size predicts (a kernel
+        compiled, a collector's pause: nothing drafts change), and a step with drafts right after
+        one without: its proposal caught up on what the pause left (the n-gram index, the draft
+        model's cache), which drafting step after step does not pay. An exploration costs that
+        once; what drafts cost when they are used is learned from steps that follow drafted ones."""
         if not self.adaptive:
             return
+        resumed, self._last_drafted = drafted and not self._last_drafted, drafted
+        predicted = self.costs.seconds(num_tokens)
+        if seconds > self.OUTLIER * predicted or resumed:
+            return
         if drafted:
-            self.extra.observe(num_tokens, seconds - self.costs.seconds(num_tokens))
+            self.extra.observe(num_tokens, seconds - predicted)
         else:
             self.costs.observe(num_tokens, seconds)
 

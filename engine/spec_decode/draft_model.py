@@ -12,10 +12,18 @@ last kept one, and the next proposal feeds from there (the target's replacement,
 draft and the bonus). Drafts are greedy, so each is a point mass (q = 1) for rejection
 sampling, as n-gram drafts are: the target's distribution is kept exactly either way.
 
-A catch-up step takes at most `max_tokens_per_step` tokens; a request whose backlog does not
-fit this time is fed what fits and drafts next time. A request whose blocks do not fit in the
-draft's cache, or whose context would pass the draft's, gets no drafts (the target is never
-held back).
+A proposal feeds at most `max_tokens_per_step` tokens. Requests fresh from their prefill (one
+token generated) are fed their whole prompt: the target has just spent more on it than the
+draft will. The others' backlog (the tokens since their last proposal) shares a smaller budget,
+`catch_up_budget`: twice the proposal's drafts and what feeds them, at least `min_catch_up` (a
+few hundred tokens, a forward still bound by streaming the draft's weights). Proposing every
+step, that is more than the backlog; after a long pause (the adaptive count drafts once in a
+while to measure acceptance, and the backlog is then every request's whole context) it makes
+the proposal cost about one draft step, not a prefill of the whole batch, and feeds the
+backlogs a few requests at a time. A request whose backlog does not fit is fed what fits and
+drafts a later time (`num_deferred` counts those).
+A request whose blocks do not fit in the draft's cache, or whose context would pass the
+draft's, gets no drafts (the target is never held back).
 """
 
 from __future__ import annotations
@@ -44,13 +52,19 @@ class _Progress:
 
 class DraftModelProposer(Proposer):
     def __init__(
-        self, runner: ModelRunner, num_blocks: int, max_tokens_per_step: int, max_model_len: int
+        self,
+        runner: ModelRunner,
+        num_blocks: int,
+        max_tokens_per_step: int,
+        max_model_len: int,
+        min_catch_up: int = 512,
     ) -> None:
         """`runner`: the draft model's, its KV cache of `num_blocks` blocks allocated."""
         self.runner = runner
         self.block_size = runner.block_size
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.max_tokens_per_step = max_tokens_per_step
+        self.min_catch_up = min_catch_up
         self.max_model_len = max_model_len
         self._progress: dict[RequestId, _Progress] = {}
         self._finished: set[RequestId] = set()  # for the runner to drop at the next step
@@ -62,13 +76,26 @@ class DraftModelProposer(Proposer):
         cached: list[CachedRequestData] = []
         scheduled: dict[RequestId, int] = {}
         budget = self.max_tokens_per_step
+        backlog_budget = self.catch_up_budget(len(requests), num_drafts)
         drafting = []  # those fed all their tokens: they draft
+        self.num_deferred = 0
         for request in requests:
-            budget -= self._catch_up(request, num_drafts, budget, new, cached, scheduled)
-            if request.request_id not in scheduled:
+            fresh = request.num_output_tokens <= 1
+            room = budget if fresh else min(budget, backlog_budget)
+            if room <= 0:
+                self.num_deferred += 1
                 continue
+            fed = self._catch_up(request, num_drafts, room, new, cached, scheduled)
+            if fed is None:
+                continue
+            budget -= fed
+            backlog_budget -= 0 if fresh else fed
             if self._progress[request.request_id].computed == request.num_tokens:
                 drafting.append(request.request_id)
+            else:
+                self.num_deferred += 1
+        if not scheduled:
+            return {}
         output = self.runner.execute_model(
             SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), self._finished)
         )
@@ -93,6 +120,12 @@ class DraftModelProposer(Proposer):
                 drafts[req_id] += tokens
         return drafts
 
+    def catch_up_budget(self, num_requests: int, num_drafts: int) -> int:
+        """The most tokens one proposal feeds the draft of requests that are not fresh from
+        their prefill."""
+        wanted = max(self.min_catch_up, 2 * num_requests * (num_drafts + 1))
+        return min(self.max_tokens_per_step, wanted)
+
     def forget(self, request_ids: Iterable[RequestId]) -> None:
         for request_id in request_ids:
             progress = self._progress.pop(request_id, None)
@@ -108,14 +141,14 @@ class DraftModelProposer(Proposer):
         new: list[NewRequestData],
         cached: list[CachedRequestData],
         scheduled: dict[RequestId, int],
-    ) -> int:
-        """Schedule what the draft has not seen of `request` (within `budget`): its tokens
-        from the end of the draft's valid prefix. Returns the tokens scheduled (0: none, and
-        no drafts for it this time)."""
+    ) -> int | None:
+        """Schedule what the draft has not seen of `request` (within `budget`, > 0): its tokens
+        from the end of the draft's valid prefix. Returns the tokens scheduled, or None where
+        the request does not fit in the draft's context or its cache (no drafts for it)."""
         req_id = request.request_id
         tokens = request.all_token_ids
-        if len(tokens) + num_drafts > self.max_model_len or budget <= 0:
-            return 0
+        if len(tokens) + num_drafts > self.max_model_len:
+            return None
         progress = self._progress.get(req_id)
         state = self.runner.requests.get(req_id)
         valid = 0
@@ -130,7 +163,7 @@ class DraftModelProposer(Proposer):
         blocks = progress.blocks if progress is not None else []
         needed = -(-(len(tokens) + num_drafts - 1) // self.block_size) - len(blocks)
         if needed > self.pool.num_free_blocks:
-            return 0
+            return None
         added = self.pool.allocate(max(needed, 0))
         blocks += added
         if progress is None:

@@ -61,7 +61,8 @@ class Speculator:
         drafts = self.proposer.propose(decoding, num_drafts)
         self.num_proposals += 1
         self.propose_seconds += time.perf_counter() - began
-        self.draft_length.observe_proposals(len(decoding), len(drafts))
+        asked = len(decoding) - self.proposer.num_deferred
+        self.draft_length.observe_proposals(asked, len(drafts))
         return drafts
 
     def observe(self, num_accepted: int, num_rejected: int) -> None:

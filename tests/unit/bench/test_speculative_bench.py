@@ -40,4 +40,8 @@ def test_speculative_bench_reports_both_runs(
     assert result["plain"]["draft_tokens"] == result["plain"]["proposal_steps"] == 0
     assert result["speculative"]["proposal_steps"] >= result["speculative"]["drafted_steps"] > 0
     assert result["speculative"]["draft_tokens"] > 0
+    proposals = result["speculative"]["proposals"]  # (requests, drafts asked, got, ms)
+    assert len(proposals) == min(32, result["speculative"]["proposal_steps"])
+    assert all(n == 3 and k == 3 and 0 <= got <= 3 and ms > 0 for n, k, got, ms in proposals)
+    assert "proposals" not in result["plain"]
     assert result["speedup"] > 0

@@ -33,14 +33,16 @@ def config(tiny_config: Callable[..., Path]) -> EngineConfig:
     return EngineConfig(model=str(path), load_format="dummy", device="cpu", dtype="float32")
 
 
-def proposer(config: EngineConfig, num_blocks: int = 64, budget: int = 256) -> DraftModelProposer:
+def proposer(
+    config: EngineConfig, num_blocks: int = 64, budget: int = 256, min_catch_up: int = 256
+) -> DraftModelProposer:
     setup = resolve_setup(config)
     model = load_rank_model(config, setup, None)
     for weight in model.parameters():  # (not N(0, 0.02): continuations that vary with context)
         weight.data.mul_(25.0)
     runner = ModelRunner(model, BLOCK, setup.dtype, setup.device)
     runner.allocate_kv_cache(num_blocks)
-    return DraftModelProposer(runner, num_blocks, budget, max_model_len=256)
+    return DraftModelProposer(runner, num_blocks, budget, 256, min_catch_up)
 
 
 def request(req_id: str, tokens: list[int]) -> Request:
@@ -80,6 +82,40 @@ def test_a_request_beyond_the_step_budget_drafts_once_caught_up(config: EngineCo
     assert draft.propose([long], 2) == {}  # 16 more: 29 of 30
     drafts = draft.propose([long], 2)
     assert drafts == {"long": continuation(fresh, long.all_token_ids, 2)}
+
+
+def test_a_proposal_after_a_pause_feeds_a_few_backlogs_not_the_whole_batch(
+    config: EngineConfig,
+) -> None:
+    """Eight requests, each 12 tokens the draft has not seen (2 of them generated), one draft
+    asked for (an exploration): their backlogs share max(min_catch_up, 2 x 8 x 2) = 32 tokens,
+    so two requests draft, a third is fed part of its backlog; those left wait (deferred, not
+    counted as requests without drafts). Next time, more. Requests fresh from their prefill
+    are fed their whole prompt at once."""
+    draft, fresh = proposer(config, budget=256, min_catch_up=16), proposer(config)
+    assert draft.catch_up_budget(8, 1) == 32
+    assert draft.catch_up_budget(1, 1) == 16
+    assert draft.catch_up_budget(100, 4) == 256  # (at most the step budget)
+    rng = random.Random(1)
+    requests = [request(f"r{i}", [rng.randrange(64) for _ in range(10)]) for i in range(8)]
+    for r in requests:
+        r.append_output_token(rng.randrange(64))
+        r.append_output_token(rng.randrange(64))
+    drafts = draft.propose(requests, 1)
+    assert set(drafts) == {"r0", "r1"}
+    assert draft.num_deferred == 6
+    for r in requests[:2]:
+        r.append_output_token(drafts[r.request_id][0])
+    drafts = draft.propose(requests, 1)  # 1 + 1 + 4 + 12 + 12 + 2: r2, r3, r4 join
+    assert set(drafts) == {"r0", "r1", "r2", "r3", "r4"}
+    assert draft.num_deferred == 3
+    for r in requests[:5]:
+        assert drafts[r.request_id] == continuation(fresh, r.all_token_ids, 1)
+    prefilled = [request(f"p{i}", [rng.randrange(64) for _ in range(11)]) for i in range(8)]
+    for r in prefilled:
+        r.append_output_token(rng.randrange(64))
+    assert set(draft.propose(prefilled, 1)) == {r.request_id for r in prefilled}
+    assert draft.num_deferred == 0
 
 
 def test_no_drafts_without_blocks_and_blocks_come_back(config: EngineConfig) -> None:

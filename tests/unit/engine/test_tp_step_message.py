@@ -5,6 +5,7 @@ second message), and the stop signal ends the exchange."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torch.multiprocessing.spawn import spawn
 
 from kvfleet.engine.loader.source import resolve_model_source
 from kvfleet.engine.parallel import group as group_module
-from kvfleet.engine.parallel.group import PackedStep, TPGroup
+from kvfleet.engine.parallel.group import ALIGN_BYTES, PackedStep, TPGroup, pack_aligned
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.worker import free_port
 
@@ -25,12 +26,12 @@ def _step(num_seqs: int) -> PackedStep:
     """A step of `num_seqs` sequences, two tokens each, every value distinct."""
     gen = torch.Generator().manual_seed(num_seqs)
     n, max_blocks = 2 * num_seqs, 3
-    longs = torch.randint(0, 1 << 40, (3 * n + num_seqs,), generator=gen)
-    ints = torch.randint(0, 1 << 30, (num_seqs * max_blocks + 2 * num_seqs + 1,), generator=gen)
-    ints = ints.int()
+    num_longs, num_ints = PackedStep.sizes(n, num_seqs, max_blocks, num_seqs, race=False)
+    longs = torch.randint(0, 1 << 40, (num_longs,), generator=gen)
+    ints = torch.randint(0, 1 << 30, (num_ints,), generator=gen).int()
     query_lens = [2] * num_seqs
     seq_lens = torch.randint(2, 500, (num_seqs,), generator=gen).tolist()
-    return PackedStep(longs, ints, n, num_seqs, max_blocks, query_lens, seq_lens)
+    return PackedStep(longs, ints, n, num_seqs, max_blocks, num_seqs, query_lens, seq_lens)
 
 
 def _rank(rank: int, port: int) -> None:
@@ -57,6 +58,49 @@ def _rank(rank: int, port: int) -> None:
     else:
         assert tp.receive_step() is None
     tp.close()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_seqs", "race"), [(1, 1, True), (7, 3, True), (64, 5, False)]
+)
+def test_every_part_of_a_packed_step_is_aligned_and_read_back(
+    num_tokens: int, num_seqs: int, race: bool
+) -> None:
+    """Each part starts on a 16-byte boundary whatever the sizes (Triton specializes kernels on
+    their pointers' alignment), and `unpack` reads back what was packed."""
+    max_blocks, num_sampled = 3, num_seqs
+    parts = [np.arange(num_tokens) + 100 * k for k in range(3)]
+    parts.append(np.arange(num_sampled) + 300)
+    if race:
+        parts += [np.arange(num_sampled) + 400 + 100 * k for k in range(3)]
+    ints = [np.arange(num_seqs * max_blocks), np.arange(num_seqs + 1) + 50, np.arange(num_seqs)]
+    longs, ints_packed = pack_aligned(parts, np.int64), pack_aligned(ints, np.int32)
+    sizes = PackedStep.sizes(num_tokens, num_seqs, max_blocks, num_sampled, race)
+    assert (len(longs), len(ints_packed)) == sizes
+    step = PackedStep(
+        torch.from_numpy(longs),
+        torch.from_numpy(ints_packed),
+        num_tokens,
+        num_seqs,
+        max_blocks,
+        num_sampled,
+        [1] * num_seqs,
+        [9] * num_seqs,
+        race,
+    ).unpack()
+    read = [step.input_ids, step.positions, step.metadata.slot_mapping, step.logits_indices]
+    if race:
+        assert step.race is not None
+        temperature = step.race.temperature.view(torch.int64)
+        read += [step.race.keys, step.race.bases, temperature]
+    meta = step.metadata
+    for got, want in zip(
+        [*read, meta.block_tables.ravel(), meta.cu_seqlens_q, meta.seq_lens],
+        [*parts, *ints],
+        strict=True,
+    ):
+        assert got.tolist() == want.tolist()
+        assert got.data_ptr() % ALIGN_BYTES == 0
 
 
 @pytest.mark.timeout(120)
