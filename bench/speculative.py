@@ -124,6 +124,7 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
     speculator = engine.speculator
     proposed = (speculator.num_proposals, speculator.propose_seconds) if speculator else (0, 0.0)
     trace = _trace(speculator) if speculator else None
+    first_met = _count_kernel_variants()
     outputs: list[list[int]] = []
     seconds = 0.0
     for batch in batches * args.repeats:
@@ -154,6 +155,9 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         "proposal_steps": speculator.num_proposals - proposed[0] if speculator else 0,
         "propose_seconds": round(speculator.propose_seconds - proposed[1], 3) if speculator else 0,
         **(trace or {}),
+        # Triton kernel variants first met after the warm-up (each compiled or loaded from
+        # the cache mid-run: the measured time includes it)
+        "kernel_variants_first_met": first_met,
         "outputs": outputs,
     }
     engine.close()
@@ -187,6 +191,23 @@ def _trace(speculator: Speculator) -> dict[str, Any]:
     speculator.propose = timed_propose  # type: ignore[method-assign]
     speculator.observe_cost = timed_cost  # type: ignore[method-assign]
     return trace
+
+
+def _count_kernel_variants() -> list[str]:
+    """The names of the Triton kernels that get a new variant from now on, filled in as they do
+    (none are counted without Triton)."""
+    met: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - (Triton ships with CUDA torch)
+        return met
+
+    def hook(*, fn: Any, **_: Any) -> bool:
+        met.append(fn.name)
+        return False  # (compile it)
+
+    knobs.runtime.jit_cache_hook = hook
+    return met
 
 
 def _prompts(llm: LLM, args: argparse.Namespace) -> list[Any]:
