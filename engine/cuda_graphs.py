@@ -71,13 +71,47 @@ class DecodeGraphs:
         self.pool: Any = None  # the graphs' shared memory pool handle
 
     def capture_all(self) -> None:
-        """Capture every bucket now (at startup), largest first so the pool fits them all."""
+        """Capture every bucket now (at startup), largest first so the pool fits them all; then
+        compile the prefill kernels (`warm_up_prefill_kernels`)."""
         query_lens = sorted({1, self.max_query_len}, reverse=True)
         for bucket in reversed(self.buckets):
             for q in query_lens:
                 for with_lora in (False, True) if self.lora else (False,):
                     if (bucket, q, with_lora) not in self.graphs:
                         self.graphs[bucket, q, with_lora] = self._capture(bucket, q, with_lora)
+        self.warm_up_prefill_kernels()
+
+    # Query lengths whose attention kernels compile apart (a 16-row query tile up to 16 tokens a
+    # sequence, a 64-row one beyond): `warm_up_prefill_kernels` runs one step of each.
+    WARM_QUERY_LENS = (2, 17)
+
+    @torch.inference_mode()
+    def warm_up_prefill_kernels(self) -> None:
+        """One eager step of each of WARM_QUERY_LENS tokens (one sequence, its K/V written into
+        the null block, its outputs dropped), at startup: Triton compiles a kernel variant the
+        first time a step needs it, and a step of each kind would otherwise stall its batch for
+        the compile (0.2-0.6 s on an H100) mid-serving; a prefix-cache hit that leaves a few
+        prompt tokens to compute is the first short multi-token query a plain engine meets."""
+        device = self.input_ids.device
+        block_size = self.kv_caches[0].shape[2]
+        width = self.block_tables.shape[1]
+        for q in self.WARM_QUERY_LENS:
+            if q > width * block_size:
+                continue
+            null = NULL_BLOCK_ID
+            metadata = AttentionMetadata(
+                slot_mapping=torch.full((q,), null, dtype=torch.int64, device=device),
+                block_tables=torch.full((1, width), null, dtype=torch.int32, device=device),
+                cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([q], dtype=torch.int32, device=device),
+                max_seqlen_q=q,
+                max_seqlen_k=q,
+                query_lens_cpu=[q],
+                seq_lens_cpu=[q],
+            )
+            input_ids = torch.zeros(q, dtype=torch.int64, device=device)
+            positions = torch.arange(q, dtype=torch.int64, device=device)
+            self.model(input_ids, positions, self.kv_caches, metadata)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         num_seqs = len(metadata.query_lens_cpu)

@@ -298,6 +298,8 @@ class LLMEngine:
             if num_drafts:
                 assert self.speculator is not None
                 drafts = self.speculator.propose(self.scheduler.running, num_drafts)
+            elif self.speculator is not None:
+                self.speculator.shadow(self.scheduler.running)
             scheduler_output = self.scheduler.schedule(drafts)
             self.last_scheduler_output = scheduler_output
             now = time.monotonic()

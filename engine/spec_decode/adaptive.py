@@ -14,7 +14,9 @@ only a share h of the requests gets drafts (prompt lookup finds no match for the
 step emits B((1 - h) + h E(k)) tokens for t(B(1 + h k)) + x(B(1 + h k)).
 
 a is estimated as each draft position were a coin flip until the first rejection: kept drafts
-over kept drafts plus rejections (a request whose drafts were all kept saw no rejection).
+over kept drafts plus rejections (a request whose drafts were all kept saw no rejection). While
+drafts are off, a cheap proposer's unverified first drafts, scored against the tokens that
+came, keep a and h measured (`Speculator.shadow`); for others, an exploring step now and then.
 
 `StepCosts` learns fixed and per_token from the steps the engine times (least squares over a
 window), starting from a prior, so the choice follows the hardware and the model it runs on.
@@ -123,9 +125,14 @@ class DraftLength:
     MAX_EXPLORE_EVERY = 1024
     OUTLIER = 10.0  # (times the predicted cost: see observe_cost)
 
-    def __init__(self, max_drafts: int, adaptive: bool, costs: StepCosts) -> None:
+    def __init__(
+        self, max_drafts: int, adaptive: bool, costs: StepCosts, explores: bool = True
+    ) -> None:
+        """`explores`: try one draft per request now and then while drafts are off (for a
+        proposer whose acceptance is not measured otherwise)."""
         self.max_drafts = max_drafts
         self.adaptive = adaptive
+        self.explores = explores
         self.costs = costs  # steps without drafts
         self.extra = StepCosts(0.0, 0.0, signed=True)  # what steps with drafts took beyond
         self.acceptance = Rate()  # a: per draft position, until the first rejection
@@ -151,7 +158,7 @@ class DraftLength:
             self._steps_without, self._explore_every = 0, self.EXPLORE_EVERY
             return k
         self._steps_without += 1
-        if self._steps_without < self._explore_every:
+        if not self.explores or self._steps_without < self._explore_every:
             return 0
         self._steps_without = 0
         self._explore_every = min(2 * self._explore_every, self.MAX_EXPLORE_EVERY)

@@ -51,6 +51,8 @@ class NgramIndex:
 class NgramProposer(Proposer):
     """Draft tokens for each request by prompt lookup over its prompt and output so far."""
 
+    can_shadow = True
+
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min <= max, got {min_n} and {max_n}")

@@ -18,6 +18,10 @@ class Proposer(abc.ABC):
     # Requests of the last proposal left without drafts only for now (a draft model still
     # catching up on them): not counted as requests that find no drafts.
     num_deferred = 0
+    # Whether proposing costs so little (no forward) that the engine may ask beside steps
+    # without drafts, and check the drafts against the tokens those steps produce: acceptance
+    # stays measured while drafts are off, so they come back when the traffic turns.
+    can_shadow = False
 
     @abc.abstractmethod
     def propose(self, requests: Sequence[Request], num_drafts: int) -> dict[RequestId, list[int]]:

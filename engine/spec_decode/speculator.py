@@ -3,7 +3,11 @@
 Each step the engine asks it how many drafts the batch affords (`num_drafts`), then for the
 drafts of the running requests that are decoding (`propose`); the scheduler verifies them as
 tokens to compute, and the engine reports each finished step back (`observe`: kept drafts;
-`observe_cost`: its size and the time it took).
+`observe_cost`: its size and the time it took). A step without drafts calls `shadow`: with a
+proposer cheap enough (n-gram), a few requests get drafts that are never verified, only
+compared with the tokens the requests produce next, so the acceptance and the share of
+requests with drafts stay measured while drafts are off (and drafts resume when they would
+pay); other proposers are asked with one draft per request now and then instead (explorations).
 """
 
 from __future__ import annotations
@@ -33,13 +37,22 @@ class Speculator:
         self.config = config
         self.proposer = proposer or _ngram(config)
         self.draft_length = DraftLength(
-            config.num_speculative_tokens, config.adaptive, _cost_prior(model, device)
+            config.num_speculative_tokens,
+            config.adaptive,
+            _cost_prior(model, device),
+            explores=not self.proposer.can_shadow,
         )
         # Steps drafts were asked for (with or without any coming back), and the time spent
         # proposing them (a draft model's forwards included): what speculation costs besides
         # the verified tokens.
         self.num_proposals = 0
         self.propose_seconds = 0.0
+        # Drafts proposed beside steps without drafts, not verified: request -> (the position
+        # of the token the draft guesses, the draft); and where the next turn starts.
+        self._shadowed: dict[RequestId, tuple[int, int]] = {}
+        self._shadow_turn = 0
+
+    SHADOWED_PER_STEP = 2
 
     def num_drafts(self, batch_size: int) -> int:
         """Drafts per decoding request for the next step of about `batch_size` requests."""
@@ -65,6 +78,42 @@ class Speculator:
         self.draft_length.observe_proposals(asked, len(drafts))
         return drafts
 
+    def shadow(self, running: Sequence[Request]) -> None:
+        """A step without drafts (adaptive, a proposer that `can_shadow`): score the earlier
+        shadow drafts whose token is known now (a sampled token equals a draft with the
+        probability that verification would keep it), then draft for the next few decoding
+        requests in turn, unverified."""
+        if not (self.config.adaptive and self.proposer.can_shadow):
+            return
+        by_id = {r.request_id: r for r in running}
+        scored = matched = 0
+        for req_id, (position, draft) in list(self._shadowed.items()):
+            request = by_id.get(req_id)
+            if request is None or request.num_tokens > position:
+                del self._shadowed[req_id]
+            if request is not None and request.num_tokens > position:
+                scored += 1
+                matched += request.all_token_ids[position] == draft
+        asked = []
+        for i in range(min(self.SHADOWED_PER_STEP, len(running))):
+            request = running[(self._shadow_turn + i) % len(running)]
+            if (
+                request.request_id not in self._shadowed
+                and request.num_output_tokens
+                and request.sampling_params.may_speculate
+            ):
+                asked.append(request)
+        self._shadow_turn += self.SHADOWED_PER_STEP
+        drafts = self.proposer.propose(asked, 1) if asked else {}
+        for request in asked:
+            if request.request_id in drafts:
+                self._shadowed[request.request_id] = (
+                    request.num_tokens,
+                    drafts[request.request_id][0],
+                )
+        self.draft_length.observe_proposals(len(asked), len(drafts))
+        self.draft_length.observe(matched, scored - matched)
+
     def observe(self, num_accepted: int, num_rejected: int) -> None:
         """A finished step's kept drafts and its rejections."""
         self.draft_length.observe(num_accepted, num_rejected)
@@ -75,6 +124,9 @@ class Speculator:
         self.draft_length.observe_cost(num_tokens, seconds, drafted)
 
     def forget(self, request_ids: Iterable[RequestId]) -> None:
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            self._shadowed.pop(request_id, None)
         self.proposer.forget(request_ids)
 
 

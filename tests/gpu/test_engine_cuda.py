@@ -116,3 +116,40 @@ def test_llama3_8b_shape_dummy_bf16() -> None:
             assert all(torch.isfinite(torch.tensor(lp.logprob)) for lp in completion.logprobs or [])
         # Information, not a bar: the torch reference path; targets are for the Triton path.
         print(f"llama-3-8b dummy bf16, batch {batch}, 500 in / 32 out: {elapsed:.2f} s")
+
+
+def test_no_kernel_compiles_mid_serving() -> None:
+    """After a first greedy and a first sampled request, steps of other shapes (odd and even
+    token counts, batch sizes, a prefix-cache hit leaving 5 prompt tokens to compute) meet no
+    new Triton kernel variant: none stalls its batch for a compile (0.2-0.6 s each, seen on the
+    H100 when the packed step inputs' alignment followed the token count)."""
+    from triton import knobs
+
+    llm = LLM(
+        "llama-3.2-1b",
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=1024,
+        num_blocks=512,
+        max_num_seqs=8,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    first = list(range(1000, 1100))
+    llm.generate([first, list(range(2000, 2064))], [greedy, sampled])
+    met: list[str] = []
+
+    def hook(*, fn: Any, **_: Any) -> bool:
+        met.append(fn.name)
+        return False
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        llm.generate([*first[:96], 7, 8, 9, 10, 11], greedy)  # (96 cached, 5 computed)
+        for count, length in ((3, 37), (5, 50), (2, 51), (7, 18)):
+            prompts = [list(range(3000 + 100 * i, 3000 + 100 * i + length)) for i in range(count)]
+            llm.generate(prompts, [greedy, sampled] * (count // 2) + [greedy] * (count % 2))
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert met == []

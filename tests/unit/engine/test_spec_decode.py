@@ -380,3 +380,77 @@ def test_draft_length_does_not_learn_from_resumed_or_stalled_steps() -> None:
     assert length.extra.seconds(5) == pytest.approx(1.5e-3, rel=0.01)
     assert length.costs.seconds(1) == pytest.approx(1e-3)
     assert length.choose(1) == 4
+
+
+def _copying(speculator: Speculator, document: list[int], output: list[int]) -> list[int]:
+    """One request whose prompt is `document` and that produces `output`, a token a step,
+    without drafts unless the speculator asks for them; the draft counts it chose each step."""
+    request = Request(RequestId("r"), document, SamplingParams(max_tokens=None), None, 0.0)
+    chosen = []
+    for token in output:
+        request.append_output_token(token)
+        request.num_computed_tokens = request.num_tokens - 1
+        chosen.append(speculator.num_drafts(1))
+        if not chosen[-1]:
+            speculator.shadow([request])
+    return chosen
+
+
+def _shadowing_speculator() -> Speculator:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    speculator = Speculator(config, torch.nn.Linear(4, 4), torch.device("cpu"))
+    length = speculator.draft_length
+    # SmolLM2 at batch 1 on the H100: 1 ms a step, 1.5 ms more with drafts
+    length.costs = StepCosts(fixed=1e-3, per_token=1e-6)
+    length.extra = StepCosts(fixed=1.5e-3, per_token=0.0, signed=True)
+    length.acceptance.value = length.proposal_rate.value = 0.05  # (after a stretch of misses)
+    return speculator
+
+
+def test_shadow_drafts_bring_drafts_back_when_the_text_turns_to_copying() -> None:
+    """Drafts off after misses: beside the steps without drafts, the n-gram proposer guesses
+    each next token (unverified) and the request's real tokens score the guesses: the request
+    copies its prompt, so the guesses are right and drafts come back within a few steps, with
+    no exploring step in between."""
+    rng = random.Random(0)
+    document = [rng.randrange(1000) for _ in range(80)]
+    speculator = _shadowing_speculator()
+    assert speculator.num_drafts(1) == 0
+    chosen = _copying(speculator, document, document[:40])
+    assert 0 < chosen.index(4) <= 25
+    assert speculator.num_proposals == 0  # (shadow drafts are not proposals)
+    assert speculator.draft_length.acceptance.value > 0.6
+
+
+def test_shadow_drafts_keep_drafts_off_where_guesses_miss() -> None:
+    """Random text: shadow guesses miss, drafts stay off, and nothing explores either (the
+    n-gram proposer's acceptance is measured without verification)."""
+    rng = random.Random(1)
+    document = [rng.randrange(1000) for _ in range(80)]
+    speculator = _shadowing_speculator()
+    output = [rng.choice(document[:20]) for _ in range(400)]  # (n-grams recur, guesses miss)
+    assert set(_copying(speculator, document, output)) == {0}
+    assert speculator.draft_length.acceptance.value < 0.3
+
+
+def test_proposers_that_cannot_shadow_are_explored_instead() -> None:
+    class Costly(Proposer):
+        def propose(
+            self, requests: Sequence[Request], num_drafts: int
+        ) -> dict[RequestId, list[int]]:
+            raise AssertionError("asked beside a step without drafts")
+
+        def forget(self, request_ids: Iterable[RequestId]) -> None:
+            pass
+
+    config = SpeculativeConfig(method="draft", num_speculative_tokens=4, model="m")
+    speculator = Speculator(config, torch.nn.Linear(4, 4), torch.device("cpu"), Costly())
+    speculator.draft_length.acceptance.value = 0.0
+    request = Request(RequestId("r"), [1, 2, 3], SamplingParams(max_tokens=None), None, 0.0)
+    request.append_output_token(4)
+    chosen = []
+    for _ in range(DraftLength.EXPLORE_EVERY):
+        chosen.append(speculator.num_drafts(1))
+        speculator.shadow([request])
+    assert chosen[-1] == 1  # (an exploring step)
+    assert set(chosen[:-1]) == {0}

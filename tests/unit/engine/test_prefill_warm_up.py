@@ -1,0 +1,32 @@
+"""The startup step that has Triton compile the prefill attention variants (engine/cuda_graphs.py,
+`warm_up_prefill_kernels`) on the CPU's torch kernels: it writes only into the null block, so
+no live K/V changes (the compile itself is proven on the device, tests/gpu)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.cuda_graphs import DecodeGraphs
+from kvfleet.engine.rank_setup import load_rank_model, resolve_setup
+from kvfleet.engine.runner import ModelRunner
+
+
+def test_the_warm_up_steps_touch_only_the_null_block(tiny_config: Callable[..., Path]) -> None:
+    path = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    config = EngineConfig(model=str(path), load_format="dummy", device="cpu", dtype="float32")
+    setup = resolve_setup(config)
+    runner = ModelRunner(load_rank_model(config, setup, None), 16, setup.dtype, setup.device)
+    runner.allocate_kv_cache(8)
+    for cache in runner.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in runner.kv_caches]
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, 4, 4, setup.device)
+    graphs.warm_up_prefill_kernels()
+    for cache, old in zip(runner.kv_caches, before, strict=True):
+        # [2, num_blocks, block_size, kv_heads, head_dim]: block 0 is the null block
+        assert torch.equal(cache[:, 1:], old[:, 1:])
+        assert not torch.equal(cache[:, 0], old[:, 0])  # (the steps did run)
