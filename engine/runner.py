@@ -87,18 +87,22 @@ class LaunchedStep:
         num_logprobs: list[int | None],
         results: SamplerOutput | None,
         drafts: list[list[int]] | None = None,
+        greedy_drafts: bool = False,
     ) -> None:
+        """`greedy_drafts`: every request of a step with `drafts` decodes greedily, and the
+        results are the argmax of each logits row; the drafts are judged here, on the host."""
         self.scheduler_output = scheduler_output
         self.sampled_req_ids = sampled_req_ids
         self.num_logprobs = num_logprobs
         self.results = results
         self.drafts = drafts
+        self.greedy_drafts = greedy_drafts
         self.row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
         self.ready: torch.cuda.Event | None = None
         self._host: list[torch.Tensor] = []
         if results is not None:
             on_device = [results.sampled_token_ids]
-            if drafts is not None:
+            if drafts is not None and not greedy_drafts:
                 assert results.num_accepted is not None
                 on_device.append(results.num_accepted)
             if results.logprobs is not None:
@@ -118,6 +122,8 @@ class LaunchedStep:
         last: list[int] = host.pop(0).tolist()
         if self.drafts is None:
             tokens = [[token] for token in last]
+        elif self.greedy_drafts:
+            tokens = _greedy_verdicts(self.drafts, last)
         else:
             kept: list[int] = host.pop(0).tolist()
             tokens = [[*d[:a], t] for d, a, t in zip(self.drafts, kept, last, strict=True)]
@@ -261,7 +267,15 @@ class ModelRunner:
             self.model.tp.broadcast_step(inputs.packed)
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
         sampling = drafts = None
-        if inputs.drafts is not None:
+        # Greedy requests only (no penalties, no logprobs): each row's argmax comes back and
+        # the drafts are judged on the host, no sampling tensors built nor verdicts queued.
+        greedy_drafts = inputs.drafts is not None and all(
+            s.sampling_params.is_greedy
+            and not s.sampling_params.has_penalties
+            and s.sampling_params.logprobs is None
+            for s in states
+        )
+        if inputs.drafts is not None and not greedy_drafts:
             sampling, drafts = self._draft_sampling(states, inputs.drafts, inputs.sampled_positions)
         elif inputs.step.race is None:
             # NOTE: built before the forward is queued (the copies are asynchronous anyway).
@@ -271,7 +285,7 @@ class ModelRunner:
                 seed = states[row].sampling_params.seed
                 assert seed is not None
                 generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
-        sampled = self._sample(inputs.step, inputs.lora, sampling, drafts)
+        sampled = self._sample(inputs.step, inputs.lora, sampling, drafts, greedy_drafts)
         assert sampled is not None
         step = LaunchedStep(
             scheduler_output,
@@ -279,6 +293,7 @@ class ModelRunner:
             [s.sampling_params.logprobs for s in states],
             sampled,
             inputs.drafts,
+            greedy_drafts,
         )
         self._latest = step
         return step
@@ -315,12 +330,14 @@ class ModelRunner:
         lora: LoRABatch | None = None,
         sampling: SamplingMetadata | None = None,
         drafts: StepDrafts | None = None,
+        argmax: bool = False,
     ) -> SamplerOutput | None:
         """The forward (a graph replay for decode-only steps), then the sampled rows' tokens:
         by a race over the vocabulary (shards), else by the sampler from all the logits (None
         without `sampling`: a tensor-parallel worker only joins the collectives), verifying
-        `drafts` where the step has some. Every rank makes the same choices from the same
-        inputs, so their collectives match."""
+        `drafts` where the step has some, or each row's `argmax` (greedy drafts, judged on the
+        host). Every rank makes the same choices from the same inputs, so their collectives
+        match."""
         graphs = self.decode_graphs
         try:
             if graphs is not None and graphs.can_run(step.metadata):
@@ -334,6 +351,8 @@ class ModelRunner:
         if step.race is not None:
             return SamplerOutput(self._race(rows, step.race))
         logits = self.model.compute_logits(rows)
+        if argmax:
+            return SamplerOutput(logits.argmax(dim=-1))
         if sampling is None:
             return None
         if drafts is not None:
@@ -539,6 +558,21 @@ class ModelRunner:
         )
         self._last_sampling = None if meta.presence_penalty is not None else (key, meta)
         return meta
+
+
+def _greedy_verdicts(drafts: list[list[int]], argmax: list[int]) -> list[list[int]]:
+    """Greedy verification: each request's drafts (k of them, its k + 1 logits rows' `argmax`
+    in order) kept while they equal the argmax before them, then the argmax after the last
+    kept one (the replacement of the first mismatch, or the bonus)."""
+    tokens = []
+    row = 0
+    for draft in drafts:
+        kept = 0
+        while kept < len(draft) and draft[kept] == argmax[row + kept]:
+            kept += 1
+        tokens.append([*draft[:kept], argmax[row + kept]])
+        row += len(draft) + 1
+    return tokens
 
 
 def _rows_with_drafts(
