@@ -449,8 +449,8 @@ class ModelRunner:
         # NOTE: the pending tokens' places and rows ride in the same copy, after the inputs.
         fill = np.array(pending, np.int64).T.ravel()
         parts = [np.array(input_ids, np.int64), positions, slots, logits_indices]
-        if race is not None:  # (keys, bases, temperatures: each its own part)
-            parts += list(race.reshape(3, -1))
+        if race is not None:
+            parts += race
         packed_longs = pack_aligned(parts, np.int64)
         copied = to_device(np.concatenate((packed_longs, fill)), self.device)
         longs = copied[: len(packed_longs)]
@@ -486,7 +486,7 @@ class ModelRunner:
 
     def _race_inputs(
         self, states: list[CachedRequestState], positions: np.ndarray
-    ) -> np.ndarray | None:
+    ) -> list[np.ndarray] | None:
         """The vocabulary race's keys, bases and temperatures (float64 bits) for the sampled
         rows, or None where the race cannot serve the step (not on CUDA, or a row needs the
         whole distribution: top-k/p, min-p, penalties, logprobs)."""
@@ -510,7 +510,7 @@ class ModelRunner:
         bases = np.arange(len(states), dtype=np.int64) * self.config.vocab_size
         for row, seed in seeds.items():
             keys[row], bases[row] = position_seed(seed, int(positions[row])), 0
-        return np.concatenate((keys, bases, temperature.view(np.int64)))
+        return [keys, bases, temperature.view(np.int64)]
 
     def _draft_sampling(
         self, states: list[CachedRequestState], drafts: list[list[int]], positions: list[int]

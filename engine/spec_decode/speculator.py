@@ -47,9 +47,10 @@ class Speculator:
         # the verified tokens.
         self.num_proposals = 0
         self.propose_seconds = 0.0
-        # Drafts proposed beside steps without drafts, not verified: request -> (the position
-        # of the token the draft guesses, the draft); and where the next turn starts.
-        self._shadowed: dict[RequestId, tuple[int, int]] = {}
+        # Drafts proposed beside steps without drafts, not verified: request id -> (the
+        # request, the position of the token the draft guesses, the draft); and where the
+        # next turn starts.
+        self._shadowed: dict[RequestId, tuple[Request, int, int]] = {}
         self._shadow_turn = 0
 
     SHADOWED_PER_STEP = 2
@@ -85,13 +86,10 @@ class Speculator:
         requests in turn, unverified."""
         if not (self.config.adaptive and self.proposer.can_shadow):
             return
-        by_id = {r.request_id: r for r in running}
         scored = matched = 0
-        for req_id, (position, draft) in list(self._shadowed.items()):
-            request = by_id.get(req_id)
-            if request is None or request.num_tokens > position:
+        for req_id, (request, position, draft) in list(self._shadowed.items()):
+            if request.num_tokens > position:  # (those that end are forgotten)
                 del self._shadowed[req_id]
-            if request is not None and request.num_tokens > position:
                 scored += 1
                 matched += request.all_token_ids[position] == draft
         asked = []
@@ -108,6 +106,7 @@ class Speculator:
         for request in asked:
             if request.request_id in drafts:
                 self._shadowed[request.request_id] = (
+                    request,
                     request.num_tokens,
                     drafts[request.request_id][0],
                 )
