@@ -167,8 +167,9 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
 def _trace(speculator: Speculator) -> dict[str, Any]:
     """Filled in as the engine runs, for the report: each proposal (running requests, drafts
     asked of each, requests that got some, milliseconds; the first 32), each step drafts were
-    asked for (tokens, milliseconds; the first 32) and the median timed step without them."""
-    trace: dict[str, Any] = {"proposals": [], "drafted_steps_ms": [], "plain_step_ms_median": 0}
+    asked for (tokens, milliseconds; the first 32) and the median timed step without them
+    (None when every step asked for drafts)."""
+    trace: dict[str, Any] = {"proposals": [], "drafted_steps_ms": [], "plain_step_ms_median": None}
     plain: list[float] = []
     propose, observe_cost = speculator.propose, speculator.observe_cost
 

@@ -124,6 +124,7 @@ class DraftLength:
     EXPLORE_EVERY = 64
     MAX_EXPLORE_EVERY = 1024
     OUTLIER = 10.0  # (times the predicted cost: see observe_cost)
+    OUTLIER_RUN = 2  # (outliers in a row ignored: the next is what such steps cost now)
 
     def __init__(
         self, max_drafts: int, adaptive: bool, costs: StepCosts, explores: bool = True
@@ -140,6 +141,7 @@ class DraftLength:
         self._steps_without = 0
         self._explore_every = self.EXPLORE_EVERY
         self._last_drafted = False  # (whether the last step timed had drafts asked for)
+        self._outliers = {False: 0, True: 0}  # outliers in a row, of steps without and with
 
     def choose(self, batch_size: int) -> int:
         if not batch_size:
@@ -174,19 +176,28 @@ class DraftLength:
         """A step's size and what it cost, from scheduling to its outputs taken; `drafted`:
         drafts were asked for it.
 
-        Not fitted: a step that took more than OUTLIER times what its size predicts (a kernel
-        compiled, a collector's pause: nothing drafts change), and a step with drafts right after
+        Not fitted: a step that took more than OUTLIER times what its kind and size predict (a
+        kernel compiled, a collector's pause: nothing drafts change), unless it follows
+        OUTLIER_RUN such steps of its kind (then it is what they cost now: a draft model's
+        proposals that take ten plain steps must stop drafts), and a step with drafts right after
         one without: its proposal caught up on what the pause left (the n-gram index, the draft
         model's cache), which drafting step after step does not pay. An exploration costs that
         once; what drafts cost when they are used is learned from steps that follow drafted ones."""
         if not self.adaptive:
             return
         resumed, self._last_drafted = drafted and not self._last_drafted, drafted
-        predicted = self.costs.seconds(num_tokens)
-        if seconds > self.OUTLIER * predicted or resumed:
+        plain = self.costs.seconds(num_tokens)
+        predicted = plain + (max(self.extra.seconds(num_tokens), 0.0) if drafted else 0.0)
+        if seconds > self.OUTLIER * predicted:
+            self._outliers[drafted] += 1
+            if self._outliers[drafted] <= self.OUTLIER_RUN:
+                return
+        else:
+            self._outliers[drafted] = 0
+        if resumed:
             return
         if drafted:
-            self.extra.observe(num_tokens, seconds - predicted)
+            self.extra.observe(num_tokens, seconds - plain)
         else:
             self.costs.observe(num_tokens, seconds)
 
