@@ -23,7 +23,7 @@ import json
 import multiprocessing
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -154,7 +154,7 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
         # steps drafts were asked for (some came back or not), and the seconds spent proposing
         "proposal_steps": speculator.num_proposals - proposed[0] if speculator else 0,
         "propose_seconds": round(speculator.propose_seconds - proposed[1], 3) if speculator else 0,
-        **(trace or {}),
+        **(trace() if trace else {}),
         # Triton kernel variants first met after the warm-up (each compiled or loaded from
         # the cache mid-run: the measured time includes it)
         "kernel_variants_first_met": first_met,
@@ -164,34 +164,42 @@ def _measure(args: argparse.Namespace, speculative: dict[str, Any] | None) -> di
     return measured
 
 
-def _trace(speculator: Speculator) -> dict[str, Any]:
-    """Filled in as the engine runs, for the report: each proposal (running requests, drafts
-    asked of each, requests that got some, milliseconds; the first 32), each step drafts were
-    asked for (tokens, milliseconds; the first 32) and the median timed step without them
-    (None when every step asked for drafts)."""
-    trace: dict[str, Any] = {"proposals": [], "drafted_steps_ms": [], "plain_step_ms_median": None}
+def _trace(speculator: Speculator) -> Callable[[], dict[str, Any]]:
+    """Records as the engine runs; the returned function gives the report: each proposal
+    (running requests, drafts asked of each, requests that got some, milliseconds; the first
+    32), each step drafts were asked for (tokens, milliseconds; the first 32) and the median
+    timed step without them (None when every step asked for drafts)."""
+    proposals: list[list[Any]] = []
+    drafted_steps: list[list[float]] = []
     plain: list[float] = []
     propose, observe_cost = speculator.propose, speculator.observe_cost
 
     def timed_propose(running: Sequence[Request], num_drafts: int) -> Any:
         before = (speculator.num_proposals, time.perf_counter())
         drafts = propose(running, num_drafts)
-        if speculator.num_proposals > before[0] and len(trace["proposals"]) < 32:
+        if speculator.num_proposals > before[0] and len(proposals) < 32:
             ms = round(1e3 * (time.perf_counter() - before[1]), 2)
-            trace["proposals"].append([len(running), num_drafts, len(drafts), ms])
+            proposals.append([len(running), num_drafts, len(drafts), ms])
         return drafts
 
     def timed_cost(num_tokens: int, seconds: float, drafted: bool) -> None:
         observe_cost(num_tokens, seconds, drafted)
-        if drafted and len(trace["drafted_steps_ms"]) < 32:
-            trace["drafted_steps_ms"].append([num_tokens, round(1e3 * seconds, 2)])
-        elif not drafted:
+        if not drafted:
             plain.append(seconds)
-            trace["plain_step_ms_median"] = round(1e3 * statistics.median(plain), 2)
+        elif len(drafted_steps) < 32:
+            drafted_steps.append([num_tokens, round(1e3 * seconds, 2)])
+
+    def report() -> dict[str, Any]:
+        median = round(1e3 * statistics.median(plain), 2) if plain else None
+        return {
+            "proposals": proposals,
+            "drafted_steps_ms": drafted_steps,
+            "plain_step_ms_median": median,
+        }
 
     speculator.propose = timed_propose  # type: ignore[method-assign]
     speculator.observe_cost = timed_cost  # type: ignore[method-assign]
-    return trace
+    return report
 
 
 def _count_kernel_variants() -> list[str]:
