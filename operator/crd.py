@@ -3,8 +3,8 @@
 `python -m kvfleet.operator.crd > crds/llmdeployments.kvfleet.dev.yaml` regenerates the checked-in
 file; a test fails when the two differ. The pydantic JSON schema becomes a Kubernetes structural
 schema: references inlined, optional values without a null branch, `int | str` as
-`x-kubernetes-int-or-string`, no titles, and `default: {}` on objects whose fields all have
-defaults, so the API server fills nested defaults in.
+`x-kubernetes-int-or-string`, no titles, and a full default on objects whose fields all have
+defaults, so an absent section reads as its defaults.
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         node["type"] = numeric if kinds <= {int, float} else "string"
     optional_fields = not node.get("required") and "default" not in node
     if node.get("type") == "object" and "properties" in node and optional_fields:
-        node["default"] = {}
+        # NOTE: written in full, not `{}`: the API server validates each default as written
+        # (its CEL rules included) when the CRD is created, without filling nested defaults in.
+        properties = node["properties"].items()
+        node["default"] = {name: sub["default"] for name, sub in properties if "default" in sub}
     first = [k for k in _KEY_ORDER if k in node]
     return {**{k: node[k] for k in first}, **{k: v for k, v in node.items() if k not in first}}
 
@@ -73,6 +76,10 @@ def _union(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     types = {structural(b, defs).get("type") for b in branches}
     if types == {"integer", "string"}:
         node = {k: v for k, v in rest.items() if k not in _DROPPED}
+        # The server checks a pattern on strings only and bounds on numbers only: keep both.
+        for branch in branches:
+            kept = ("pattern", "maxLength") if branch.get("type") == "string" else ("minimum",)
+            node.update({k: branch[k] for k in kept if k in branch})
         return {**node, "x-kubernetes-int-or-string": True}
     if len(branches) != 1:
         raise ValueError(f"no structural form for a union of {sorted(map(str, types))}")

@@ -11,9 +11,10 @@ NOTE: a rule the API server must enforce across fields goes in `x-kubernetes-val
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
@@ -29,10 +30,26 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # pod suffix (17) to their pods' names, which stay within a 63-character DNS label.
 MAX_NAME_LENGTH = 38
 
-# Kubernetes resource quantity ("500m", "16Gi", "1.5") and duration ("15s", "1m").
-QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# Kubernetes' own grammars (k8s.io/apimachinery), as RE2 patterns the API server checks too.
+# A resource quantity: <number><suffix>, number "1", "1.5", "1." or ".5" (no sign: resources are
+# never negative), suffix binary (Ki..Ei), decimal (n, u, m, "", k, M..E) or an exponent (e3).
+QUANTITY_PATTERN = r"^([0-9]+([.][0-9]*)?|[.][0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
 DURATION_PATTERN = r"^[0-9]+(ms|s|m|h)$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A label value: empty, or at most 63 alphanumerics with - _ . inside.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LABEL_VALUE_MAX = 63
+# A label key (qualified name): an optional DNS-subdomain prefix and "/", then a name part.
+QUALIFIED_NAME_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+# An extended resource name (nvidia.com/gpu): a domain prefix is required.
+RESOURCE_NAME_PATTERN = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 # alias ("smollm2"), hub id ("org/name", "hf://org/name"), URL, PVC path, or a path in the image.
 MODEL_SOURCE_PATTERN = (
     r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|https?://[^\s]+|hf://[\w.-]+/[\w.-]+"
@@ -40,8 +57,9 @@ MODEL_SOURCE_PATTERN = (
 )
 ADAPTER_SOURCE_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|/[^\s]*)$"
 
-Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
-IntOrQuantity = int | Quantity
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+IntOrQuantity = Annotated[int, Field(ge=0)] | Quantity
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=LABEL_VALUE_MAX)]
 
 
 class CrdModel(BaseModel):
@@ -52,11 +70,24 @@ class CrdModel(BaseModel):
     )
 
 
-def cel_rule(rule: str, message: str, field_path: str) -> ConfigDict:
-    """A model's cross-field rule for the API server (CEL, `x-kubernetes-validations`); the
-    model enforces the same in a validator with the same message."""
-    validation: JsonDict = {"rule": rule, "message": message, "fieldPath": field_path}
-    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [validation]})
+def cel_rules(*rules: tuple[str, str, str]) -> ConfigDict:
+    """A model's cross-field rules for the API server (CEL, `x-kubernetes-validations`), each
+    (rule, message, fieldPath); the model enforces the same in a validator with the same message.
+
+    NOTE: the API server also evaluates each rule against the schema's defaults *as written*
+    when the CRD is created (`crd.py` writes object defaults in full), and a rule that reads an
+    absent field fails there: guard optional fields with `has()`.
+    """
+    validations: list[JsonDict] = [
+        {"rule": rule, "message": message, "fieldPath": field_path}
+        for rule, message, field_path in rules
+    ]
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(validations)})
+
+
+def _cel_items(rule: str, message: str) -> JsonDict:
+    """A rule on one field (a map or a list), for `Field(json_schema_extra=...)`."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
 
 
 class LoadFormat(enum.StrEnum):
@@ -96,8 +127,10 @@ class PullPolicy(enum.StrEnum):
 
 
 class SecretKeyRef(CrdModel):
-    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=253, description="a Secret's name")
-    key: str = Field(min_length=1, description="the key inside the Secret")
+    name: str = Field(
+        pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="the Secret's name"
+    )
+    key: str = Field(min_length=1, max_length=253, description="the key inside the Secret")
 
 
 class ModelSpec(CrdModel):
@@ -110,10 +143,18 @@ class ModelSpec(CrdModel):
         ),
     )
     served_model_name: str | None = Field(
-        default=None, min_length=1, description="the name clients send as `model` (default: source)"
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="the name clients send as `model` (default: source)",
     )
-    load_format: LoadFormat = Field(default=LoadFormat.AUTO, description="dummy: random weights")
-    tokenizer: str | None = Field(default=None, description="a tokenizer other than the model's")
+    load_format: LoadFormat = Field(
+        default=LoadFormat.AUTO,
+        description="auto (from the source), hf, gguf, or dummy (random weights at a real shape)",
+    )
+    tokenizer: str | None = Field(
+        default=None, description="a tokenizer other than the model's (hub id or path)"
+    )
     sha256: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{64}$",
@@ -123,7 +164,9 @@ class ModelSpec(CrdModel):
         default=None,
         description="Secret key holding a Hugging Face token (HF_TOKEN) for gated models",
     )
-    cache_size: Quantity = Field(default="50Gi", description="size limit of the model cache volume")
+    cache_size: Quantity = Field(
+        default="50Gi", description="size limit of the model cache volume (a quantity)"
+    )
 
 
 class SpeculativeMethod(enum.StrEnum):
@@ -131,23 +174,34 @@ class SpeculativeMethod(enum.StrEnum):
     DRAFT = "draft"
 
 
-class SpeculativeSpec(CrdModel):
-    method: SpeculativeMethod
-    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
-    draft_model: str | None = Field(default=None, description="draft method: the proposer model")
-    prompt_lookup_min: int | None = Field(default=None, ge=1, le=16, description="ngram: min n")
-    prompt_lookup_max: int | None = Field(default=None, ge=1, le=16, description="ngram: max n")
+DRAFT_NEEDS_MODEL = "method draft needs draftModel"
 
-    model_config = cel_rule(
-        "self.method != 'draft' || has(self.draftModel)",
-        "method draft needs draftModel",
-        ".draftModel",
+
+class SpeculativeSpec(CrdModel):
+    method: SpeculativeMethod = Field(
+        description="ngram (prompt lookup) or draft (a smaller model of the same tokenizer)"
+    )
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=16, description="draft tokens proposed per step at most"
+    )
+    draft_model: str | None = Field(
+        default=None, description="method draft: the proposer model (alias, hub id or path)"
+    )
+    prompt_lookup_min: int | None = Field(
+        default=None, ge=1, le=16, description="method ngram: the shortest n-gram looked up"
+    )
+    prompt_lookup_max: int | None = Field(
+        default=None, ge=1, le=16, description="method ngram: the longest n-gram looked up"
+    )
+
+    model_config = cel_rules(
+        ("self.method != 'draft' || has(self.draftModel)", DRAFT_NEEDS_MODEL, ".draftModel")
     )
 
     @model_validator(mode="after")
     def _draft_needs_model(self) -> SpeculativeSpec:
         if self.method is SpeculativeMethod.DRAFT and self.draft_model is None:
-            raise ValueError("method draft needs draftModel")
+            raise ValueError(DRAFT_NEEDS_MODEL)
         return self
 
     def engine_config(self) -> dict[str, Any]:
@@ -163,26 +217,85 @@ class EngineSpec(CrdModel):
     tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
         default=1, description="GPUs one replica spans (a power of two)"
     )
-    dtype: Dtype = Dtype.AUTO
-    max_model_len: int | None = Field(default=None, ge=16, le=1 << 20)
-    block_size: Literal[8, 16, 32, 64] = 16
-    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
-    prefix_caching: bool = True
-    max_num_seqs: int = Field(default=256, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1 << 20)
-    gpu_memory_utilization: float = Field(default=0.9, ge=0.05, le=0.99)
-    speculative: SpeculativeSpec | None = None
+    dtype: Dtype = Field(
+        default=Dtype.AUTO, description="weights and activations: auto (the checkpoint's) or one"
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        le=1 << 20,
+        description="longest prompt + output in tokens (default: the model's context)",
+    )
+    block_size: Literal[8, 16, 32, 64] = Field(
+        default=16, description="tokens per KV-cache block (also the prefix cache's unit)"
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        default=KVCacheDtype.AUTO, description="KV-cache element type (auto: the model's dtype)"
+    )
+    prefix_caching: bool = Field(
+        default=True, description="reuse the KV cache of prompts' shared prefixes"
+    )
+    max_num_seqs: int = Field(
+        default=256, ge=1, le=4096, description="requests batched in one step at most"
+    )
+    max_num_batched_tokens: int = Field(
+        default=2048,
+        ge=16,
+        le=1 << 20,
+        description="tokens per step at most (the chunked-prefill budget)",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        ge=0.05,
+        le=0.99,
+        description="share of GPU memory for weights, activations and the KV cache",
+    )
+    speculative: SpeculativeSpec | None = Field(
+        default=None, description="speculative decoding: draft tokens verified in one forward"
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="more `kvfleet engine` arguments, passed as given"
     )
 
 
+EXISTS_HAS_NO_VALUE = "a toleration with operator Exists must have no value"
+
+
 class Toleration(CrdModel):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(
+        default=None,
+        pattern=QUALIFIED_NAME_PATTERN,
+        max_length=317,
+        description="the taint key (a label key); empty with Exists: every taint",
+    )
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Equal (the default) or Exists"
+    )
+    value: LabelValue | None = Field(default=None, description="the taint value, with Equal")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="the taint effect to tolerate (empty: all)"
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="NoExecute: how long the pod stays bound after the taint"
+    )
+
+    model_config = cel_rules(
+        (
+            "!has(self.operator) || self.operator != 'Exists' || !has(self.value)"
+            " || self.value == ''",
+            EXISTS_HAS_NO_VALUE,
+            ".value",
+        )
+    )
+
+    @model_validator(mode="after")
+    def _exists_has_no_value(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError(EXISTS_HAS_NO_VALUE)
+        return self
+
+
+NODE_SELECTOR_KEYS = "every nodeSelector key must be a label key (prefix/name)"
 
 
 class ResourcesSpec(CrdModel):
@@ -192,45 +305,98 @@ class ResourcesSpec(CrdModel):
         le=16,
         description="GPUs per replica (default tensorParallelSize; 0: CPU)",
     )
-    gpu_type: str | None = Field(
+    gpu_type: LabelValue | None = Field(
         default=None,
-        description="node label nvidia.com/gpu.product to schedule on (e.g. NVIDIA-H100)",
+        description=(
+            "a value of the node label nvidia.com/gpu.product to schedule on, as the GPU feature "
+            "discovery writes it (e.g. NVIDIA-H100-80GB-HBM3: a label value, no spaces)"
+        ),
     )
-    gpu_resource: str = Field(default="nvidia.com/gpu", description="the extended resource name")
-    cpu: IntOrQuantity | None = Field(default=None, description="CPU request per replica")
+    gpu_resource: str = Field(
+        default="nvidia.com/gpu",
+        pattern=RESOURCE_NAME_PATTERN,
+        max_length=317,
+        description="the extended resource name of the GPUs (domain/name)",
+    )
+    cpu: IntOrQuantity | None = Field(
+        default=None, description="CPU request per replica (cores, or a quantity: 500m)"
+    )
     memory: Quantity | None = Field(
-        default=None, description="memory request and limit per replica"
+        default=None, description="memory request and limit per replica (a quantity: 64Gi)"
     )
-    shm_size: Quantity = Field(default="2Gi", description="/dev/shm size (NCCL needs room)")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    shm_size: Quantity = Field(
+        default="2Gi", description="/dev/shm size (NCCL needs room; a quantity)"
+    )
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        description="node labels the engine pods must match (keys label keys, values label values)",
+        json_schema_extra=_cel_items(
+            f"self.all(k, size(k) <= 317 && k.matches('{QUALIFIED_NAME_PATTERN}'))",
+            NODE_SELECTOR_KEYS,
+        ),
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="taints the engine pods tolerate"
+    )
+
+    @field_validator("node_selector")
+    @classmethod
+    def _label_keys(cls, selector: dict[str, str]) -> dict[str, str]:
+        if not all(re.match(QUALIFIED_NAME_PATTERN, k) and len(k) <= 317 for k in selector):
+            raise ValueError(NODE_SELECTOR_KEYS)
+        return selector
+
+
+MIN_ABOVE_MAX = "minReplicas must not exceed maxReplicas"
 
 
 class AutoscalingSpec(CrdModel):
     enabled: bool = Field(default=False, description="the gateway scales replicas from engine load")
-    min_replicas: int = Field(default=1, ge=0, le=1000)
-    max_replicas: int = Field(default=4, ge=1, le=1000)
-    target_kv_cache_usage: float = Field(default=0.7, ge=0.05, le=1.0)
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="fewest engine replicas (0: scale to zero when idle, back up on a request)",
+    )
+    max_replicas: int = Field(default=4, ge=1, le=1000, description="most engine replicas")
+    target_kv_cache_usage: float = Field(
+        default=0.7, ge=0.05, le=1.0, description="mean KV-cache usage of ready replicas to keep"
+    )
     target_queue_length: float = Field(
         default=2.0, ge=0.0, description="waiting requests per replica"
     )
-    scale_down_window_seconds: int = Field(default=300, ge=0, le=3600)
+    scale_down_window_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description=(
+            "a scale-down happens only after every recommendation in this window agreed (also "
+            "the idle time before scaling to zero)"
+        ),
+    )
 
-    model_config = cel_rule(
-        "self.minReplicas <= self.maxReplicas",
-        "minReplicas must not exceed maxReplicas",
-        ".minReplicas",
+    model_config = cel_rules(
+        (
+            "!has(self.minReplicas) || !has(self.maxReplicas)"
+            " || self.minReplicas <= self.maxReplicas",
+            MIN_ABOVE_MAX,
+            ".minReplicas",
+        )
     )
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
-            raise ValueError("minReplicas must not exceed maxReplicas")
+            raise ValueError(MIN_ABOVE_MAX)
         return self
 
 
 class LoRAAdapterSpec(CrdModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*$", max_length=128)
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][\w.-]*$",
+        max_length=128,
+        description="the name clients send as `model` to use the adapter",
+    )
     source: str = Field(
         pattern=ADAPTER_SOURCE_PATTERN,
         description="a PEFT adapter folder: pvc://CLAIM/PATH or a path in the engine image",
@@ -239,35 +405,76 @@ class LoRAAdapterSpec(CrdModel):
 
 class LoRASpec(CrdModel):
     max_loras: int = Field(default=4, ge=1, le=256, description="adapters in GPU slots at once")
-    max_cpu_loras: int | None = Field(default=None, ge=1, le=4096)
-    max_lora_rank: Literal[8, 16, 32, 64, 128] = 16
-    adapters: list[LoRAAdapterSpec] = Field(default_factory=list, max_length=256)
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1, le=4096, description="adapters kept in host memory (default maxLoras)"
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128] = Field(
+        default=16, description="the largest adapter rank the engine accepts"
+    )
+    adapters: list[LoRAAdapterSpec] = Field(
+        default_factory=list,
+        max_length=256,
+        description="adapters the gateway loads onto a replica when a request names one",
+    )
 
 
 class RateLimits(CrdModel):
-    requests_per_minute: float | None = Field(default=None, ge=0)
-    tokens_per_minute: float | None = Field(default=None, ge=0)
+    requests_per_minute: float | None = Field(
+        default=None, ge=0, description="requests per API key per minute, for the whole gateway"
+    )
+    tokens_per_minute: float | None = Field(
+        default=None,
+        ge=0,
+        description="prompt + max_tokens per API key per minute, for the whole gateway",
+    )
 
 
 class GatewayResources(CrdModel):
-    cpu: IntOrQuantity = "1"
-    memory: Quantity = "1Gi"
+    cpu: IntOrQuantity = Field(default="1", description="CPU request per gateway pod")
+    memory: Quantity = Field(default="1Gi", description="memory request and limit per gateway pod")
 
 
 class GatewaySpec(CrdModel):
-    replicas: int = Field(default=1, ge=0, le=100)
-    routing_policy: RoutingPolicy = RoutingPolicy.PREFIX
-    max_imbalance: float = Field(default=8.0, ge=0.0)
-    rate_limits: RateLimits = Field(default_factory=RateLimits, description="per API key")
+    replicas: int = Field(default=1, ge=0, le=100, description="gateway pods")
+    routing_policy: RoutingPolicy = Field(
+        default=RoutingPolicy.PREFIX,
+        description="prefix (the replica holding the prompt's prefix), least-load, round-robin",
+    )
+    max_imbalance: float = Field(
+        default=8.0,
+        ge=0.0,
+        description="requests by which a prefix choice may exceed the least-loaded replica's load",
+    )
+    rate_limits: RateLimits = Field(
+        default_factory=RateLimits, description="default limits per API key"
+    )
     api_keys_secret: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the hashed API keys file (default: open mode)"
     )
-    service_type: ServiceType = ServiceType.CLUSTER_IP
-    port: int = Field(default=80, ge=1, le=65535)
-    max_inflight_per_replica: int = Field(default=256, ge=1)
-    queue_capacity: int = Field(default=4096, ge=0)
-    queue_timeout_seconds: float = Field(default=60.0, gt=0)
-    resources: GatewayResources = Field(default_factory=GatewayResources)
+    service_type: ServiceType = Field(
+        default=ServiceType.CLUSTER_IP, description="the endpoint Service's type"
+    )
+    port: int = Field(default=80, ge=1, le=65535, description="the endpoint Service's port")
+    max_inflight_per_replica: int = Field(
+        default=256, ge=1, description="requests proxied at once per engine replica"
+    )
+    queue_capacity: int = Field(
+        default=4096, ge=0, description="requests waiting at the gateway at most (then 503)"
+    )
+    queue_timeout_seconds: float = Field(
+        default=60.0, gt=0, description="how long a request may wait in the queue (then 503)"
+    )
+    activation_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description=(
+            "scaled to zero: how long a request waits for the first engine to become ready"
+        ),
+    )
+    resources: GatewayResources = Field(
+        default_factory=GatewayResources, description="CPU and memory of each gateway pod"
+    )
 
 
 # TTFT thresholds a latency SLO can use: bounds of the gateway's TTFT histogram buckets, so the
@@ -301,39 +508,66 @@ class MonitoringSpec(CrdModel):
 
 
 class ImagesSpec(CrdModel):
-    engine: str | None = Field(default=None, description="default: the operator's engine image")
-    gateway: str | None = Field(default=None, description="default: the operator's gateway image")
-    pull_policy: PullPolicy = PullPolicy.IF_NOT_PRESENT
-    pull_secrets: list[str] = Field(default_factory=list)
+    engine: str | None = Field(
+        default=None, min_length=1, description="default: the operator's engine image"
+    )
+    gateway: str | None = Field(
+        default=None, min_length=1, description="default: the operator's gateway image"
+    )
+    pull_policy: PullPolicy = Field(
+        default=PullPolicy.IF_NOT_PRESENT, description="the containers' imagePullPolicy"
+    )
+    pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)]] = (
+        Field(default_factory=list, description="names of Secrets to pull the images with")
+    )
+
+
+GPUS_COVER_TP = "resources.gpus must be 0 (CPU) or at least tensorParallelSize"
+LORA_NEEDS_TP1 = (
+    "lora needs tensorParallelSize 1: the engine does not combine LoRA with tensor parallelism yet"
+)
 
 
 class LLMDeploymentSpec(CrdModel):
-    model: ModelSpec
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    model: ModelSpec = Field(description="the model to serve and where it comes from")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="engine settings")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="GPUs, CPU, memory and placement per replica"
+    )
     replicas: int = Field(
         default=1, ge=0, le=1000, description="engine replicas (the scale subresource)"
     )
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, description="the gateway scales replicas from engine load"
+    )
     lora: LoRASpec | None = Field(default=None, description="serve LoRA adapters (multi-LoRA)")
-    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
-    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
-    images: ImagesSpec = Field(default_factory=ImagesSpec)
+    gateway: GatewaySpec = Field(
+        default_factory=GatewaySpec, description="the OpenAI endpoint in front of the engines"
+    )
+    monitoring: MonitoringSpec = Field(
+        default_factory=MonitoringSpec, description="scraping, SLOs and alerts"
+    )
+    images: ImagesSpec = Field(
+        default_factory=ImagesSpec, description="container images (default: the operator's)"
+    )
 
-    model_config = cel_rule(
+    model_config = cel_rules(
         (
             "!has(self.resources.gpus) || self.resources.gpus == 0"
-            " || self.resources.gpus >= self.engine.tensorParallelSize"
+            " || self.resources.gpus >= self.engine.tensorParallelSize",
+            GPUS_COVER_TP,
+            ".resources.gpus",
         ),
-        "resources.gpus must be 0 (CPU) or at least tensorParallelSize",
-        ".resources.gpus",
+        ("!has(self.lora) || self.engine.tensorParallelSize == 1", LORA_NEEDS_TP1, ".lora"),
     )
 
     @model_validator(mode="after")
-    def _gpus_cover_tensor_parallelism(self) -> LLMDeploymentSpec:
+    def _cross_field_rules(self) -> LLMDeploymentSpec:
         gpus = self.resources.gpus
         if gpus is not None and 0 < gpus < self.engine.tensor_parallel_size:
-            raise ValueError("resources.gpus must be 0 (CPU) or at least tensorParallelSize")
+            raise ValueError(GPUS_COVER_TP)
+        if self.lora is not None and self.engine.tensor_parallel_size != 1:
+            raise ValueError(LORA_NEEDS_TP1)
         return self
 
     @property

@@ -115,14 +115,51 @@ def _check_fields(value: dict[str, Any], schema: dict[str, Any], path: str) -> l
 
 
 def _check_rules(value: Any, schema: dict[str, Any], path: str) -> list[str]:
+    """The node's CEL rules, as the API server runs them: a rule that cannot be evaluated (a
+    field it reads is absent, a type mismatch) is an error too, never a pass."""
     errors = []
     for rule in schema.get("x-kubernetes-validations", []):
+        where = path + rule.get("fieldPath", "")
+        message = rule.get("message", f"failed rule: {rule['rule']}")
         environment = celpy.Environment()
         program = environment.program(environment.compile(rule["rule"]))
-        if not program.evaluate({"self": celpy.json_to_cel(value)}):
-            where = path + rule.get("fieldPath", "")
-            message = rule.get("message", f"failed rule: {rule['rule']}")
+        try:
+            result = program.evaluate({"self": celpy.json_to_cel(value)})
+        except celpy.CELEvalError as exc:
+            reason = exc.args[0] if exc.args else str(exc)
+            errors.append(f"{path or '<root>'}: Invalid value: {reason} evaluating rule: {message}")
+            continue
+        if result is not True and not (isinstance(result, celpy.celtypes.BoolType) and result):
             errors.append(f"{where or '<root>'}: Invalid value: {message}")
+    return errors
+
+
+def check_crd(crd: dict[str, Any]) -> list[str]:
+    """What the API server answers when the CRD itself is created: every `default` must be valid
+    for its own schema node *as written* (no nested defaults filled in), known fields only, and
+    every CEL rule must compile and hold on it."""
+    errors = []
+    for version in crd["spec"]["versions"]:
+        schema = version["schema"]["openAPIV3Schema"]
+        errors += _check_defaults(schema, f"spec.versions[{version['name']}].schema")
+    return errors
+
+
+def _check_defaults(schema: dict[str, Any], path: str) -> list[str]:
+    errors = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        try:
+            celpy.Environment().compile(rule["rule"])
+        except celpy.CELParseError as exc:
+            errors.append(f"{path}: Invalid value: {rule['rule']!r}: compilation failed: {exc}")
+    if "default" in schema:
+        where = f"{path}.default"
+        found = validate(copy.deepcopy(schema["default"]), schema, where)
+        errors += [f"{path}.default: {e.removeprefix(where).lstrip('.:[ ')}" for e in found]
+    for name, sub in schema.get("properties", {}).items():
+        errors += _check_defaults(sub, f"{path}.properties[{name}]")
+    if isinstance(schema.get("items"), dict):
+        errors += _check_defaults(schema["items"], f"{path}.items")
     return errors
 
 

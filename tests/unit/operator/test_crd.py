@@ -14,7 +14,7 @@ import yaml
 from kvfleet.operator.crd import render_crd
 from kvfleet.operator.spec import InvalidSpecError, LLMDeploymentSpec, parse_spec
 
-from .crd_schema import admit
+from .crd_schema import admit, check_crd
 
 CRD_FILE = "crds/llmdeployments.kvfleet.dev.yaml"
 
@@ -45,6 +45,43 @@ def test_checked_in_crd_is_generated_from_the_models(repo_root: Path) -> None:
         "the CRD drifted from kvfleet.operator.spec: run "
         f"`python -m kvfleet.operator.crd > {CRD_FILE}`"
     )
+
+
+def test_the_api_server_accepts_the_crd(crd: dict[str, Any]) -> None:
+    """Every default is valid for its own schema as written, CEL rules included (a rule reading
+    a field a `default: {}` lacks made `kubectl apply -k manifests/` fail on a real server)."""
+    assert check_crd(crd) == []
+
+
+def test_a_rule_that_cannot_evaluate_on_a_default_is_refused(crd: dict[str, Any]) -> None:
+    broken = copy.deepcopy(crd)
+    spec = broken["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["properties"]["autoscaling"]["default"] = {}
+    spec["properties"]["autoscaling"]["x-kubernetes-validations"][0]["rule"] = (
+        "self.minReplicas <= self.maxReplicas"
+    )
+    errors = check_crd(broken)
+    assert len(errors) == 1
+    assert "properties[autoscaling].default" in errors[0]
+    assert "minReplicas" in errors[0]
+    assert "evaluating rule: minReplicas must not exceed maxReplicas" in errors[0]
+
+
+def test_every_spec_field_is_described(crd: dict[str, Any]) -> None:
+    """`kubectl explain llmd.spec...` says something for every field."""
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+    def undescribed(node: dict[str, Any], path: str) -> list[str]:
+        missing = []
+        for name, sub in node.get("properties", {}).items():
+            if not sub.get("description"):
+                missing.append(f"{path}.{name}")
+            missing += undescribed(sub, f"{path}.{name}")
+        if isinstance(node.get("items"), dict):
+            missing += undescribed(node["items"], f"{path}[]")
+        return missing
+
+    assert undescribed(spec, "spec") == []
 
 
 def test_crd_is_a_valid_kubernetes_1_30_object(crd: dict[str, Any]) -> None:
@@ -157,6 +194,36 @@ BAD_SPECS = [
         {"monitoring": {"slo": {"availability": 1.0}}},
         "spec.monitoring.slo.availability: Invalid value: 1.0: should be less than or equal to",
         "spec.monitoring.slo.availability",
+    ),
+    (
+        "a memory quantity Kubernetes cannot parse",
+        {"resources": {"memory": "1.2.3Gi"}},
+        "spec.resources.memory: Invalid value: '1.2.3Gi': should match",
+        "spec.resources.memory",
+    ),
+    (
+        "a negative CPU request",
+        {"resources": {"cpu": "-1"}},
+        "spec.resources.cpu: Invalid value: '-1': should match",
+        "spec.resources.cpu",
+    ),
+    (
+        "a GPU type that is no label value",
+        {"resources": {"gpuType": "NVIDIA H100 80GB"}},
+        "spec.resources.gpuType: Invalid value: 'NVIDIA H100 80GB': should match",
+        "spec.resources.gpuType",
+    ),
+    (
+        "a node selector key that is no label key",
+        {"resources": {"nodeSelector": {"gpu type": "h100"}}},
+        "spec.resources.nodeSelector: Invalid value: every nodeSelector key must be a label key",
+        "spec.resources.nodeSelector",
+    ),
+    (
+        "LoRA with tensor parallelism",
+        {"engine": {"tensorParallelSize": 2}, "lora": {"maxLoras": 2}},
+        "spec.lora: Invalid value: lora needs tensorParallelSize 1",
+        "lora needs tensorParallelSize 1",
     ),
     (
         "draft speculation without a draft model",
