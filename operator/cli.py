@@ -44,12 +44,21 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_crd())
         return 0
 
-    from kvfleet.operator.kube import ClusterUnreachableError, connect
+    from kvfleet.operator.crd import CRD_NAME
+    from kvfleet.operator.kube import ClusterUnreachableError, KubeError, connect
 
     try:
-        _, version = connect()
-    except ClusterUnreachableError as exc:
+        api, version = connect()
+        installed = api.has_crd(CRD_NAME)
+    except (ClusterUnreachableError, KubeError) as exc:
         print(f"kvfleet operator: {exc}", file=sys.stderr)
+        return 2
+    if not installed:
+        print(
+            f"kvfleet operator: the CRD {CRD_NAME} is not installed (or this account may not "
+            "read it): kubectl apply -k manifests/",
+            file=sys.stderr,
+        )
         return 2
     print(
         f"kvfleet operator: API server {version.get('gitVersion', '?')} answers; starting",
@@ -66,5 +75,6 @@ def _run(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(namespaces=list(args.namespace)),
     )
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.operator.common import MANAGED_BY
@@ -27,7 +28,16 @@ RESOURCES: Mapping[str, tuple[str, str]] = {
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
     "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules"),
     "LLMDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    "Event": ("/api/v1", "events"),
 }
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a server-side apply answered: the object as stored, and whether it was created."""
+
+    object: dict[str, Any]
+    created: bool
 
 
 class KubeError(Exception):
@@ -36,15 +46,17 @@ class KubeError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"Kubernetes API error {status}: {message}")
         self.status = status
+        self.message = message
 
     @property
     def transient(self) -> bool:
         return self.status in (0, 409, 429) or self.status >= 500
 
 
-def object_path(kind: str, namespace: str, name: str | None = None) -> str:
+def object_path(kind: str, namespace: str | None, name: str | None = None) -> str:
+    """The object's (or, without a name, the collection's) path; no namespace: every one."""
     prefix, plural = RESOURCES[kind]
-    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    path = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
     return f"{path}/{name}" if name else path
 
 
@@ -92,7 +104,8 @@ class KubeApi:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str | None = None,
-    ) -> Any:
+    ) -> tuple[int, Any]:
+        """(HTTP status, decoded body) of a successful call; KubeError otherwise."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
@@ -116,29 +129,47 @@ class KubeApi:
             raise KubeError(0, f"cannot reach the API server: {exc}") from None
         if not 200 <= response.status < 300:
             raise KubeError(response.status, _reason(data, response.reason))
-        return json.loads(data) if data else None
+        return response.status, json.loads(data) if data else None
 
     def version(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", "/version")
+        result: dict[str, Any] = self._call("GET", "/version")[1]
         return result
 
-    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, manifest: Mapping[str, Any], dry_run: bool = False) -> Applied:
+        """Server-side apply; `dry_run`: the server validates and admits it, stores nothing."""
         meta = manifest["metadata"]
         path = object_path(manifest["kind"], meta["namespace"], meta["name"])
         query = [("fieldManager", MANAGED_BY), ("force", "true")]
-        result: dict[str, Any] = self._call(
+        if dry_run:
+            query.append(("dryRun", "All"))
+        status, result = self._call(
             "PATCH", path, dict(manifest), query, "application/apply-patch+yaml"
         )
-        return result
+        return Applied(result, created=status == 201)
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            result: dict[str, Any] = self._call("GET", object_path(kind, namespace, name))
+            result: dict[str, Any] = self._call("GET", object_path(kind, namespace, name))[1]
         except KubeError as exc:
             if exc.status == 404:
                 return None
             raise
         return result
+
+    def list(self, kind: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every object of a kind, in one namespace or (None) in all."""
+        items: list[dict[str, Any]] = self._call("GET", object_path(kind, namespace))[1]["items"]
+        return items
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        path = object_path(manifest["kind"], manifest["metadata"]["namespace"])
+        result: dict[str, Any] = self._call("POST", path, dict(manifest))[1]
+        return result
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """A JSON merge patch of the main resource."""
+        path = object_path(kind, namespace, name)
+        self._call("PATCH", path, dict(patch), None, "application/merge-patch+json")
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Delete one object (its dependents follow through the garbage collector); False when

@@ -6,6 +6,8 @@ Run with `kvfleet operator` (checks the cluster first), or `kopf run -m kvfleet.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -14,13 +16,16 @@ import kopf
 
 from kvfleet.operator.common import MANAGED_BY, OperatorConfig
 from kvfleet.operator.kube import ClusterUnreachableError, KubeError, connect
-from kvfleet.operator.reconcile import Reconciler, owner_reference
+from kvfleet.operator.reconcile import ChildRejectedError, Reconciler, Resyncer, owner_reference
 from kvfleet.operator.spec import GROUP, PLURAL, VERSION, InvalidSpecError
 
+logger = logging.getLogger(__name__)
+
 LLMD = (GROUP, VERSION, PLURAL)
-# Children's changes arrive as events; the resync puts back what someone changed or deleted
-# by hand and catches up on any event missed.
+# Children's changes arrive as events; the resync puts back what someone changed or deleted by
+# hand and catches up on any event missed.
 RESYNC_INTERVAL_S = 60.0
+MAX_RETRY_DELAY_S = 600.0
 
 
 @kopf.on.login()
@@ -33,43 +38,65 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Progress and the last-handled spec live in annotations: the CRD's status schema is
     # structural, so anything kopf put there unasked would be pruned.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING
+    namespaces = list(memo.get("namespaces") or [])
+    if namespaces:
+        # Watching named namespaces needs no list/watch of all namespaces (nor of CRDs): the
+        # operator checked at start that the LLMDeployment CRD is installed.
+        settings.scanning.disabled = True
     try:
-        api, _ = connect()
+        api, _ = await asyncio.to_thread(connect)
     except ClusterUnreachableError as exc:
         raise kopf.PermanentError(str(exc)) from None
-    memo.reconciler = Reconciler(api, OperatorConfig.from_environment())
+    reconciler = Reconciler(api, OperatorConfig.from_environment())
+    memo.reconciler = reconciler
+    resyncer = Resyncer(reconciler, namespaces)
+    memo.resync = asyncio.create_task(_resync_forever(resyncer, RESYNC_INTERVAL_S))
 
 
-def _temporary(exc: KubeError) -> kopf.TemporaryError:
-    return kopf.TemporaryError(str(exc), delay=10 if exc.transient else 60)
+async def _resync_forever(resyncer: Resyncer, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.to_thread(resyncer.run_once)
+        except KubeError as exc:
+            logger.warning("resync failed, tried again in %.0f s: %s", interval_s, exc)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("resync")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def retry_delay(retry: int) -> float:
+    """Seconds before kopf retries a transient failure: doubling from 10 s, at most 10 min."""
+    return float(min(10.0 * 2 ** max(retry, 0), MAX_RETRY_DELAY_S))
 
 
 @kopf.on.resume(*LLMD)
 @kopf.on.create(*LLMD)
 @kopf.on.update(*LLMD)
-def reconcile(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+def reconcile(body: Mapping[str, Any], memo: kopf.Memo, retry: int = 0, **_: Any) -> None:
+    """The spec is new (or the operator restarted): verify the children with a dry run, then
+    apply them. A bad spec or a refused child fails until the spec changes (the resync retries
+    refused children with backoff); a transient failure is retried with backoff."""
     try:
-        memo.reconciler.reconcile(body)
+        memo.reconciler.reconcile(body, verify=True)
     except InvalidSpecError as exc:
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    except ChildRejectedError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
     except KubeError as exc:
-        raise _temporary(exc) from exc
-
-
-@kopf.timer(*LLMD, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
-def resync(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
-    try:
-        memo.reconciler.reconcile(body)
-    except InvalidSpecError:
-        return  # reported when the spec changed; nothing to apply until it is fixed
-    except KubeError as exc:
-        raise _temporary(exc) from exc
+        raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
@@ -90,8 +117,8 @@ def child_changed(
             reconciler.reconcile(parent)
         else:
             reconciler.refresh_status(parent)
-    except InvalidSpecError:
+    except (InvalidSpecError, ChildRejectedError):
         return
     except KubeError as exc:
-        # event handlers are not retried; the status timer catches up
-        logging.getLogger(__name__).warning("status of %s/%s not refreshed: %s", *owner, exc)
+        # event handlers are not retried; the resync catches up
+        logger.warning("status of %s/%s not refreshed: %s", *owner, exc)

@@ -591,12 +591,14 @@ class LLMDeploymentSpec(CrdModel):
 
 
 class Phase(enum.StrEnum):
-    PENDING = "Pending"  # children created, nothing ready yet
-    PROGRESSING = "Progressing"  # a rollout or scale is under way
+    PENDING = "Pending"  # nothing serves yet: pods are being scheduled, pulled or loaded
+    PROGRESSING = "Progressing"  # serving while a rollout or scale-up is under way
     READY = "Ready"
-    DEGRADED = "Degraded"  # serving, with fewer ready replicas than wanted
+    DEGRADED = "Degraded"  # serving, with fewer ready replicas than wanted, or a rollout stalled
     SCALED_TO_ZERO = "ScaledToZero"
-    FAILED = "Failed"  # the spec is invalid; nothing was changed
+    # the spec is invalid or the API server refused a child (nothing was changed), or nothing
+    # serves and the rollout passed its progress deadline
+    FAILED = "Failed"
 
 
 class ConditionType(enum.StrEnum):
@@ -605,6 +607,7 @@ class ConditionType(enum.StrEnum):
     ENGINE_AVAILABLE = "EngineAvailable"
     GATEWAY_AVAILABLE = "GatewayAvailable"
     PROGRESSING = "Progressing"
+    SCALING_LIMITED = "ScalingLimited"  # spec.replicas is outside the autoscaling bounds
 
 
 class Condition(CrdModel):

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvfleet.operator.common import ENGINE, OperatorConfig, Owner
-from kvfleet.operator.spec import Condition, ConditionType, LLMDeploymentStatus, Phase
+from kvfleet.operator.spec import (
+    Condition,
+    ConditionType,
+    LLMDeploymentSpec,
+    LLMDeploymentStatus,
+    Phase,
+)
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
@@ -23,7 +29,7 @@ class RolloutState:
     replicas: int
     ready: int
     updated: int
-    complete: bool  # the controller saw the newest template and every pod runs it
+    complete: bool  # the controller saw the newest template and its rollout finished
     stalled: str | None  # the Deployment's Progressing message when its deadline passed
 
     @classmethod
@@ -34,16 +40,23 @@ class RolloutState:
         generation = deployment.get("metadata", {}).get("generation", 0)
         replicas = int(status.get("replicas", 0))
         updated = int(status.get("updatedReplicas", 0))
+        ready = int(status.get("availableReplicas", 0))
         seen = int(status.get("observedGeneration", 0)) >= generation
-        stalled = None
+        progress = {}
         for condition in status.get("conditions") or []:
-            if condition.get("reason") == "ProgressDeadlineExceeded":
-                stalled = str(condition.get("message", "the rollout passed its deadline"))
+            if condition.get("type") == "Progressing":
+                progress = condition
+        stalled = None
+        if progress.get("reason") == "ProgressDeadlineExceeded":
+            stalled = str(progress.get("message") or "the rollout passed its progress deadline")
+        # The controller's own verdict where it gave one: NewReplicaSetAvailable stays after a
+        # finished rollout even if a pod is lost later (that is Degraded, not Progressing).
+        finished = progress.get("reason") == "NewReplicaSetAvailable" if progress else ready == want
         return cls(
             replicas=replicas,
-            ready=int(status.get("availableReplicas", 0)),
+            ready=ready,
             updated=updated,
-            complete=seen and updated == want and replicas == want,
+            complete=seen and updated == want and replicas == want and finished,
             stalled=stalled,
         )
 
@@ -69,6 +82,40 @@ def _condition(
         last_transition_time=since,
         observed_generation=generation,
     )
+
+
+def _phase(want: int, serving: bool, rolling: bool, stalled: bool, all_ready: bool) -> Phase:
+    """The one-word summary; it never contradicts the conditions (a test checks every case)."""
+    if want == 0:
+        return Phase.SCALED_TO_ZERO
+    if stalled:
+        return Phase.DEGRADED if serving else Phase.FAILED
+    if rolling:
+        return Phase.PROGRESSING if serving else Phase.PENDING
+    return Phase.READY if all_ready else Phase.DEGRADED
+
+
+def scaling_limited(spec: LLMDeploymentSpec) -> tuple[bool, str, str]:
+    """(limited, reason, message): whether spec.replicas (`kubectl scale`, HPA) lies outside
+    the autoscaling bounds, so the engines run a clamped count."""
+    scaling, replicas = spec.autoscaling, spec.replicas
+    if not scaling.enabled:
+        return False, "AutoscalingDisabled", f"spec.replicas {replicas} runs as asked"
+    if replicas > scaling.max_replicas:
+        return (
+            True,
+            "AboveMaxReplicas",
+            f"spec.replicas {replicas} is above autoscaling.maxReplicas "
+            f"{scaling.max_replicas}: {scaling.max_replicas} engine replicas run",
+        )
+    if replicas < scaling.min_replicas:
+        return (
+            True,
+            "BelowMinReplicas",
+            f"spec.replicas {replicas} is below autoscaling.minReplicas "
+            f"{scaling.min_replicas}: {scaling.min_replicas} engine replicas run",
+        )
+    return False, "WithinBounds", f"spec.replicas {replicas} is within the autoscaling bounds"
 
 
 def build_status(
@@ -99,39 +146,36 @@ def build_status(
     engine_message = f"{engines.ready}/{want} engine replicas ready"
     gateway_ok = gateways.ready > 0
     gateway_message = f"{gateways.ready}/{spec.gateway.replicas} gateway replicas ready"
+    stalled = engines.stalled or gateways.stalled
     rolling = not (engines.complete and gateways.complete)
-    if engines.stalled or gateways.stalled:
-        progress = condition(
-            ConditionType.PROGRESSING,
-            False,
-            "ProgressDeadlineExceeded",
-            engines.stalled or gateways.stalled or "",
-        )
+    serving = engine_ok and gateway_ok
+    if stalled:
+        progress = condition(ConditionType.PROGRESSING, False, "ProgressDeadlineExceeded", stalled)
     elif rolling:
         progress = condition(
-            ConditionType.PROGRESSING, True, "RollingOut", "engine or gateway pods are updating"
+            ConditionType.PROGRESSING,
+            True,
+            "RollingOut",
+            "engine or gateway pods are being updated or started",
         )
     else:
         progress = condition(
             ConditionType.PROGRESSING, False, "RolloutComplete", "every pod runs the current spec"
         )
-    ready = engine_ok and gateway_ok
-    if want == 0:
-        phase = Phase.SCALED_TO_ZERO
-    elif ready and not rolling:
-        phase = Phase.READY if engines.ready >= want else Phase.DEGRADED
-    elif ready or engines.updated > 0:
-        phase = Phase.PROGRESSING
+    all_ready = engines.ready >= want and gateways.ready >= spec.gateway.replicas
+    phase = _phase(want, serving, rolling, stalled is not None, all_ready)
+    if serving:
+        ready_reason = "Serving"
+    elif want == 0:
+        ready_reason = "ScaledToZero"
+    elif stalled:
+        ready_reason = "ProgressDeadlineExceeded"
     else:
-        phase = Phase.PENDING
+        ready_reason = "EngineUnavailable" if not engine_ok else "GatewayUnavailable"
+    limited, limit_reason, limit_message = scaling_limited(spec)
     conditions = [
         condition(
-            ConditionType.READY,
-            ready,
-            "Serving"
-            if ready
-            else ("EngineUnavailable" if not engine_ok else "GatewayUnavailable"),
-            f"{engine_message}; {gateway_message}",
+            ConditionType.READY, serving, ready_reason, f"{engine_message}; {gateway_message}"
         ),
         condition(ConditionType.SPEC_VALID, True, "Accepted", "the spec is valid"),
         condition(ConditionType.ENGINE_AVAILABLE, engine_ok, engine_reason, engine_message),
@@ -142,6 +186,7 @@ def build_status(
             gateway_message,
         ),
         progress,
+        condition(ConditionType.SCALING_LIMITED, limited, limit_reason, limit_message),
     ]
     selector = ",".join(f"{k}={v}" for k, v in owner.selector(ENGINE).items())
     status = LLMDeploymentStatus(
@@ -158,15 +203,18 @@ def build_status(
 
 
 def invalid_spec_status(
-    message: str, generation: int, previous: Sequence[Mapping[str, Any]], now: str
+    message: str,
+    generation: int,
+    previous: Sequence[Mapping[str, Any]],
+    now: str,
+    reason: str = "InvalidSpec",
 ) -> dict[str, Any]:
-    """The status of an object whose spec does not parse: Failed, with the reason on SpecValid and
-    Ready. The children (if any) keep running the last valid spec."""
+    """The status of an object whose spec cannot be served: it does not parse (InvalidSpec), or
+    the API server refused a child built from it (ChildRejected). Failed, with the reason on
+    SpecValid and Ready; the children (if any) keep running the last spec that worked."""
     conditions = [
-        _condition(ConditionType.READY, "False", "InvalidSpec", message, generation, previous, now),
-        _condition(
-            ConditionType.SPEC_VALID, "False", "InvalidSpec", message, generation, previous, now
-        ),
+        _condition(ConditionType.READY, "False", reason, message, generation, previous, now),
+        _condition(ConditionType.SPEC_VALID, "False", reason, message, generation, previous, now),
     ]
     status = LLMDeploymentStatus(
         phase=Phase.FAILED, observed_generation=generation, conditions=conditions

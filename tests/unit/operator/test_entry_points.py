@@ -85,9 +85,10 @@ def test_handlers_are_registered_for_the_right_resources() -> None:
     changing = list(registry._changing.get_all_handlers())
     assert {h.fn for h in changing} == {main.reconcile}
     assert {watched(h) for h in changing} == {("kvfleet.dev", "v1alpha1", "llmdeployments")}
-    (timer,) = registry._spawning.get_all_handlers()
-    assert timer.fn is main.resync
-    assert watched(timer) == ("kvfleet.dev", "v1alpha1", "llmdeployments")
+    # Nothing makes kopf put its finalizer on LLMDeployments (timers and daemons would, and so
+    # would a mandatory deletion handler): deleting one must not need the operator running.
+    assert list(registry._spawning.get_all_handlers()) == []
+    assert not any(h.requires_finalizer for h in changing)
     (watcher,) = registry._watching.get_all_handlers()
     assert watcher.fn is main.child_changed
     assert watched(watcher) == ("apps", "v1", "deployments")

@@ -3,102 +3,18 @@ fake Kubernetes API (`fake_kube.py`) through the real Kubernetes client."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import kopf
-import kubernetes
 import pytest
 
 from kvfleet.operator import main
 from kvfleet.operator.common import OperatorConfig
-from kvfleet.operator.kube import KubeApi
 from kvfleet.operator.reconcile import Reconciler
 
-from .fake_kube import MONITORING, FakeKube, Key, running
-
-LLMD_PREFIX, LLMD_PLURAL = "/apis/kvfleet.dev/v1alpha1", "llmdeployments"
-DEPLOYMENTS = ("/apis/apps/v1", "deployments")
-SPEC: dict[str, Any] = {
-    "model": {"source": "smollm2"},
-    "resources": {"gpus": 0},
-    "replicas": 2,
-    "gateway": {"replicas": 1},
-}
-
-
-@dataclass
-class Cluster:
-    fake: FakeKube
-    memo: kopf.Memo
-    key: Key = (LLMD_PREFIX, LLMD_PLURAL, "llm", "chat")
-
-    def body(self) -> dict[str, Any]:
-        """The object as kopf hands it to a handler: a snapshot."""
-        found = self.fake.objects[self.key]
-        return copy.deepcopy(found)
-
-    def reconcile(self) -> None:
-        main.reconcile(body=self.body(), memo=self.memo)
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.fake.objects[self.key].get("status") or {})
-
-    def conditions(self) -> dict[str, tuple[str, str]]:
-        return {c["type"]: (c["status"], c["reason"]) for c in self.status()["conditions"]}
-
-    def deployment(self, component: str) -> dict[str, Any]:
-        found = self.fake.get(*DEPLOYMENTS, "llm", f"chat-{component}")
-        assert found is not None
-        return found
-
-    def roll_out(self, component: str, ready: int | None = None) -> dict[str, Any]:
-        """Play the Deployment controller: every pod updated, `ready` of them available."""
-        deployment = self.deployment(component)
-        want = deployment["spec"]["replicas"]
-        status = {
-            "observedGeneration": deployment["metadata"]["generation"],
-            "replicas": want,
-            "updatedReplicas": want,
-            "readyReplicas": want if ready is None else ready,
-            "availableReplicas": want if ready is None else ready,
-        }
-        self.fake.set_status((*DEPLOYMENTS, "llm", f"chat-{component}"), status)
-        return copy.deepcopy(self.deployment(component))
-
-
-def clock() -> Iterator[str]:
-    for second in itertools.count():
-        yield f"2026-11-22T10:{second // 60:02d}:{second % 60:02d}Z"
-
-
-def client_for(url: str) -> KubeApi:
-    configuration = kubernetes.client.Configuration()
-    configuration.host = url
-    return KubeApi(kubernetes.client.ApiClient(configuration), timeout_s=5)
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    fake = FakeKube(crds=tuple(MONITORING))
-    with running(fake) as url:
-        ticks = clock()
-        reconciler = Reconciler(client_for(url), OperatorConfig(), clock=lambda: next(ticks))
-        found = Cluster(fake, kopf.Memo(reconciler=reconciler))
-        fake.create(
-            LLMD_PREFIX,
-            LLMD_PLURAL,
-            {
-                "apiVersion": "kvfleet.dev/v1alpha1",
-                "kind": "LLMDeployment",
-                "metadata": {"name": "chat", "namespace": "llm"},
-                "spec": copy.deepcopy(SPEC),
-            },
-        )
-        yield found
+from .conftest import DEPLOYMENTS, LLMD_PLURAL, LLMD_PREFIX, SPEC, Cluster, client_for
+from .fake_kube import FakeKube, running
 
 
 def test_create_makes_every_child_owned_and_valid(cluster: Cluster) -> None:
@@ -136,7 +52,7 @@ def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
     writes = list(cluster.fake.writes)
     versions = {k: o["metadata"]["resourceVersion"] for k, o in cluster.fake.objects.items()}
     cluster.reconcile()
-    main.resync(body=cluster.body(), memo=cluster.memo)
+    cluster.resync()
     assert cluster.fake.writes == writes
     assert {
         k: o["metadata"]["resourceVersion"] for k, o in cluster.fake.objects.items()
@@ -154,7 +70,8 @@ def test_status_follows_the_children(cluster: Cluster) -> None:
     engine = cluster.roll_out("engine", ready=1)
     main.child_changed(body=engine, memo=cluster.memo)
     status = cluster.status()
-    assert status["phase"] == "Degraded"  # serving, one of two replicas ready
+    assert status["phase"] == "Progressing"  # serving, the second replica still starting
+    assert cluster.conditions()["Progressing"] == ("True", "RollingOut")
     assert (status["replicas"], status["readyReplicas"]) == (2, 1)
     assert cluster.conditions()["Ready"] == ("True", "Serving")
     ready_since = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
@@ -169,7 +86,7 @@ def test_status_follows_the_children(cluster: Cluster) -> None:
     now = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
     assert now["Ready"] == ready_since["Ready"]
     writes = len(cluster.fake.writes)
-    main.resync(body=cluster.body(), memo=cluster.memo)
+    cluster.resync()
     assert len(cluster.fake.writes) == writes
 
 
@@ -225,7 +142,7 @@ def test_bad_spec_fails_permanently_with_a_condition(cluster: Cluster) -> None:
     assert cluster.deployment("engine") == engine_before  # the last good spec keeps serving
     # the status timer leaves a failed object alone
     writes = len(cluster.fake.writes)
-    main.resync(body=cluster.body(), memo=cluster.memo)
+    cluster.resync()
     assert len(cluster.fake.writes) == writes
     # fixing the spec recovers
     cluster.fake.update_spec(cluster.key, copy.deepcopy(SPEC))
@@ -238,7 +155,8 @@ def test_deletion_cleans_up_every_child(cluster: Cluster) -> None:
     uid = cluster.body()["metadata"]["uid"]
     assert len(cluster.fake.owned_by(uid)) == 12
     cluster.fake.delete(cluster.key)  # what `kubectl delete llmd/chat` leads to
-    assert cluster.fake.objects == {}
+    left = {(k[1], k[3]) for k in cluster.fake.objects if k[2] == "llm" and k[1] != "events"}
+    assert left == set()
 
 
 def test_monitoring_off_removes_monitoring_objects(cluster: Cluster) -> None:
@@ -283,7 +201,7 @@ def test_startup_without_a_cluster_says_so(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     settings = kopf.OperatorSettings()
     with pytest.raises(kopf.PermanentError, match="no Kubernetes cluster is reachable"):
-        main.startup(settings=settings, memo=kopf.Memo())
+        asyncio.run(main.startup(settings=settings, memo=kopf.Memo()))
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
 
 
@@ -295,5 +213,5 @@ def test_a_child_deleted_by_hand_is_put_back(cluster: Cluster) -> None:
     assert cluster.deployment("engine")["spec"]["replicas"] == 2
     # the resync puts back anything else, e.g. the engine Service
     cluster.fake.delete(("/api/v1", "services", "llm", "chat-engine"))
-    main.resync(body=cluster.body(), memo=cluster.memo)
+    cluster.resync()
     assert cluster.fake.get("/api/v1", "services", "llm", "chat-engine") is not None
