@@ -8,6 +8,7 @@ nothing changed, so reconciling is idempotent by construction.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,8 @@ def connect(timeout_s: float = 10.0) -> tuple[KubeApi, dict[str, Any]]:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            # $KUBECONFIG as it is now (the client reads it once, when first imported)
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     except Exception as exc:
         raise ClusterUnreachableError(
             "no Kubernetes cluster is reachable: no in-cluster service account and no usable "

@@ -29,12 +29,28 @@ MAX_RETRY_DELAY_S = 600.0
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from the client `connect` configured (in-cluster, else $KUBECONFIG as
+    set now: kopf's own client login reads the path the client cached at import)."""
     try:
-        connect()
+        api, _version = connect()
     except ClusterUnreachableError as exc:
         raise kopf.LoginError(str(exc)) from None
-    return kopf.login_via_client(**kwargs)
+    config = api.api_client.configuration
+    header = config.get_api_key_with_prefix("BearerToken") or ""
+    scheme, _, token = header.rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        username=config.username or None,
+        password=config.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+        trust_env=settings.networking.trust_env,
+    )
 
 
 @kopf.on.startup()

@@ -112,6 +112,33 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def json_patch(target: Any, operations: list[dict[str, Any]]) -> Any:
+    """RFC 6902 JSON patch (add, remove, replace, test); ValueError when an operation fails."""
+    out = copy.deepcopy(target)
+    for op in operations:
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]
+        ]
+        node = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        index: Any = last
+        if isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+        if op["op"] == "test" and node[index] != op["value"]:
+            raise ValueError(f"test failed at {op['path']}")
+        if op["op"] == "remove" or op["op"] == "replace":
+            if isinstance(node, list) and op["op"] == "remove":
+                node.pop(index)
+            elif op["op"] == "remove":
+                del node[index]
+        if op["op"] == "add" and isinstance(node, list):
+            node.insert(index, copy.deepcopy(op["value"]))
+        elif op["op"] in ("add", "replace"):
+            node[index] = copy.deepcopy(op["value"])
+    return out
+
+
 def _selected(obj: Mapping[str, Any], selector: str | None) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     for term in filter(None, (selector or "").split(",")):
@@ -483,7 +510,7 @@ class FakeKube:
         self.writes.append(("update", key[1], key[3]))
         return JSONResponse(updated)
 
-    def _patch(
+    def _patch(  # noqa: PLR0911 (one answer per patch type)
         self,
         key: Key,
         subresource: str | None,
@@ -499,6 +526,15 @@ class FakeKube:
             return self._patch_scale(key, body)
         if merging:
             return self._merge(key, body)
+        if content_type.startswith("application/json-patch"):
+            obj = self.objects.get(key)
+            if obj is None:
+                return _problem(404, f'"{key[3]}" not found', "NotFound")
+            try:
+                patched = json_patch(obj, body)  # type: ignore[arg-type]
+            except (KeyError, IndexError, ValueError) as exc:
+                return _problem(422, f"the JSON patch failed: {exc}")
+            return self._update(key, obj, {**patched, "status": obj.get("status")})
         if not content_type.startswith("application/apply-patch"):
             return _problem(415, f"unsupported patch type {content_type}")
         if request.query_params.get("fieldManager") is None:
@@ -551,7 +587,11 @@ class FakeKube:
         if obj is None:
             return _problem(404, f'"{key[3]}" not found', "NotFound")
         patch = {k: v for k, v in body.items() if k != "status"}
-        updated = merge_patch(obj, patch)
+        return self._update(key, obj, merge_patch(obj, patch))
+
+    def _update(self, key: Key, obj: dict[str, Any], updated: dict[str, Any]) -> JSONResponse:
+        if updated.get("status") is None:
+            updated.pop("status", None)
         if updated != obj:
             if updated.get("spec") != obj.get("spec"):
                 updated["metadata"]["generation"] += 1
