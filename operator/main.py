@@ -33,12 +33,12 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
     """kopf's credentials from the client `connect` configured (in-cluster, else $KUBECONFIG as
     set now: kopf's own client login reads the path the client cached at import)."""
     try:
-        api, _version = connect()
+        api, _ = connect()
     except ClusterUnreachableError as exc:
         raise kopf.LoginError(str(exc)) from None
     config = api.api_client.configuration
     header = config.get_api_key_with_prefix("BearerToken") or ""
-    scheme, _, token = header.rpartition(" ")
+    scheme, _space, token = header.rpartition(" ")
     return kopf.ConnectionInfo(
         server=config.host,
         ca_path=config.ssl_ca_cert,
