@@ -43,12 +43,17 @@ class Autoscaler:
         self.target = target
         self.snapshot = snapshot
         self.history: list[Recommendation] = []
+        self.observing_since: float | None = None  # the first decision's time
 
     def step(self, now: float) -> int:
         """One decision: read the current count, recommend, stabilize, write if it changed."""
         current = self.target.get_replicas()
+        if self.observing_since is None:
+            self.observing_since = now
         desired = recommend(self.snapshot().replicas, current, self.policy)
-        replicas, self.history = stabilize(desired, now, self.history, current, self.policy)
+        replicas, self.history = stabilize(
+            desired, now, self.history, current, self.policy, observing_since=self.observing_since
+        )
         if replicas != current:
             logger.info(
                 "autoscaling: %d -> %d replicas (recommended %d)", current, replicas, desired

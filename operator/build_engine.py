@@ -86,6 +86,9 @@ def engine_args(spec: LLMDeploymentSpec, mounts: Mounts) -> list[str]:
         f"--max-num-batched-tokens={engine.max_num_batched_tokens}",
         f"--gpu-memory-utilization={engine.gpu_memory_utilization}",
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
+        # the model-server metric names the Gateway API Inference Extension and llm-d's endpoint
+        # picker read, beside kvfleet's own: engines work behind those gateways unchanged
+        "--metrics-compat=vllm",
     ]
     if engine.tensor_parallel_size > 1:
         args.append(f"--tensor-parallel-size={engine.tensor_parallel_size}")

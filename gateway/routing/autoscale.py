@@ -67,9 +67,13 @@ def stabilize(
     history: Sequence[Recommendation],
     current: int,
     policy: AutoscalePolicy,
+    *,
+    observing_since: float,
 ) -> tuple[int, list[Recommendation]]:
     """The count to apply now, and the history to keep (recommendations inside the longer
-    window, this one included)."""
+    window, this one included). `observing_since`: when this decider's own history began; it
+    scales down only once that history covers a whole down window (a restarted gateway knows
+    nothing of the load before it, so calm since its start proves nothing)."""
     keep_s = max(policy.scale_up_window_s, policy.scale_down_window_s)
     kept = [r for r in history if now - r.at <= keep_s] + [Recommendation(now, desired)]
     up = [r.replicas for r in kept if now - r.at <= policy.scale_up_window_s]
@@ -77,6 +81,6 @@ def stabilize(
     result = current
     if desired > current:
         result = max(current, min(up))  # every recent recommendation wanted at least this
-    elif desired < current:
+    elif desired < current and now - observing_since >= policy.scale_down_window_s:
         result = min(current, max(down))  # no recent recommendation wanted more
     return min(max(result, policy.min_replicas), policy.max_replicas), kept

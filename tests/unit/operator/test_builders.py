@@ -140,6 +140,7 @@ def test_engine_args_parse_with_the_real_engine_command() -> None:
     assert (parsed.max_loras, parsed.max_cpu_loras, parsed.max_lora_rank) == (3, 8, 32)
     assert parsed.seed == 7
     assert parsed.port == 8100
+    assert parsed.metrics_compat == "vllm"
 
 
 def test_cpu_engine_has_no_gpu_and_uses_the_cpu_image() -> None:

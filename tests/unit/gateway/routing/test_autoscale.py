@@ -47,20 +47,35 @@ def test_scale_down_waits_for_the_window() -> None:
     history = [Recommendation(0.0, 4)]
     count = 4
     for t in (100.0, 200.0, 299.0):
-        count, history = stabilize(2, t, history, count, POLICY)
+        count, history = stabilize(2, t, history, count, POLICY, observing_since=-1000.0)
         assert count == 4
-    count, history = stabilize(2, 301.0, history, count, POLICY)
+    count, history = stabilize(2, 301.0, history, count, POLICY, observing_since=-1000.0)
     assert count == 2
     assert all(301.0 - r.at <= 300 for r in history)  # old entries dropped
 
 
+def test_a_fresh_decider_never_scales_down_before_a_full_window_of_its_own() -> None:
+    """A restarted gateway sees idle engines (2 replicas, nothing running) from its first
+    reading: it keeps 2 for a whole down window of its own observations, then may drop."""
+    history: list[Recommendation] = []
+    count = 2
+    for t in (0.0, 15.0, 150.0, 299.0):
+        count, history = stabilize(1, t, history, count, POLICY, observing_since=0.0)
+        assert count == 2, t
+    count, history = stabilize(1, 300.0, history, count, POLICY, observing_since=0.0)
+    assert count == 1
+    # scaling up never waits for history
+    count, _ = stabilize(5, 0.0, [], 2, POLICY, observing_since=0.0)
+    assert count == 5
+
+
 def test_scale_up_is_immediate_and_clamped() -> None:
-    count, _ = stabilize(7, 0.0, [Recommendation(-5.0, 2)], 2, POLICY)
+    count, _ = stabilize(7, 0.0, [Recommendation(-5.0, 2)], 2, POLICY, observing_since=0.0)
     assert count == 7
-    count, _ = stabilize(40, 0.0, [], 9, POLICY)
+    count, _ = stabilize(40, 0.0, [], 9, POLICY, observing_since=0.0)
     assert count == 10
     slow = AutoscalePolicy(min_replicas=1, max_replicas=10, scale_up_window_s=60)
-    count, _history = stabilize(6, 0.0, [Recommendation(-30.0, 3)], 2, slow)
+    count, _history = stabilize(6, 0.0, [Recommendation(-30.0, 3)], 2, slow, observing_since=-30.0)
     assert count == 3  # only as much as every recommendation in the up window wanted
 
 
