@@ -1,8 +1,10 @@
 """The whole life of an LLMDeployment on a kind cluster, CPU only (manifests/samples/smollm2-cpu).
 
-In order: apply -> Ready -> chat through the gateway with the openai client -> `kubectl scale` ->
-autoscaling under load -> rolling update -> delete and nothing left. The session fixture builds
-the images from this checkout and installs kvfleet (`e2e/kind.sh all`).
+In order: the CRD installed by `kubectl apply -k manifests/` -> apply -> Ready -> chat through the
+gateway with the openai client -> `kubectl describe` lists Events -> `kubectl scale` -> autoscaling
+under load -> rolling update -> a bad spec Failed with the server's reason -> delete with the
+operator stopped, and nothing left. The session fixture builds the images from this checkout and
+installs kvfleet (`e2e/kind.sh all`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def chat(base_url: str, prompt: str = "Say hello.", max_tokens: int = 16) -> str
     return reply.choices[0].message.content or ""
 
 
+def test_the_crd_was_accepted(kind_cluster: Cluster) -> None:
+    crd = kind_cluster.json("get", "crd", "llmdeployments.kvfleet.dev")
+    established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert established.get("Established") == "True"
+    explained = kind_cluster.ok("explain", "llmd.spec.resources")
+    assert "<no description>" not in explained
+
+
 def test_sample_becomes_ready_and_answers(deployed: Cluster) -> None:
     wait_ready(deployed)
     status = llmd(deployed)["status"]
@@ -74,6 +84,14 @@ def test_sample_becomes_ready_and_answers(deployed: Cluster) -> None:
     assert "smollm2" in printed
     with deployed.port_forward(NAMESPACE, f"svc/{NAME}", 80) as url:
         assert chat(url).strip()
+
+
+def test_describe_lists_the_operators_events(deployed: Cluster) -> None:
+    described = deployed.ok("-n", NAMESPACE, "describe", "llmd", NAME)
+    events = described.split("Events:", 1)[1]
+    assert "Created" in events
+    assert f"Deployment {NAME}-engine" in events
+    assert "<none>" not in events.splitlines()[0]
 
 
 def test_kubectl_scale_sets_engine_replicas(deployed: Cluster) -> None:
@@ -126,8 +144,54 @@ def test_spec_change_rolls_out(deployed: Cluster) -> None:
         assert chat(url).strip()
 
 
+def test_bad_specs_are_refused_or_fail_with_the_reason(deployed: Cluster) -> None:
+    """A quantity Kubernetes cannot parse is refused by the CRD itself; a child the API server
+    refuses (here a ResourceQuota allows no Deployment) makes the LLMDeployment Failed with the
+    server's message in a condition and a Warning Event, and nothing retries in a loop."""
+    bad = sample("smollm2-cpu.yaml", NAMESPACE)
+    bad["metadata"]["name"] = "refused"
+    bad["spec"]["resources"]["memory"] = "1.2.3Gi"
+    refused = deployed.run("apply", "-f", "-", stdin=json.dumps(bad))
+    assert refused.returncode != 0
+    assert "spec.resources.memory" in refused.stderr
+
+    quota_ns = f"{NAMESPACE}-quota"
+    deployed.run("create", "namespace", quota_ns)
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-deployments", "namespace": quota_ns},
+        "spec": {"hard": {"count/deployments.apps": "0"}},
+    }
+    deployed.apply(quota)
+    deployed.apply(sample("smollm2-cpu.yaml", quota_ns))
+    try:
+
+        def failed() -> bool:
+            status = deployed.json("-n", quota_ns, "get", "llmd", NAME).get("status") or {}
+            return status.get("phase") == "Failed"
+
+        deployed.wait_for("the LLMDeployment to fail", failed, 120)
+        status = deployed.json("-n", quota_ns, "get", "llmd", NAME)["status"]
+        reasons = {c["type"]: (c["reason"], c["message"]) for c in status["conditions"]}
+        assert reasons["SpecValid"][0] == "ChildRejected"
+        assert "exceeded quota" in reasons["SpecValid"][1]
+        described = deployed.ok("-n", quota_ns, "describe", "llmd", NAME)
+        assert "ChildRejected" in described.split("Events:", 1)[1]
+    finally:
+        deployed.run("delete", "namespace", quota_ns, "--wait=false")
+
+
+def test_delete_works_with_the_operator_stopped(deployed: Cluster) -> None:
+    operator = ("-n", "kvfleet-system", "scale", "deployment", "kvfleet-operator")
+    deployed.ok(*operator, "--replicas=0")
+    try:
+        deployed.ok("-n", NAMESPACE, "delete", "llmd", NAME, "--wait=true", timeout=120)
+    finally:
+        deployed.ok(*operator, "--replicas=1")
+
+
 def test_delete_removes_every_child(deployed: Cluster) -> None:
-    deployed.ok("-n", NAMESPACE, "delete", "llmd", NAME, "--wait=true", timeout=300)
     kinds = "deployments,services,configmaps,serviceaccounts,roles,rolebindings,pdb"
 
     def gone() -> bool:

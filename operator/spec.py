@@ -356,7 +356,7 @@ class AutoscalingSpec(CrdModel):
         default=1,
         ge=0,
         le=1000,
-        description="fewest engine replicas (0: scale to zero when idle, back up on a request)",
+        description="fewest engine replicas the autoscaler keeps",
     )
     max_replicas: int = Field(default=4, ge=1, le=1000, description="most engine replicas")
     target_kv_cache_usage: float = Field(
@@ -370,8 +370,8 @@ class AutoscalingSpec(CrdModel):
         ge=0,
         le=3600,
         description=(
-            "a scale-down happens only after every recommendation in this window agreed (also "
-            "the idle time before scaling to zero)"
+            "a scale-down happens only after every recommendation in this window agreed, and "
+            "never before a gateway has watched the load for a whole window"
         ),
     )
 
@@ -463,14 +463,6 @@ class GatewaySpec(CrdModel):
     )
     queue_timeout_seconds: float = Field(
         default=60.0, gt=0, description="how long a request may wait in the queue (then 503)"
-    )
-    activation_timeout_seconds: float = Field(
-        default=300.0,
-        gt=0,
-        le=3600,
-        description=(
-            "scaled to zero: how long a request waits for the first engine to become ready"
-        ),
     )
     resources: GatewayResources = Field(
         default_factory=GatewayResources, description="CPU and memory of each gateway pod"
