@@ -36,6 +36,7 @@ from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
 from kvfleet.gateway.autoscaler import Autoscaler, KubernetesScaleTarget
 from kvfleet.gateway.discovery import EndpointSliceWatcher
+from kvfleet.gateway.leader import KubernetesLeaseStore, LeaderElector, autoscaler_lease_name
 from kvfleet.gateway.proxy import REPLICA_HEADER, proxy
 from kvfleet.gateway.routing.snapshot import RouteRequest
 from kvfleet.gateway.state import Gateway, GatewaySettings
@@ -75,18 +76,26 @@ def create_gateway_app(
                     asyncio.get_running_loop(),
                 )
                 watcher.start()
-            scaling = None
+            tasks = []
             if settings.autoscale is not None:
                 namespace, name, policy = settings.autoscale
+                lease = KubernetesLeaseStore(namespace, autoscaler_lease_name(name))
+                elector = LeaderElector(lease, settings.identity)
                 autoscaler = Autoscaler(
-                    policy, KubernetesScaleTarget(namespace, name), gateway.pool.snapshot
+                    policy,
+                    KubernetesScaleTarget(namespace, name),
+                    gateway.pool.snapshot,
+                    lambda: elector.is_leader,
                 )
-                scaling = asyncio.create_task(
-                    autoscaler.run(settings.autoscale_interval_s, time.monotonic)
+                tasks.append(asyncio.create_task(elector.run()))
+                tasks.append(
+                    asyncio.create_task(
+                        autoscaler.run(settings.autoscale_interval_s, time.monotonic)
+                    )
                 )
             yield
-            if scaling is not None:
-                scaling.cancel()
+            for task in tasks:
+                task.cancel()
             if watcher is not None:
                 watcher.stop()
             await gateway.pool.stop()

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvfleet.gateway.incluster import api_client_or_in_cluster
 from kvfleet.gateway.routing.autoscale import (
     AutoscalePolicy,
     Recommendation,
@@ -38,15 +39,22 @@ class Autoscaler:
         policy: AutoscalePolicy,
         target: ScaleTarget,
         snapshot: Callable[[], ClusterSnapshot],
+        is_leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self.policy = policy
         self.target = target
         self.snapshot = snapshot
+        self.is_leader = is_leader  # several gateway pods: only the Lease holder decides
         self.history: list[Recommendation] = []
-        self.observing_since: float | None = None  # the first decision's time
+        self.observing_since: float | None = None  # the first decision's time as leader
 
-    def step(self, now: float) -> int:
-        """One decision: read the current count, recommend, stabilize, write if it changed."""
+    def step(self, now: float) -> int | None:
+        """One decision: read the current count, recommend, stabilize, write if it changed.
+        None when another gateway pod leads (this one forgets its history: should it lead
+        later, it first watches the load for a whole down window)."""
+        if not self.is_leader():
+            self.history, self.observing_since = [], None
+            return None
         current = self.target.get_replicas()
         if self.observing_since is None:
             self.observing_since = now
@@ -74,12 +82,9 @@ class KubernetesScaleTarget:
     """The `scale` subresource of one LLMDeployment, through the in-cluster API."""
 
     def __init__(self, namespace: str, name: str, api_client: Any = None) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        if api_client is None:  # in the cluster: the pod's service account
-            config.load_incluster_config()
-            api_client = client.ApiClient()
-        self.api = client.CustomObjectsApi(api_client)
+        self.api = client.CustomObjectsApi(api_client_or_in_cluster(api_client))
         self.namespace, self.name = namespace, name
 
     def get_replicas(self) -> int:

@@ -4,6 +4,8 @@ only when the command runs."""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 from typing import Any
 
 GATEWAY_HOST, GATEWAY_PORT = "0.0.0.0", 8000
@@ -30,6 +32,11 @@ def add_commands(commands: Any) -> None:
         "--autoscale",
         metavar="NAMESPACE/NAME",
         help="k8s: scale this LLMDeployment from the engines' load (its scale subresource)",
+    )
+    gateway.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or socket.gethostname(),
+        help="k8s: this pod's name in the autoscaler's leader election (default $POD_NAME)",
     )
     gateway.add_argument("--min-replicas", type=int, default=1)
     gateway.add_argument("--max-replicas", type=int, default=4)
@@ -124,6 +131,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         adapters=tuple(adapters),
         discover=discover,
         autoscale=autoscale,
+        identity=args.identity,
     )
 
 

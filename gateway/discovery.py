@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from kvfleet.gateway.incluster import api_client_or_in_cluster
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,11 +69,9 @@ class EndpointSliceWatcher:
         self._stop.set()
 
     def _run(self) -> None:
-        from kubernetes import client, config, watch
+        from kubernetes import client, watch
 
-        if self.api_client is None:
-            config.load_incluster_config()
-            self.api_client = client.ApiClient()
+        self.api_client = api_client_or_in_cluster(self.api_client)
         api = client.DiscoveryV1Api(self.api_client)
         serializer = self.api_client
         selector = f"kubernetes.io/service-name={self.service}"

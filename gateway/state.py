@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class GatewaySettings:
     # Cluster mode: scale this LLMDeployment (namespace, name) with this policy
     autoscale: tuple[str, str, AutoscalePolicy] | None = None
     autoscale_interval_s: float = 15.0
+    # This pod's name in the autoscaler's leader election
+    identity: str = field(default_factory=socket.gethostname)
 
 
 class Gateway:

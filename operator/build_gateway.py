@@ -64,6 +64,12 @@ def gateway_args(owner: Owner) -> list[str]:
     return args
 
 
+def autoscaler_lease_name(name: str) -> str:
+    """The Lease the gateway pods of LLMDeployment `name` elect their autoscaler with (the
+    gateway derives the same name from `--autoscale NAMESPACE/NAME`)."""
+    return f"{name}-autoscaler"
+
+
 def build_gateway_configmap(owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -88,14 +94,23 @@ def build_gateway_role(owner: Owner) -> dict[str, Any]:
         }
     ]
     if owner.spec.autoscaling.enabled:
-        rules.append(
+        rules += [
             {
                 "apiGroups": [GROUP],
                 "resources": [f"{PLURAL}/scale"],
                 "resourceNames": [owner.name],
                 "verbs": ["get", "patch"],
-            }
-        )
+            },
+            # the Lease electing the one gateway pod that writes the scale (create cannot be
+            # limited to a name: RBAC does not know it before the object exists)
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": [autoscaler_lease_name(owner.name)],
+                "verbs": ["get", "update"],
+            },
+        ]
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -147,6 +162,8 @@ def build_gateway_deployment(owner: Owner, config: OperatorConfig) -> dict[str, 
             "requests": {"cpu": str(gateway.resources.cpu), "memory": gateway.resources.memory},
             "limits": {"memory": gateway.resources.memory},
         },
+        # the pod's name: its identity in the autoscaler's leader election
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }

@@ -320,3 +320,13 @@ def test_prometheus_rule_carries_the_deployments_slos() -> None:
     page = next(r for r in rules if r.get("alert") == "KvfleetAvailabilityBurnRateCritical")
     assert "> 0.072" in page["expr"]  # 14.4 x the 0.5% budget
     assert all('namespace="llm"' in e for e in exprs if "kvfleet_slo:error_ratio" in e)
+
+
+def test_the_gateway_role_names_the_lease_the_gateway_elects_with() -> None:
+    from kvfleet.gateway.leader import autoscaler_lease_name as gateway_lease
+    from kvfleet.operator.build_gateway import build_gateway_role
+
+    o = owner({"model": {"source": "smollm2"}, "autoscaling": {"enabled": True}})
+    named = [r for r in build_gateway_role(o)["rules"] if r.get("resourceNames")]
+    leases = [r for r in named if r["resources"] == ["leases"]]
+    assert leases[0]["resourceNames"] == [gateway_lease(o.name)]
