@@ -9,7 +9,6 @@ stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -34,9 +33,7 @@ from kvfleet.engine.protocol import (
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
-from kvfleet.gateway.autoscaler import Autoscaler, KubernetesScaleTarget
-from kvfleet.gateway.discovery import EndpointSliceWatcher
-from kvfleet.gateway.leader import KubernetesLeaseStore, LeaderElector, autoscaler_lease_name
+from kvfleet.gateway.cluster import ClusterLoops
 from kvfleet.gateway.proxy import REPLICA_HEADER, proxy
 from kvfleet.gateway.routing.snapshot import RouteRequest
 from kvfleet.gateway.state import Gateway, GatewaySettings
@@ -49,8 +46,12 @@ CHAT_DEFAULT_MAX_TOKENS = 512  # reserved when a chat request names no limit
 
 
 def create_gateway_app(
-    settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None
+    settings: GatewaySettings,
+    transport: httpx.AsyncBaseTransport | None = None,
+    kube_api_client: Any = None,
 ) -> FastAPI:
+    """The gateway app; `transport` (engines) and `kube_api_client` (the Kubernetes API, in
+    cluster mode) are tests' stand-ins, by default the network and the pod's account."""
     state: dict[str, Gateway] = {}
 
     @contextlib.asynccontextmanager
@@ -65,39 +66,9 @@ def create_gateway_app(
             gateway = Gateway(settings, client, session)
             state["gateway"] = gateway
             gateway.pool.start()
-            watcher = None
-            if settings.discover is not None:
-                namespace, service, port_name = settings.discover
-                watcher = EndpointSliceWatcher(
-                    namespace,
-                    service,
-                    port_name,
-                    gateway.pool.set_replicas,
-                    asyncio.get_running_loop(),
-                )
-                watcher.start()
-            tasks = []
-            if settings.autoscale is not None:
-                namespace, name, policy = settings.autoscale
-                lease = KubernetesLeaseStore(namespace, autoscaler_lease_name(name))
-                elector = LeaderElector(lease, settings.identity)
-                autoscaler = Autoscaler(
-                    policy,
-                    KubernetesScaleTarget(namespace, name),
-                    gateway.pool.snapshot,
-                    lambda: elector.is_leader,
-                )
-                tasks.append(asyncio.create_task(elector.run()))
-                tasks.append(
-                    asyncio.create_task(
-                        autoscaler.run(settings.autoscale_interval_s, time.monotonic)
-                    )
-                )
+            loops = ClusterLoops.start(gateway, kube_api_client)
             yield
-            for task in tasks:
-                task.cancel()
-            if watcher is not None:
-                watcher.stop()
+            loops.stop()
             await gateway.pool.stop()
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
@@ -204,9 +175,11 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     body = _parse_body(raw)
     model = body.get("model")
     labels.model = model if isinstance(model, str) else ""
-    cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
     if not gateway.pool.snapshot().ready:
-        raise APIError(503, "no engine replica is ready; retry shortly", "service_unavailable")
+        if gateway.activator is None:
+            raise APIError(503, "no engine replica is ready; retry shortly", "service_unavailable")
+        await gateway.activator.wait_for_replica()  # scaled to zero, or engines starting
+    cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
     registry = dict(gateway.settings.adapters)
     if not isinstance(model, str) or (model not in cards and model not in registry):
         raise APIError(

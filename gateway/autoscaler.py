@@ -17,10 +17,11 @@ from kvfleet.gateway.incluster import api_client_or_in_cluster
 from kvfleet.gateway.routing.autoscale import (
     AutoscalePolicy,
     Recommendation,
+    finished_since,
     recommend,
     stabilize,
 )
-from kvfleet.gateway.routing.snapshot import ClusterSnapshot
+from kvfleet.gateway.routing.snapshot import ClusterSnapshot, ReplicaId
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Autoscaler:
         self.is_leader = is_leader  # several gateway pods: only the Lease holder decides
         self.history: list[Recommendation] = []
         self.observing_since: float | None = None  # the first decision's time as leader
+        self.finished: dict[ReplicaId, float] = {}  # engines' finished-request counters
 
     def step(self, now: float) -> int | None:
         """One decision: read the current count, recommend, stabilize, write if it changed.
@@ -58,7 +60,9 @@ class Autoscaler:
         current = self.target.get_replicas()
         if self.observing_since is None:
             self.observing_since = now
-        desired = recommend(self.snapshot().replicas, current, self.policy)
+        replicas = self.snapshot().replicas
+        active, self.finished = finished_since(replicas, self.finished)
+        desired = recommend(replicas, current, self.policy, active)
         replicas, self.history = stabilize(
             desired, now, self.history, current, self.policy, observing_since=self.observing_since
         )

@@ -38,6 +38,13 @@ def add_commands(commands: Any) -> None:
         default=os.environ.get("POD_NAME") or socket.gethostname(),
         help="k8s: this pod's name in the autoscaler's leader election (default $POD_NAME)",
     )
+    gateway.add_argument(
+        "--activation-timeout",
+        type=float,
+        default=300.0,
+        help="k8s, autoscaling: seconds a request waits for an engine when none is ready "
+        "(scaled to zero: the gateway scales to 1)",
+    )
     gateway.add_argument("--min-replicas", type=int, default=1)
     gateway.add_argument("--max-replicas", type=int, default=4)
     gateway.add_argument("--target-kv-usage", type=float, default=0.7)
@@ -132,6 +139,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         discover=discover,
         autoscale=autoscale,
         identity=args.identity,
+        activation_timeout_s=args.activation_timeout,
     )
 
 

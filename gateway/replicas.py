@@ -29,6 +29,7 @@ _METRICS = {
     "kvfleet:num_requests_running": "num_running",
     "kvfleet:num_requests_waiting": "num_waiting",
     "kvfleet:kv_cache_usage_perc": "kv_cache_usage",
+    "kvfleet:request_success_total": "num_finished",  # summed over finish reasons
 }
 
 
@@ -161,6 +162,7 @@ class ReplicaPool:
             kv_cache_usage=load.get("kv_cache_usage", 0.0),
             num_running=int(load.get("num_running", 0)),
             num_waiting=int(load.get("num_waiting", 0)),
+            num_finished=load.get("num_finished", 0.0),
             num_in_flight=0,
             adapters=adapters if ready else frozenset(),
         )

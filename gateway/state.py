@@ -13,6 +13,7 @@ import httpx
 from fastapi import Request
 
 from kvfleet.engine.protocol import APIError
+from kvfleet.gateway.activation import Activator
 from kvfleet.gateway.admission.keys import KeyStore
 from kvfleet.gateway.admission.limiter import ConcurrencyGate
 from kvfleet.gateway.admission.rate_limit import KeyId, KeyLimits, RateLimiter
@@ -51,6 +52,8 @@ class GatewaySettings:
     # Cluster mode: scale this LLMDeployment (namespace, name) with this policy
     autoscale: tuple[str, str, AutoscalePolicy] | None = None
     autoscale_interval_s: float = 15.0
+    # Scaled to zero (or engines starting): how long a request waits for a ready engine
+    activation_timeout_s: float = 300.0
     # This pod's name in the autoscaler's leader election
     identity: str = field(default_factory=socket.gethostname)
 
@@ -78,6 +81,7 @@ class Gateway:
         self.tokenizer: GatewayTokenizer | None = None
         self._tokenizer_tried_at = -math.inf
         self.round_robin = 0
+        self.activator: Activator | None = None  # cluster mode with autoscaling
 
     def stats(self) -> GatewayStats:
         now = time.monotonic()

@@ -57,6 +57,7 @@ def gateway_args(owner: Owner) -> list[str]:
             f"--target-kv-usage={scaling.target_kv_cache_usage}",
             f"--target-waiting={scaling.target_queue_length}",
             f"--scale-down-window={scaling.scale_down_window_seconds}",
+            f"--activation-timeout={gateway.activation_timeout_seconds}",
         ]
     mounts = Mounts()  # the same paths the engine pods mount the adapters' claims at
     for adapter in spec.lora.adapters if spec.lora else []:

@@ -356,7 +356,10 @@ class AutoscalingSpec(CrdModel):
         default=1,
         ge=0,
         le=1000,
-        description="fewest engine replicas the autoscaler keeps",
+        description=(
+            "fewest engine replicas the autoscaler keeps (0: none after an idle down window; "
+            "the next request brings one back)"
+        ),
     )
     max_replicas: int = Field(default=4, ge=1, le=1000, description="most engine replicas")
     target_kv_cache_usage: float = Field(
@@ -463,6 +466,15 @@ class GatewaySpec(CrdModel):
     )
     queue_timeout_seconds: float = Field(
         default=60.0, gt=0, description="how long a request may wait in the queue (then 503)"
+    )
+    activation_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description=(
+            "autoscaling: how long a request waits for an engine when none is ready (at zero "
+            "replicas the gateway scales to one); then 503"
+        ),
     )
     resources: GatewayResources = Field(
         default_factory=GatewayResources, description="CPU and memory of each gateway pod"

@@ -10,10 +10,10 @@ passes the time and keeps the history.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvfleet.gateway.routing.snapshot import ReplicaState
+from kvfleet.gateway.routing.snapshot import ReplicaId, ReplicaState
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,15 @@ class Recommendation:
     replicas: int
 
 
-def recommend(replicas: Sequence[ReplicaState], current: int, policy: AutoscalePolicy) -> int:
-    """The count for this reading alone. No ready replica: keep `current` (at least min)."""
+def recommend(
+    replicas: Sequence[ReplicaState],
+    current: int,
+    policy: AutoscalePolicy,
+    active: bool = False,
+) -> int:
+    """The count for this reading alone. No ready replica: keep `current` (at least min).
+    `active`: requests finished since the last reading (so engines seen without running or
+    waiting requests were not idle in between: no drop to the minimum, which may be zero)."""
     ready = [r for r in replicas if r.ready]
     if not ready:
         return max(current, policy.min_replicas, 1 if policy.min_replicas else 0)
@@ -56,9 +63,20 @@ def recommend(replicas: Sequence[ReplicaState], current: int, policy: AutoscaleP
     # Within 10% of the target: stay (as the HPA's tolerance), so the count does not flap.
     if abs(ratio - 1.0) <= 0.1:
         return current
-    idle = all(r.num_running == 0 and r.num_waiting == 0 for r in ready)
-    desired = math.ceil(len(ready) * ratio) if not idle else policy.min_replicas
+    idle = not active and all(r.num_running == 0 and r.num_waiting == 0 for r in ready)
+    # Work under way (or just done) keeps at least one replica, whatever the ratio says.
+    desired = policy.min_replicas if idle else max(1, math.ceil(len(ready) * ratio))
     return min(desired, current + policy.max_scale_up_step)
+
+
+def finished_since(
+    replicas: Sequence[ReplicaState], before: Mapping[ReplicaId, float]
+) -> tuple[bool, dict[ReplicaId, float]]:
+    """Whether any replica finished requests since the `before` counters, and the counters to
+    keep (a replica seen for the first time, or restarted, counts as no news)."""
+    now = {r.replica_id: r.num_finished for r in replicas if r.ready}
+    moved = any(count > before[rid] for rid, count in now.items() if rid in before)
+    return moved, now
 
 
 def stabilize(

@@ -28,6 +28,7 @@ class ReplicaState:
     num_waiting: int = 0
     # Requests this gateway sent since the replica's last metrics reading (not yet counted).
     num_in_flight: int = 0
+    num_finished: float = 0.0  # requests the replica finished since it started (a counter)
     adapters: frozenset[str] = frozenset()  # LoRA adapters loaded there
 
     @property

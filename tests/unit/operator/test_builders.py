@@ -211,6 +211,7 @@ def test_gateway_args_parse_into_gateway_settings(tmp_path: Path) -> None:
                 "routingPolicy": "least-load",
                 "rateLimits": {"requestsPerMinute": 60, "tokensPerMinute": 10000},
                 "apiKeysSecret": {"name": "keys", "key": "k.json"},
+                "activationTimeoutSeconds": 90,
             },
         }
     )
@@ -231,8 +232,11 @@ def test_gateway_args_parse_into_gateway_settings(tmp_path: Path) -> None:
     assert settings.policy.value == "least-load"
     assert settings.default_limits.requests_per_min == 60
     assert settings.adapters == (("sql", "/mnt/pvc/adapters/sql"),)
+    assert settings.activation_timeout_s == 90
     deployment = build_gateway_deployment(o, CONFIG)
     pod = deployment["spec"]["template"]["spec"]
+    env = pod["containers"][0]["env"]
+    assert env == [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     assert pod["containers"][0]["args"] == ["gateway", "@/etc/kvfleet/gateway/args"]
     secret = next(v for v in pod["volumes"] if v["name"] == "api-keys")["secret"]
     assert secret == {"secretName": "keys", "items": [{"key": "k.json", "path": "keys.json"}]}

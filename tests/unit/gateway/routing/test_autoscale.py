@@ -7,6 +7,7 @@ import pytest
 from kvfleet.gateway.routing.autoscale import (
     AutoscalePolicy,
     Recommendation,
+    finished_since,
     recommend,
     stabilize,
 )
@@ -84,3 +85,16 @@ def test_policy_checks() -> None:
         AutoscalePolicy(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="targets"):
         AutoscalePolicy(min_replicas=1, max_replicas=2, target_kv_cache_usage=1.5)
+
+
+def test_engines_that_finished_requests_since_the_last_reading_are_not_idle() -> None:
+    zero = AutoscalePolicy(min_replicas=0, max_replicas=4)
+    quiet = replicas((0.0, 0, 0))
+    assert recommend(quiet, 1, zero) == 0  # nothing running, nothing finished: idle
+    assert recommend(quiet, 1, zero, active=True) == 1  # short requests came and went
+    first = [ReplicaState(ReplicaId("r0"), True, num_finished=7.0)]
+    moved, seen = finished_since(first, {})
+    assert not moved  # a replica seen for the first time is no news
+    later = [ReplicaState(ReplicaId("r0"), True, num_finished=9.0)]
+    assert finished_since(later, seen) == (True, {ReplicaId("r0"): 9.0})
+    assert finished_since(later, {ReplicaId("r0"): 9.0})[0] is False
