@@ -60,9 +60,9 @@ class Autoscaler:
         current = self.target.get_replicas()
         if self.observing_since is None:
             self.observing_since = now
-        replicas = self.snapshot().replicas
-        active, self.finished = finished_since(replicas, self.finished)
-        desired = recommend(replicas, current, self.policy, active)
+        seen = self.snapshot().replicas
+        active, self.finished = finished_since(seen, self.finished)
+        desired = recommend(seen, current, self.policy, active)
         replicas, self.history = stabilize(
             desired, now, self.history, current, self.policy, observing_since=self.observing_since
         )
