@@ -34,6 +34,7 @@ from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
 from kvfleet.gateway.cluster import ClusterLoops
+from kvfleet.gateway.peers import USAGE_PATH, usage_body
 from kvfleet.gateway.proxy import REPLICA_HEADER, proxy
 from kvfleet.gateway.routing.snapshot import RouteRequest
 from kvfleet.gateway.state import Gateway, GatewaySettings
@@ -103,6 +104,13 @@ def create_gateway_app(
             if name not in listed
         ]
         return {"object": "list", "data": cards}
+
+    @app.get(USAGE_PATH)
+    async def usage() -> dict[str, Any]:
+        """What this pod charged each key (read by its peers; the same per-key traffic
+        `/metrics` shows, so nothing new is exposed)."""
+        gateway = state["gateway"]
+        return usage_body(gateway.peer_sync.instance, gateway.limiter)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -61,6 +61,18 @@ def add_commands(commands: Any) -> None:
         default=8.0,
         help="requests by which the prefix choice may exceed the least-loaded replica's load",
     )
+    gateway.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another gateway sharing the per-key limits (repeat)",
+    )
+    gateway.add_argument(
+        "--peers-service",
+        metavar="NAME",
+        help="k8s: the gateway's own Service; its ready pods share the per-key limits",
+    )
     gateway.add_argument("--api-keys", help="JSON file of hashed API keys (default: open mode)")
     gateway.add_argument("--requests-per-min", type=float, help="default per-key request limit")
     gateway.add_argument("--tokens-per-min", type=float, help="default per-key token limit")
@@ -139,6 +151,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         discover=discover,
         autoscale=autoscale,
         identity=args.identity,
+        peers=tuple(args.peer),
+        peers_service=args.peers_service,
         activation_timeout_s=args.activation_timeout,
     )
 

@@ -1,5 +1,6 @@
-"""The gateway's cluster-mode parts, started with the app and stopped with it: the engines'
-EndpointSlices followed, the autoscaler elected with a Lease, and scale from zero."""
+"""The gateway's background parts beyond its replicas, started with the app and stopped with
+it: the engines' EndpointSlices followed, the autoscaler elected with a Lease, scale from zero,
+and the per-key usage exchanged with the other gateway pods."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvfleet.gateway.state import Gateway
 @dataclass
 class ClusterLoops:
     watcher: EndpointSliceWatcher | None = None
+    peers: EndpointSliceWatcher | None = None  # the other gateway pods
     elector: LeaderElector | None = None
     autoscaler: Autoscaler | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -28,6 +30,8 @@ class ClusterLoops:
         """What the settings ask for (nothing outside a cluster). `api_client`: tests' client;
         default: the pod's service account."""
         settings, loops = gateway.settings, cls()
+        if settings.peers or settings.peers_service:
+            loops.tasks.append(asyncio.create_task(gateway.peer_sync.run()))
         if settings.discover is None and settings.autoscale is None:
             return loops
         api_client = api_client_or_in_cluster(api_client)
@@ -42,6 +46,20 @@ class ClusterLoops:
                 api_client,
             )
             loops.watcher.start()
+            if settings.peers_service is not None:
+
+                def follow(urls: list[str]) -> None:
+                    gateway.peer_urls = urls
+
+                loops.peers = EndpointSliceWatcher(
+                    namespace,
+                    settings.peers_service,
+                    "http",
+                    follow,
+                    asyncio.get_running_loop(),
+                    api_client,
+                )
+                loops.peers.start()
         if settings.autoscale is not None:
             namespace, name, policy = settings.autoscale
             lease = KubernetesLeaseStore(namespace, autoscaler_lease_name(name), api_client)
@@ -66,5 +84,6 @@ class ClusterLoops:
     def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
-        if self.watcher is not None:
-            self.watcher.stop()
+        for watcher in (self.watcher, self.peers):
+            if watcher is not None:
+                watcher.stop()

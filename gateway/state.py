@@ -18,6 +18,7 @@ from kvfleet.gateway.admission.keys import KeyStore
 from kvfleet.gateway.admission.limiter import ConcurrencyGate
 from kvfleet.gateway.admission.rate_limit import KeyId, KeyLimits, RateLimiter
 from kvfleet.gateway.metrics import GatewayMetrics, GatewayStats
+from kvfleet.gateway.peers import PeerSync
 from kvfleet.gateway.replicas import ReplicaPool
 from kvfleet.gateway.routing.autoscale import AutoscalePolicy
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
@@ -54,6 +55,11 @@ class GatewaySettings:
     autoscale_interval_s: float = 15.0
     # Scaled to zero (or engines starting): how long a request waits for a ready engine
     activation_timeout_s: float = 300.0
+    # Other gateway pods sharing the per-key limits: their URLs, or (k8s) the gateway's own
+    # Service, whose ready endpoints are followed
+    peers: tuple[str, ...] = ()
+    peers_service: str | None = None
+    peer_sync_interval_s: float = 1.0
     # This pod's name in the autoscaler's leader election
     identity: str = field(default_factory=socket.gethostname)
 
@@ -69,7 +75,19 @@ class Gateway:
         self.pool = ReplicaPool(
             list(settings.replicas), client, self.index, settings.poll_interval_s
         )
-        self.limiter = RateLimiter(settings.keys.limits(), settings.default_limits)
+        self.limiter = RateLimiter(
+            settings.keys.limits(),
+            settings.default_limits,
+            self.sharing_pods,
+            settings.peer_sync_interval_s,
+        )
+        self.peer_urls: list[str] = list(settings.peers)  # k8s: followed from the Service
+        self.peer_sync = PeerSync(
+            self.limiter,
+            client,
+            lambda: self.peer_urls,
+            interval_s=settings.peer_sync_interval_s,
+        )
         self.config = RouteConfig(settings.policy, settings.max_imbalance)
         self.gate = ConcurrencyGate(
             lambda: settings.max_in_flight_per_replica * len(self.pool.snapshot().ready),
@@ -82,6 +100,10 @@ class Gateway:
         self._tokenizer_tried_at = -math.inf
         self.round_robin = 0
         self.activator: Activator | None = None  # cluster mode with autoscaling
+
+    def sharing_pods(self) -> int:
+        """Gateway pods holding the per-key limits together (1 without peers)."""
+        return self.peer_sync.count()
 
     def stats(self) -> GatewayStats:
         now = time.monotonic()

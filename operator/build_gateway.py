@@ -40,6 +40,8 @@ def gateway_args(owner: Owner) -> list[str]:
         f"--max-inflight-per-replica={gateway.max_inflight_per_replica}",
         f"--queue-capacity={gateway.queue_capacity}",
         f"--queue-timeout={gateway.queue_timeout_seconds}",
+        # the gateway pods (several, or two during a rollout) hold the per-key limits together
+        f"--peers-service={owner.name}",
     ]
     limits = gateway.rate_limits
     if limits.requests_per_minute is not None:

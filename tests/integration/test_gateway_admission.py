@@ -24,13 +24,18 @@ from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 pytestmark = pytest.mark.timeout(300)
 
 
-@contextlib.contextmanager
-def serve(app: FastAPI, any_answer: bool = False) -> Iterator[str]:
-    """`app` on a free loopback port until the block ends; started once /health answers 200
-    (`any_answer`: answers at all, e.g. a gateway with no ready engine yet)."""
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def serve(app: FastAPI, any_answer: bool = False, port: int | None = None) -> Iterator[str]:
+    """`app` on loopback (a free port unless given) until the block ends; started once /health
+    answers 200 (`any_answer`: answers at all, e.g. a gateway with no ready engine yet)."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

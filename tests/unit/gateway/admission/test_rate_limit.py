@@ -93,3 +93,15 @@ def test_key_store_authenticates_by_hash_with_limits_weights_priorities() -> Non
     assert KeyStore([]).authenticate(None) == ANONYMOUS  # open mode
     with pytest.raises(ValueError, match="bad API key entry"):
         KeyStore.from_mapping({"keys": [{"id": "no-hash"}]})
+
+
+def test_a_key_without_its_own_limit_gets_the_default() -> None:
+    """A key listed in the keys file with only a request limit still has the default token
+    limit (it was unlimited)."""
+    limiter = RateLimiter(
+        {ALICE: KeyLimits(requests_per_min=100)}, default=KeyLimits(tokens_per_min=50)
+    )
+    assert isinstance(limiter.reserve(ALICE, 50, 0.0), Reservation)
+    refused = limiter.reserve(ALICE, 10, 0.0)
+    assert isinstance(refused, Refusal)
+    assert refused.reason == "tokens per minute"
