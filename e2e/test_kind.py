@@ -54,10 +54,12 @@ def wait_ready(cluster: Cluster, timeout_s: float = 900) -> None:
     cluster.wait_for(f"llmd/{NAME} Ready", ready, timeout_s)
 
 
-def chat(base_url: str, prompt: str = "Say hello.", max_tokens: int = 16) -> str:
+def chat(
+    base_url: str, prompt: str = "Say hello.", max_tokens: int = 16, timeout_s: float = 120
+) -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
     reply = client.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": prompt}],
@@ -123,6 +125,22 @@ def test_autoscaler_adds_a_replica_under_load(deployed: Cluster) -> None:
         )
         for future in load:
             future.result()
+
+
+def test_scale_to_zero_and_back_on_a_request(deployed: Cluster) -> None:
+    """minReplicas 0: scaled to zero, a request is held while the gateway scales to 1."""
+    patch(deployed, {"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0}})
+
+    def no_engine() -> bool:
+        status = llmd(deployed).get("status") or {}
+        return status.get("phase") == "ScaledToZero" and status.get("replicas") == 0
+
+    deployed.wait_for("llmd to scale to zero", no_engine, 300)
+    with deployed.port_forward(NAMESPACE, f"svc/{NAME}", 80) as url:
+        assert chat(url, timeout_s=600).strip()  # held, not refused, while an engine starts
+    assert llmd(deployed)["spec"]["replicas"] == 1
+    patch(deployed, {"autoscaling": {"minReplicas": 1}})
+    wait_ready(deployed)
 
 
 def test_spec_change_rolls_out(deployed: Cluster) -> None:

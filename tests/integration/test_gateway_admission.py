@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,17 +17,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvfleet.bench.fake_engine import MODEL, fake_engine
+from kvfleet.engine.parallel.worker import free_port
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 import httpx
 
 from kvfleet.bench.fake_engine import MODEL, fake_engine
+from kvfleet.engine.parallel.worker import free_port
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.admission.rate_limit import KeyLimits
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
-from .test_gateway_admission import free_port, serve
+from .test_gateway_admission import serve
 
 TOKENS_PER_MIN = 5400.0  # 90 a second
 REQUEST_TOKENS = 9  # 8 prompt token ids + max_tokens 1; the fake engine reports 9 used
