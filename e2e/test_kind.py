@@ -210,6 +210,7 @@ def test_delete_works_with_the_operator_stopped(deployed: Cluster) -> None:
 
 
 def test_delete_removes_every_child(deployed: Cluster) -> None:
+    """Deleted with the operator stopped (above): the garbage collector removes the rest."""
     kinds = "deployments,services,configmaps,serviceaccounts,roles,rolebindings,pdb"
 
     def gone() -> bool:
