@@ -77,15 +77,18 @@ def processes(tokens_per_min: float, gateways: int) -> Iterator[list[str]]:
                 process.wait(30)
 
 
-def hammer(urls: list[str], seconds: float, threads_per_url: int) -> list[tuple[float, int]]:
-    """(finish time from the start, tokens) of every answered request."""
+def hammer(
+    urls: list[str], seconds: float, threads_per_url: int, key: str = KEY
+) -> list[tuple[float, int]]:
+    """(finish time from the start, tokens) of every answered request; any answer but 200 or
+    429 (the limit) is an error."""
     answered: list[tuple[float, int]] = []
     lock = threading.Lock()
     began = time.monotonic()
     stop_at = began + seconds
 
     def worker(url: str) -> None:
-        headers = {"authorization": f"Bearer {KEY}"}
+        headers = {"authorization": f"Bearer {key}"}
         body = {"model": MODEL, "prompt": list(range(8)), "max_tokens": 1}
         with httpx.Client(headers=headers, timeout=10) as client:
             while time.monotonic() < stop_at:
@@ -94,8 +97,10 @@ def hammer(urls: list[str], seconds: float, threads_per_url: int) -> list[tuple[
                     tokens = int(response.json()["usage"]["total_tokens"])
                     with lock:
                         answered.append((time.monotonic() - began, tokens))
-                else:
+                elif response.status_code == 429:
                     time.sleep(0.01)
+                else:
+                    raise RuntimeError(f"{url}: {response.status_code} {response.text}")
 
     workers = [
         threading.Thread(target=worker, args=(url,)) for url in urls for _ in range(threads_per_url)

@@ -5,13 +5,11 @@ exchanging usage as peers, in front of a fake engine)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 
-import httpx
-
-from kvfleet.bench.fake_engine import MODEL, fake_engine
+from kvfleet.bench.fake_engine import fake_engine
+from kvfleet.bench.gateway_limits import hammer
 from kvfleet.engine.parallel.worker import free_port
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.admission.rate_limit import KeyLimits
@@ -45,43 +43,19 @@ def gateways(engine_url: str, count: int) -> Iterator[list[str]]:
         yield urls
 
 
-def hammer(urls: list[str], seconds: float, threads_per_url: int = 3) -> int:
-    """Send requests as fast as answers come for `seconds` (each thread to one gateway);
-    the tokens the key got through."""
-    admitted = [0]
-    lock = threading.Lock()
-    stop_at = time.monotonic() + seconds
-
-    def worker(url: str) -> None:
-        with httpx.Client(headers={"authorization": "Bearer secret"}, timeout=10) as client:
-            while time.monotonic() < stop_at:
-                body = {"model": MODEL, "prompt": list(range(8)), "max_tokens": 1}
-                response = client.post(f"{url}/v1/completions", json=body)
-                if response.status_code == 200:
-                    with lock:
-                        admitted[0] += response.json()["usage"]["total_tokens"]
-                else:
-                    assert response.status_code == 429, response.text
-                    time.sleep(0.01)
-
-    workers = [
-        threading.Thread(target=worker, args=(url,)) for url in urls for _ in range(threads_per_url)
-    ]
-    for thread in workers:
-        thread.start()
-    for thread in workers:
-        thread.join()
-    return admitted[0]
+def admitted(urls: list[str]) -> int:
+    """Tokens the key got through in WINDOW_S of requests as fast as answers come."""
+    return sum(tokens for _, tokens in hammer(urls, WINDOW_S, 3, key="secret"))
 
 
 def test_two_gateways_admit_what_one_gateway_admits() -> None:
     with serve(fake_engine()) as engine_url:
         with gateways(engine_url, 1) as (one,):
-            alone = hammer([one], WINDOW_S)
+            alone = admitted([one])
         with gateways(engine_url, 2) as pair:
-            spread = hammer(pair, WINDOW_S)  # every client connection on both pods
+            spread = admitted(pair)  # every client connection on both pods
         with gateways(engine_url, 2) as pair:
-            sticky = hammer(pair[:1], WINDOW_S)  # one pod gets all of the key's traffic
+            sticky = admitted(pair[:1])  # one pod gets all of the key's traffic
     # one gateway: a full bucket, then the refill
     bound = TOKENS_PER_MIN + TOKENS_PER_MIN / 60 * WINDOW_S
     assert 0.9 * bound <= alone <= 1.1 * bound, (alone, bound)

@@ -9,18 +9,7 @@ import pytest
 from kvfleet.engine.protocol import APIError
 from kvfleet.gateway.activation import Activator
 
-
-class Scale:
-    def __init__(self, replicas: int) -> None:
-        self.replicas = replicas
-        self.writes: list[int] = []
-
-    def get_replicas(self) -> int:
-        return self.replicas
-
-    def set_replicas(self, replicas: int) -> None:
-        self.replicas = replicas
-        self.writes.append(replicas)
+from .test_autoscaler import FakeScale as Scale
 
 
 def test_waiting_requests_scale_from_zero_once_and_go_on_when_an_engine_is_ready() -> None:
