@@ -9,17 +9,30 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Bounds on what a request may carry, so every value fits where it goes (a token id in an
+# int32 tensor, a seed in int64) and no body costs more to read than to refuse.
+MAX_INT32, MAX_INT64 = (1 << 31) - 1, (1 << 63) - 1
+MAX_JSON_DEPTH = 64
+MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_STOP = 64  # stop strings or stop token ids
+MAX_STOP_LENGTH = 1024  # characters of one stop string
+MAX_MESSAGES = 100_000
+MAX_CONTENT_PARTS = 1024
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenIds = Annotated[list[TokenId], Field(min_length=0)]
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Message = Mapping[str, Any]
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -40,8 +53,9 @@ class APIError(Exception):
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI's API does.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are accepted and ignored, as OpenAI's API does; floats must be finite
+    # (Python's JSON reader takes NaN and Infinity).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -52,29 +66,40 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_LENGTH)]], Field(max_length=MAX_STOP)
+        ]
+        | None
+    ) = None
+    seed: int | None = Field(default=None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=MAX_INT32)
     min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
-    cache_salt: str | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    priority: int = Field(default=0, ge=-MAX_INT32 - 1, le=MAX_INT32)
+    cache_salt: str | None = Field(default=None, max_length=1024)
     speculative: bool = True  # false: no speculative decoding for this request
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | list[TokenId]
+        | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
+    )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -86,13 +111,13 @@ class TextPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -181,7 +206,9 @@ def error_body(
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; ValueError saying what is wrong (HTTP 400)."""
+    """A request body as a JSON object; ValueError saying what is wrong (HTTP 400): not UTF-8,
+    not JSON, nested deeper than MAX_JSON_DEPTH, or text that is no Unicode (a lone surrogate
+    escape such as "\\ud800" reads as JSON but cannot be encoded, tokenized or hashed)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -190,9 +217,52 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise ValueError(
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
+    except RecursionError:
+        raise ValueError(
+            f"the request body is nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError("the request body must be a JSON object")
+    _check_tree(data)
     return data
+
+
+def validate_request(data: Mapping[str, Any], model: type[_Body]) -> _Body:
+    """A parsed body as `model`; ValueError naming the first bad field (HTTP 400). The engine
+    and the gateway both check bodies with this, so both refuse the same requests alike."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ValueError(f"{where}: {first['msg']}") from None
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and text of a parsed body, iteratively (no recursion on hostile input)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _check_text(key)
+                stack.append((value, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+        elif isinstance(node, str):
+            _check_text(node)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the request body holds text that is not valid Unicode (a lone surrogate "
+            f"{text[exc.start]!r} at character {exc.start})"
+        ) from None
 
 
 def normalize_message(message: Message) -> dict[str, str]:

@@ -27,8 +27,11 @@ from kvfleet.engine.core.hashing import BlockHash, extra_keys_for, hash_full_blo
 from kvfleet.engine.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
     error_body,
     parse_json_object,
+    validate_request,
 )
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
@@ -44,6 +47,10 @@ __all__ = ["REPLICA_HEADER", "GatewaySettings", "create_gateway_app", "first_pro
 logger = logging.getLogger(__name__)
 
 CHAT_DEFAULT_MAX_TOKENS = 512  # reserved when a chat request names no limit
+REQUEST_MODELS: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
+    "completions": CompletionRequest,
+    "chat/completions": ChatCompletionRequest,
+}
 
 
 def create_gateway_app(
@@ -180,7 +187,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     key_id = gateway.authenticate(request)
     labels.key = key_id
     raw = await request.body()
-    body = _parse_body(raw)
+    body = _parse_body(raw, path)
     model = body.get("model")
     labels.model = model if isinstance(model, str) else ""
     if not gateway.pool.snapshot().ready:
@@ -322,8 +329,12 @@ def _max_tokens(body: dict[str, Any], path: str) -> int:
     return value * n
 
 
-def _parse_body(raw: bytes) -> dict[str, Any]:
+def _parse_body(raw: bytes, path: str) -> dict[str, Any]:
+    """The body as a JSON object, refused (400) here as the engine would refuse it, before
+    routing reads its prompt."""
     try:
-        return parse_json_object(raw)
+        body = parse_json_object(raw)
+        validate_request(body, REQUEST_MODELS[path])
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+    return body

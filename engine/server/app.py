@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from kvfleet.engine.config import EngineConfig
@@ -34,6 +34,7 @@ from kvfleet.engine.protocol import (
     UnloadLoRAAdapterRequest,
     error_body,
     parse_json_object,
+    validate_request,
 )
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
@@ -289,15 +290,9 @@ def _ready_engine(state: _State) -> AsyncEngine:
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
     try:
-        data = parse_json_object(await request.body())
+        return validate_request(parse_json_object(await request.body()), model)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise APIError(400, f"{where}: {first['msg']}") from exc
 
 
 async def _run(serving: OpenAIServing, prepared: Any) -> Response:

@@ -1,0 +1,100 @@
+"""Hostile request bodies (issue 27, defects 1 and 2): values that cannot become tensors, text
+that is no Unicode, pathological nesting. The engine and the gateway answer 400 with the OpenAI
+error body, before any of it reaches a batch (the gateway forwards nothing), and keep serving."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfleet.bench.fake_engine import MODEL as FAKE_MODEL
+from kvfleet.bench.fake_engine import fake_engine
+from kvfleet.gateway.app import GatewaySettings, create_gateway_app
+
+from .conftest import MODEL, Server
+from .test_gateway_admission import serve
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def hostile(model: str) -> list[tuple[str, bytes, str]]:
+    """(path, raw body, what the 400 names) for the bodies seen to break the stack."""
+    completion = {"model": model, "prompt": "Hello", "max_tokens": 2}
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+    def body(base: dict[str, Any], **fields: Any) -> bytes:
+        return json.dumps({**base, **fields}).encode()
+
+    nested = b'{"model": "%s", "prompt": ' % model.encode() + b"[" * 100_000 + b"]" * 100_000
+    return [
+        ("completions", body(completion, top_k=10**30), "top_k"),
+        ("completions", body(completion, seed=2**70), "seed"),
+        ("completions", body(completion, temperature=float("inf")), "temperature"),
+        ("completions", body(completion, max_tokens=2**64), "max_tokens"),
+        ("completions", body(completion, stop_token_ids=[2**64]), "stop_token_ids"),
+        ("completions", body(completion, prompt=[1, -1]), "prompt"),
+        ("completions", body(completion, prompt=[2**64]), "prompt"),
+        ("completions", body(completion, cache_salt="\ud800"), "not valid Unicode"),
+        (
+            "chat/completions",
+            body(chat, messages=[{"role": "user", "content": "a\udfff"}]),
+            "not valid Unicode",
+        ),
+        ("completions", nested + b"}", "nested deeper than 64"),
+        ("completions", body(completion, stop=["x"] * 1000), "stop"),
+    ]
+
+
+CASES = hostile("MODEL")
+
+
+def _post(url: str, raw: bytes) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    return httpx.post(url, content=raw, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("index"), range(len(CASES)), ids=[c[2] + f"-{i}" for i, c in enumerate(CASES)]
+)
+def test_the_engine_refuses_and_keeps_serving(server: Server, index: int) -> None:
+    path, raw, names = hostile(MODEL)[index]
+    response = _post(f"{server.base_url}/{path}", raw)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert names in error["message"]
+    assert error["type"] == "invalid_request_error"
+    ok = httpx.post(
+        f"{server.base_url}/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 2},
+        timeout=60,
+    )
+    assert ok.status_code == 200
+
+
+def test_the_gateway_refuses_before_forwarding() -> None:
+    forwarded: list[bytes] = []
+    engine = fake_engine()
+
+    @engine.middleware("http")
+    async def record(request: Any, call_next: Any) -> Any:
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            forwarded.append(await request.body())
+        return await call_next(request)
+
+    with serve(engine) as engine_url:
+        app = create_gateway_app(GatewaySettings(replicas=(engine_url,)))
+        with serve(app) as gateway_url:
+            for path, raw, names in hostile(FAKE_MODEL):
+                response = _post(f"{gateway_url}/v1/{path}", raw)
+                assert response.status_code == 400, (names, response.text)
+                assert names in response.json()["error"]["message"]
+            ok = httpx.post(
+                f"{gateway_url}/v1/completions",
+                json={"model": FAKE_MODEL, "prompt": "Hello", "max_tokens": 2},
+                timeout=60,
+            )
+            assert ok.status_code == 200
+    assert len(forwarded) == 1  # only the good request reached the engine
