@@ -9,7 +9,9 @@ stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -41,8 +43,9 @@ from kvfleet.gateway.peers import USAGE_PATH, usage_body
 from kvfleet.gateway.proxy import REPLICA_HEADER, proxy
 from kvfleet.gateway.routing.snapshot import RouteRequest
 from kvfleet.gateway.state import Gateway, GatewaySettings
+from kvfleet.gateway.tokenizer import GatewayTokenizer
 
-__all__ = ["REPLICA_HEADER", "GatewaySettings", "create_gateway_app", "first_prompt"]
+__all__ = ["REPLICA_HEADER", "GatewaySettings", "all_prompts", "create_gateway_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +206,11 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
             code="model_not_found",
         )
     adapter = model if model in registry or cards[model].get("parent") else None
-    prompt_ids = await _prompt_ids(gateway, body, path)
-    max_tokens = _max_tokens(body, path)
+    prompt_ids, prompt_tokens, prompts = await _prompts(gateway, body, path)
+    # every token the request can cause: all its prompts, and max_tokens for each of their n
+    max_tokens = _max_tokens(body, path) * prompts
     now = time.monotonic()
-    reservation = gateway.limiter.reserve(key_id, len(prompt_ids) + max_tokens, now)
+    reservation = gateway.limiter.reserve(key_id, prompt_tokens + max_tokens, now)
     if isinstance(reservation, Refusal):
         error = APIError(
             429,
@@ -242,7 +246,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
                 yield chunk
         finally:
             gateway.gate.release()
-            gateway.limiter.settle(reservation, len(prompt_ids) + generated, time.monotonic())
+            gateway.limiter.settle(reservation, prompt_tokens + generated, time.monotonic())
 
     response.body_iterator = settle_after(response.body_iterator)  # type: ignore[arg-type]
     return response
@@ -287,35 +291,49 @@ async def _take_slot(
         raise
 
 
-async def _prompt_ids(gateway: Gateway, body: dict[str, Any], path: str) -> list[int]:
-    """The first prompt's token ids, for routing and the token reservation (the engine checks
-    the request fully; a prompt the gateway cannot read routes by load)."""
+async def _prompts(gateway: Gateway, body: dict[str, Any], path: str) -> tuple[list[int], int, int]:
+    """(the first prompt's token ids, for routing; the tokens of all its prompts, for the
+    reservation; how many prompts). Tokenized off the event loop: a large body must not stall
+    other streams. Without the engines' tokenizer yet, text counts as its UTF-8 bytes (at least
+    its tokens) and routing goes by load."""
     tokenizer = await gateway.tokenizer_for_routing()
     try:
-        if path == "chat/completions":
-            messages = body.get("messages")
-            if tokenizer is None or not isinstance(messages, list):
-                return []
-            return tokenizer.chat_ids(messages, bool(body.get("add_generation_prompt", True)))
-        prompt = first_prompt(body.get("prompt"))
-        if isinstance(prompt, list):
-            return prompt
-        if isinstance(prompt, str) and tokenizer is not None:
-            return tokenizer.encode(prompt)
+        return await asyncio.to_thread(_tokenize, tokenizer, body, path)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from exc
-    return []
 
 
-def first_prompt(prompt: Any) -> str | list[int] | None:
-    """The first prompt of a completions request: a string, token ids, or a batch of either."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch: route by its first prompt
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        return list(prompt)
-    return None
+def _tokenize(
+    tokenizer: GatewayTokenizer | None, body: dict[str, Any], path: str
+) -> tuple[list[int], int, int]:
+    if path == "chat/completions":
+        messages = body["messages"]
+        if tokenizer is None:
+            return [], len(json.dumps(messages).encode()), 1
+        ids = tokenizer.chat_ids(messages, bool(body.get("add_generation_prompt", True)))
+        return ids, len(ids), 1
+    prompts = all_prompts(body["prompt"])
+    first: list[int] = []
+    total = 0
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            ids = prompt
+        elif tokenizer is None:
+            total += len(prompt.encode())
+            continue
+        else:
+            ids = tokenizer.encode(prompt)
+        total += len(ids)
+        if index == 0:
+            first = ids
+    return first, total, max(1, len(prompts))
+
+
+def all_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """Every prompt of a completions request (validated): a string, token ids, or a batch."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
 
 
 def _max_tokens(body: dict[str, Any], path: str) -> int:

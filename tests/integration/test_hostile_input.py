@@ -98,3 +98,32 @@ def test_the_gateway_refuses_before_forwarding() -> None:
             )
             assert ok.status_code == 200
     assert len(forwarded) == 1  # only the good request reached the engine
+
+
+def test_batch_prompts_are_charged_every_token_they_can_cause() -> None:
+    """Issue 27, defect 3: a streamed completions request with 20 prompts reserves all 20
+    prompts and max_tokens for each, and is settled with all its prompts (it was charged its
+    first prompt and the streamed chunks: 7 such requests passed 52,290 tokens in 58 s on a
+    3,000 tokens/minute key)."""
+    from kvfleet.gateway.admission.keys import KeyStore, hash_key
+    from kvfleet.gateway.admission.rate_limit import KeyLimits
+
+    keys = KeyStore.from_mapping({"keys": [{"id": "tenant", "sha256": hash_key("tenant")}]})
+    batch = [list(range(100)) for _ in range(20)]  # 20 prompts of 100 token ids
+    body = {"model": FAKE_MODEL, "prompt": batch, "max_tokens": 16, "stream": True}
+    with serve(fake_engine(chunk_delay_s=0.0)) as engine_url:
+        settings = GatewaySettings(
+            replicas=(engine_url,), keys=keys, default_limits=KeyLimits(tokens_per_min=3000)
+        )
+        with serve(create_gateway_app(settings)) as gateway_url:
+            headers = {"authorization": "Bearer tenant"}
+            statuses = []
+            for _ in range(7):
+                with httpx.stream(
+                    "POST", f"{gateway_url}/v1/completions", json=body, headers=headers
+                ) as response:
+                    response.read()
+                    statuses.append(response.status_code)
+    # each reserves 20 x (100 + 16) = 2,320 tokens and uses at least its 2,000 prompt tokens:
+    # one fits in 3,000 a minute, the next six do not
+    assert statuses == [200] + [429] * 6

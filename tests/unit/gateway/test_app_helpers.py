@@ -1,15 +1,14 @@
-"""The gateway's request reading: which prompt it routes by."""
+"""The gateway's request reading: every prompt of a request (the reservation counts them all,
+routing goes by the first)."""
 
 from __future__ import annotations
 
-from kvfleet.gateway.app import first_prompt
+from kvfleet.gateway.app import all_prompts
 
 
-def test_first_prompt_of_each_completions_form() -> None:
-    assert first_prompt("hello") == "hello"
-    assert first_prompt([5, 6, 7]) == [5, 6, 7]  # token ids, not a batch of ints
-    assert first_prompt(["a", "b"]) == "a"
-    assert first_prompt([[1, 2], [3]]) == [1, 2]
-    assert first_prompt([]) == []
-    for bad in (None, 3, [1.5], [True, 2], {"x": 1}):
-        assert first_prompt(bad) is None
+def test_all_prompts_of_each_completions_form() -> None:
+    assert all_prompts("hello") == ["hello"]
+    assert all_prompts([5, 6, 7]) == [[5, 6, 7]]  # token ids, not a batch of ints
+    assert all_prompts(["a", "b"]) == ["a", "b"]
+    assert all_prompts([[1, 2], [3]]) == [[1, 2], [3]]
+    assert all_prompts([]) == [[]]
