@@ -209,6 +209,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     prompt_ids, prompt_tokens, prompts = await _prompts(gateway, body, path)
     # every token the request can cause: all its prompts, and max_tokens for each of their n
     max_tokens = _max_tokens(body, path) * prompts
+    priority = _priority(gateway, request, key_id, body)
     now = time.monotonic()
     reservation = gateway.limiter.reserve(key_id, prompt_tokens + max_tokens, now)
     if isinstance(reservation, Refusal):
@@ -224,7 +225,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
         raise error
     route_request = _route_request(gateway, request, body, prompt_ids, adapter)
     waited = time.monotonic()
-    await _take_slot(gateway, request, key_id, reservation)
+    await _take_slot(gateway, key_id, priority, reservation)
     gateway.metrics.queue_wait.observe(time.monotonic() - waited)
     used = 0
     try:
@@ -269,16 +270,31 @@ def _route_request(
     return RouteRequest(hashes, adapter, request.headers.get(gateway.settings.session_header))
 
 
+def _priority(gateway: Gateway, request: Request, key_id: KeyId, body: dict[str, Any]) -> int:
+    """The request's queue priority: the header's, else the key's. Neither the header nor the
+    body's `priority` (the engine's) may be more urgent than the key's ceiling: 400 otherwise,
+    so a tenant cannot starve the others."""
+    keys, header = gateway.settings.keys, gateway.settings.priority_header
+    try:
+        priority = int(request.headers.get(header, keys.priority_of(key_id)))
+    except ValueError:
+        raise APIError(400, f"{header} must be an integer") from None
+    ceiling = keys.ceiling_of(key_id)
+    for where, value in ((header, priority), ("priority", body.get("priority", ceiling))):
+        if ceiling is not None and value is not None and value < ceiling:
+            raise APIError(
+                400,
+                f"{where} {value} is more urgent than this API key may ask for (at most "
+                f"{ceiling}; larger values are less urgent)",
+            )
+    return priority
+
+
 async def _take_slot(
-    gateway: Gateway, request: Request, key_id: KeyId, reservation: Reservation
+    gateway: Gateway, key_id: KeyId, priority: int, reservation: Reservation
 ) -> None:
     """Wait for a proxy slot (fair between keys); 503 with Retry-After when there is none."""
     settings = gateway.settings
-    try:
-        default = settings.keys.priority_of(key_id)
-        priority = int(request.headers.get(settings.priority_header, default))
-    except ValueError:
-        raise APIError(400, f"{settings.priority_header} must be an integer") from None
     try:
         await gateway.gate.acquire(key_id, priority, settings.queue_timeout_s)
     except (QueueFull, QueueTimeout) as exc:

@@ -2,8 +2,10 @@
 
 The file (locally) or the Secret's data (in a cluster) is JSON:
 `{"keys": [{"id": "team-a", "sha256": "<hex>", "requests_per_min": 60, "tokens_per_min": 100000,
-"weight": 1, "priority": 0}]}`. Without keys the gateway runs open: every caller is the key
-"anonymous".
+"weight": 1, "priority": 0, "max_priority": 0}]}`. Lower priorities go first; `max_priority` is
+the most urgent a request of the key may ask for (default: its `priority`), so one tenant can
+make its own requests wait but never jump another's. Without keys the gateway runs open: every
+caller is the key "anonymous", and any priority goes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ class ApiKey:
     limits: KeyLimits
     weight: float = 1.0
     priority: int = 0  # queue priority when the request names none (lower goes first)
+    max_priority: int | None = None  # the most urgent it may ask for; None: `priority`
+
+    def __post_init__(self) -> None:
+        if self.priority < self.ceiling:
+            raise ValueError(f"priority {self.priority} is above max_priority {self.ceiling}")
+
+    @property
+    def ceiling(self) -> int:
+        return self.priority if self.max_priority is None else self.max_priority
 
 
 def hash_key(secret: str) -> str:
@@ -62,6 +73,7 @@ class KeyStore:
                         KeyLimits(entry.get("requests_per_min"), entry.get("tokens_per_min")),
                         float(entry.get("weight", 1.0)),
                         int(entry.get("priority", 0)),
+                        None if entry.get("max_priority") is None else int(entry["max_priority"]),
                     )
                 )
             except (KeyError, TypeError, ValueError) as exc:
@@ -83,6 +95,11 @@ class KeyStore:
     def priority_of(self, key_id: KeyId) -> int:
         key = self._by_id.get(key_id)
         return key.priority if key is not None else 0
+
+    def ceiling_of(self, key_id: KeyId) -> int | None:
+        """The most urgent priority the key may ask for; None in open mode (no tenants)."""
+        key = self._by_id.get(key_id)
+        return key.ceiling if key is not None else None
 
     def weights(self) -> dict[KeyId, float]:
         return {k.key_id: k.weight for k in self.keys.values()}

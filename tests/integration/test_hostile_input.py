@@ -127,3 +127,38 @@ def test_batch_prompts_are_charged_every_token_they_can_cause() -> None:
     # each reserves 20 x (100 + 16) = 2,320 tokens and uses at least its 2,000 prompt tokens:
     # one fits in 3,000 a minute, the next six do not
     assert statuses == [200] + [429] * 6
+
+
+def test_a_tenant_cannot_raise_its_priority_above_its_key() -> None:
+    """Issue 27, defect 4: `x-priority: -100` let one key's flood starve another. A key asks
+    at most as urgent as its `max_priority` (default: its `priority`); lowering is allowed."""
+    from kvfleet.gateway.admission.keys import KeyStore, hash_key
+
+    keys = KeyStore.from_mapping(
+        {
+            "keys": [
+                {"id": "tenant", "sha256": hash_key("tenant")},
+                {"id": "ops", "sha256": hash_key("ops"), "priority": 0, "max_priority": -10},
+            ]
+        }
+    )
+    body = {"model": FAKE_MODEL, "prompt": "Hello", "max_tokens": 2}
+    with serve(fake_engine()) as engine_url:
+        app = create_gateway_app(GatewaySettings(replicas=(engine_url,), keys=keys))
+        with serve(app) as url:
+
+            def post(key: str, extra: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+                return httpx.post(
+                    f"{url}/v1/completions",
+                    json={**body, **extra},
+                    headers={"authorization": f"Bearer {key}", **headers},
+                    timeout=30,
+                )
+
+            raised = post("tenant", {}, {"x-priority": "-100"})
+            assert raised.status_code == 400
+            assert "more urgent than this API key may ask for" in raised.json()["error"]["message"]
+            assert post("tenant", {"priority": -100}, {}).status_code == 400  # the engine's field
+            assert post("tenant", {}, {"x-priority": "5"}).status_code == 200  # less urgent: fine
+            assert post("ops", {}, {"x-priority": "-10"}).status_code == 200  # its ceiling
+            assert post("ops", {}, {"x-priority": "-11"}).status_code == 400
