@@ -227,6 +227,26 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra` declaring `model` as its JSON request body (the routes read the
+    body themselves, to answer bad ones with the OpenAI error body): the schema with its
+    definitions inlined, so API fuzzers and client generators see the real operation."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(definitions[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
 def validate_request(data: Mapping[str, Any], model: type[_Body]) -> _Body:
     """A parsed body as `model`; ValueError naming the first bad field (HTTP 400). The engine
     and the gateway both check bodies with this, so both refuse the same requests alike."""

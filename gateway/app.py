@@ -32,6 +32,7 @@ from kvfleet.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    openapi_body,
     parse_json_object,
     validate_request,
 )
@@ -127,11 +128,11 @@ def create_gateway_app(
         registry = state["gateway"].metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _observed(state["gateway"], request, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _observed(state["gateway"], request, "chat/completions")
 

@@ -33,6 +33,7 @@ from kvfleet.engine.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
     error_body,
+    openapi_body,
     parse_json_object,
     validate_request,
 )
@@ -204,7 +205,7 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
             ]
         return ModelList(data=cards).model_dump()
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=openapi_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request) -> JSONResponse:
         engine = _ready_engine(state)
         body = await _parse(request, LoadLoRAAdapterRequest)
@@ -216,7 +217,7 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
             raise APIError(400, str(exc)) from exc
         return JSONResponse({"message": f"the adapter {body.lora_name!r} is loaded"})
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=openapi_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request) -> JSONResponse:
         engine = _ready_engine(state)
         body = await _parse(request, UnloadLoRAAdapterRequest)
@@ -231,13 +232,13 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         serving = state.ready_serving()
         body = await _parse(request, CompletionRequest)
         return await _run(serving, serving.prepare_completion(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         serving = state.ready_serving()
         body = await _parse(request, ChatCompletionRequest)

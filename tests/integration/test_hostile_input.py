@@ -162,3 +162,33 @@ def test_a_tenant_cannot_raise_its_priority_above_its_key() -> None:
             assert post("tenant", {}, {"x-priority": "5"}).status_code == 200  # less urgent: fine
             assert post("ops", {}, {"x-priority": "-10"}).status_code == 200  # its ceiling
             assert post("ops", {}, {"x-priority": "-11"}).status_code == 400
+
+
+def test_the_published_openapi_declares_every_request_body() -> None:
+    """Issue 27, defect 7: operations with bodies declare them (fuzzers and client generators
+    saw empty operations), with the bounds the servers enforce, and no dangling references."""
+    from kvfleet.engine.config import EngineConfig
+    from kvfleet.engine.server.app import ServerSettings, create_app
+
+    engine = create_app(ServerSettings(EngineConfig(model="smollm2"))).openapi()
+    gateway = create_gateway_app(GatewaySettings(replicas=("http://127.0.0.1:9",))).openapi()
+    for document, posts in (
+        (engine, 4),
+        (gateway, 2),
+    ):
+        operations = [
+            operation
+            for item in document["paths"].values()
+            for method, operation in item.items()
+            if method == "post"
+        ]
+        assert len(operations) == posts
+        for operation in operations:
+            schema = operation["requestBody"]["content"]["application/json"]["schema"]
+            assert schema["type"] == "object"
+            assert schema["required"]
+            assert "$ref" not in json.dumps(schema)
+    completions = gateway["paths"]["/v1/completions"]["post"]["requestBody"]
+    properties = completions["content"]["application/json"]["schema"]["properties"]
+    assert properties["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
+    assert "prompt" in properties
