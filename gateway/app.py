@@ -37,6 +37,7 @@ from kvfleet.engine.protocol import (
     validate_request,
 )
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
+from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
 from kvfleet.gateway.cluster import ClusterLoops
@@ -211,26 +212,21 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     # every token the request can cause: all its prompts, and max_tokens for each of their n
     max_tokens = _max_tokens(body, path) * prompts
     priority = _priority(gateway, request, key_id, body)
-    now = time.monotonic()
-    reservation = gateway.limiter.reserve(key_id, prompt_tokens + max_tokens, now)
-    if isinstance(reservation, Refusal):
-        error = APIError(
-            429,
-            f"rate limit reached for {reservation.reason}"
-            + ("" if math.isfinite(reservation.retry_after_s) else ": the request exceeds it"),
-            "rate_limit_exceeded",
-            "rate_limit_exceeded",
-        )
-        if math.isfinite(reservation.retry_after_s):
-            error.headers["Retry-After"] = str(max(1, math.ceil(reservation.retry_after_s)))
-        raise error
+    reservation = _reserve(gateway, key_id, prompt_tokens + max_tokens)
     route_request = _route_request(gateway, request, body, prompt_ids, adapter)
     waited = time.monotonic()
     await _take_slot(gateway, key_id, priority, reservation)
     gateway.metrics.queue_wait.observe(time.monotonic() - waited)
     used = 0
     try:
-        response, used = await proxy(gateway, route_request, path, raw, bool(body.get("stream")))
+        stream = bool(body.get("stream"))
+        forwarded = proxy(gateway, route_request, path, raw, stream)
+        # a stream stops when its client does; a whole answer is abandoned (the engine aborts)
+        response, used = await (forwarded if stream else unless_disconnected(request, forwarded))
+    except ClientGone:
+        gateway.gate.release()
+        gateway.limiter.settle(reservation, used, time.monotonic())
+        return Response(status_code=CLIENT_CLOSED)
     except BaseException:
         gateway.gate.release()
         gateway.limiter.settle(reservation, used, time.monotonic())
@@ -252,6 +248,23 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
 
     response.body_iterator = settle_after(response.body_iterator)  # type: ignore[arg-type]
     return response
+
+
+def _reserve(gateway: Gateway, key_id: KeyId, tokens: int) -> Reservation:
+    """The key's request and `tokens`, or 429 with Retry-After (none: it can never fit)."""
+    reservation = gateway.limiter.reserve(key_id, tokens, time.monotonic())
+    if isinstance(reservation, Refusal):
+        error = APIError(
+            429,
+            f"rate limit reached for {reservation.reason}"
+            + ("" if math.isfinite(reservation.retry_after_s) else ": the request exceeds it"),
+            "rate_limit_exceeded",
+            "rate_limit_exceeded",
+        )
+        if math.isfinite(reservation.retry_after_s):
+            error.headers["Retry-After"] = str(max(1, math.ceil(reservation.retry_after_s)))
+        raise error
+    return reservation
 
 
 def _route_request(

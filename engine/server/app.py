@@ -38,6 +38,7 @@ from kvfleet.engine.protocol import (
     validate_request,
 )
 from kvfleet.engine.server.body_limit import BodyLimitMiddleware
+from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
 from kvfleet.engine.server.serving import OpenAIServing
 
@@ -236,13 +237,13 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
     async def completions(request: Request) -> Response:
         serving = state.ready_serving()
         body = await _parse(request, CompletionRequest)
-        return await _run(serving, serving.prepare_completion(body))
+        return await _run(serving, serving.prepare_completion(body), request)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         serving = state.ready_serving()
         body = await _parse(request, ChatCompletionRequest)
-        return await _run(serving, serving.prepare_chat(body))
+        return await _run(serving, serving.prepare_chat(body), request)
 
 
 def _add_kv_routes(app: FastAPI, state: _State) -> None:
@@ -296,7 +297,7 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
         raise APIError(400, str(exc)) from exc
 
 
-async def _run(serving: OpenAIServing, prepared: Any) -> Response:
+async def _run(serving: OpenAIServing, prepared: Any, request: Request) -> Response:
     try:
         streams = await serving.start(prepared)
     except EngineDeadError as exc:
@@ -306,9 +307,11 @@ async def _run(serving: OpenAIServing, prepared: Any) -> Response:
             _guard_stream(serving.sse_stream(prepared, streams)), media_type="text/event-stream"
         )
     try:
-        body = await serving.full_response(prepared, streams)
+        body = await unless_disconnected(request, serving.full_response(prepared, streams))
     except EngineStepError as exc:
         raise APIError(500, str(exc), "internal_error") from exc
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)  # aborted: nobody is there to answer
     return JSONResponse(body)
 
 

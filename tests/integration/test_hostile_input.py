@@ -4,11 +4,16 @@ error body, before any of it reaches a batch (the gateway forwards nothing), and
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
 from kvfleet.bench.fake_engine import MODEL as FAKE_MODEL
 from kvfleet.bench.fake_engine import fake_engine
@@ -192,3 +197,44 @@ def test_the_published_openapi_declares_every_request_body() -> None:
     properties = completions["content"]["application/json"]["schema"]["properties"]
     assert properties["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
     assert "prompt" in properties
+
+
+def _running(server: Server) -> float:
+    return server.metrics()[f'kvfleet:num_requests_running{{model_name="{MODEL}"}}']
+
+
+def test_a_non_streaming_client_that_leaves_stops_its_request(server: Server) -> None:
+    """Issue 27, defect 5: the request ran to its end (25 s more on CPU) holding KV blocks and
+    a batch slot after its client disconnected."""
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/completions", json=body, timeout=1.5)
+    left = time.monotonic()
+    while _running(server) > 0:
+        assert time.monotonic() - left < 3, "the engine kept generating for nobody"
+        time.sleep(0.1)
+
+
+def test_the_gateway_abandons_a_whole_answer_whose_client_left() -> None:
+    """The gateway drops its upstream request when its client leaves, so the engine sees the
+    disconnect too (and aborts)."""
+    left: list[float] = []
+
+    async def never_done(request: Request) -> JSONResponse:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        left.append(time.monotonic())
+        return JSONResponse({})
+
+    engine = fake_engine()
+    engine.router.routes.insert(0, APIRoute("/v1/completions", never_done, methods=["POST"]))
+    with serve(engine) as engine_url:
+        app = create_gateway_app(GatewaySettings(replicas=(engine_url,)))
+        with serve(app) as gateway_url:
+            body = {"model": FAKE_MODEL, "prompt": "Hello", "max_tokens": 2}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=1.0)
+            gone = time.monotonic()
+            while not left:
+                assert time.monotonic() - gone < 5, "the gateway kept waiting for nobody"
+                time.sleep(0.05)
