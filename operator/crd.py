@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kvfleet.operator.conditions import LLMDeploymentStatus
 from kvfleet.operator.spec import (
     GROUP,
     KIND,
@@ -22,7 +23,6 @@ from kvfleet.operator.spec import (
     SHORT_NAME,
     VERSION,
     LLMDeploymentSpec,
-    LLMDeploymentStatus,
 )
 
 CRD_NAME = f"{PLURAL}.{GROUP}"

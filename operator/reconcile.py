@@ -33,9 +33,10 @@ from kvfleet.operator.build_monitoring import (
     build_prometheus_rule,
 )
 from kvfleet.operator.common import ENGINE, GATEWAY, OperatorConfig, Owner
+from kvfleet.operator.conditions import ConditionType
 from kvfleet.operator.events import EventRecorder, EventType
 from kvfleet.operator.kube import KubeApi, KubeError
-from kvfleet.operator.spec import KIND, ConditionType, InvalidSpecError, parse_spec
+from kvfleet.operator.spec import KIND, InvalidSpecError, parse_spec
 from kvfleet.operator.status import build_status, invalid_spec_status
 
 logger = logging.getLogger(__name__)

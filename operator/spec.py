@@ -18,6 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from kvfleet.operator.grammar import (
+    DNS_SUBDOMAIN_PATTERN,
+    DURATION_PATTERN,
+    LABEL_VALUE_MAX,
+    LABEL_VALUE_PATTERN,
+    QUALIFIED_NAME_PATTERN,
+    QUANTITY_PATTERN,
+    RESOURCE_NAME_PATTERN,
+)
+
 GROUP, VERSION, KIND, PLURAL, SHORT_NAME = (
     "kvfleet.dev",
     "v1alpha1",
@@ -30,26 +40,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # pod suffix (17) to their pods' names, which stay within a 63-character DNS label.
 MAX_NAME_LENGTH = 38
 
-# Kubernetes' own grammars (k8s.io/apimachinery), as RE2 patterns the API server checks too.
-# A resource quantity: <number><suffix>, number "1", "1.5", "1." or ".5" (no sign: resources are
-# never negative), suffix binary (Ki..Ei), decimal (n, u, m, "", k, M..E) or an exponent (e3).
-QUANTITY_PATTERN = r"^([0-9]+([.][0-9]*)?|[.][0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-DURATION_PATTERN = r"^[0-9]+(ms|s|m|h)$"
-DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-# A label value: empty, or at most 63 alphanumerics with - _ . inside.
-LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-LABEL_VALUE_MAX = 63
-# A label key (qualified name): an optional DNS-subdomain prefix and "/", then a name part.
-QUALIFIED_NAME_PATTERN = (
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
-# An extended resource name (nvidia.com/gpu): a domain prefix is required.
-RESOURCE_NAME_PATTERN = (
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
 # alias ("smollm2"), hub id ("org/name", "hf://org/name"), URL, PVC path, or a path in the image.
 MODEL_SOURCE_PATTERN = (
     r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|https?://[^\s]+|hf://[\w.-]+/[\w.-]+"
@@ -127,9 +117,7 @@ class PullPolicy(enum.StrEnum):
 
 
 class SecretKeyRef(CrdModel):
-    name: str = Field(
-        pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="the Secret's name"
-    )
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="Secret name")
     key: str = Field(min_length=1, max_length=253, description="the key inside the Secret")
 
 
@@ -592,46 +580,6 @@ class LLMDeploymentSpec(CrdModel):
             return self.replicas
         low, high = self.autoscaling.min_replicas, self.autoscaling.max_replicas
         return min(max(self.replicas, low), high)
-
-
-class Phase(enum.StrEnum):
-    PENDING = "Pending"  # nothing serves yet: pods are being scheduled, pulled or loaded
-    PROGRESSING = "Progressing"  # serving while a rollout or scale-up is under way
-    READY = "Ready"
-    DEGRADED = "Degraded"  # serving, with fewer ready replicas than wanted, or a rollout stalled
-    SCALED_TO_ZERO = "ScaledToZero"
-    # the spec is invalid or the API server refused a child (nothing was changed), or nothing
-    # serves and the rollout passed its progress deadline
-    FAILED = "Failed"
-
-
-class ConditionType(enum.StrEnum):
-    READY = "Ready"  # the endpoint answers: engines and gateway available
-    SPEC_VALID = "SpecValid"
-    ENGINE_AVAILABLE = "EngineAvailable"
-    GATEWAY_AVAILABLE = "GatewayAvailable"
-    PROGRESSING = "Progressing"
-    SCALING_LIMITED = "ScalingLimited"  # spec.replicas is outside the autoscaling bounds
-
-
-class Condition(CrdModel):
-    type: ConditionType
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
-    message: str = Field(default="", max_length=32768)
-    last_transition_time: str = Field(description="RFC 3339")
-    observed_generation: int | None = Field(default=None, ge=0)
-
-
-class LLMDeploymentStatus(CrdModel):
-    phase: Phase | None = None
-    replicas: int | None = Field(default=None, ge=0, description="engine pods (scale subresource)")
-    ready_replicas: int | None = Field(default=None, ge=0)
-    updated_replicas: int | None = Field(default=None, ge=0)
-    selector: str | None = Field(default=None, description="engine pods' label selector (scale)")
-    endpoint: str | None = Field(default=None, description="the OpenAI base URL inside the cluster")
-    observed_generation: int | None = Field(default=None, ge=0)
-    conditions: list[Condition] = Field(default_factory=list)
 
 
 class InvalidSpecError(ValueError):

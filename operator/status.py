@@ -11,13 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvfleet.operator.common import ENGINE, OperatorConfig, Owner
-from kvfleet.operator.spec import (
-    Condition,
-    ConditionType,
-    LLMDeploymentSpec,
-    LLMDeploymentStatus,
-    Phase,
-)
+from kvfleet.operator.conditions import Condition, ConditionType, LLMDeploymentStatus, Phase
+from kvfleet.operator.spec import LLMDeploymentSpec
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 

@@ -18,7 +18,8 @@ from kvfleet.operator.common import OperatorConfig
 from kvfleet.operator.kube import KubeApi
 from kvfleet.operator.reconcile import Reconciler, Resyncer
 
-from .fake_kube import MONITORING, FakeKube, Key, running
+from .fake_kube import FakeKube, Key, running
+from .fake_resources import MONITORING
 
 LLMD_PREFIX, LLMD_PLURAL = "/apis/kvfleet.dev/v1alpha1", "llmdeployments"
 DEPLOYMENTS = ("/apis/apps/v1", "deployments")

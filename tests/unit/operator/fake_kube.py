@@ -3,7 +3,8 @@ tests.
 
 It serves real HTTP on loopback so the real clients run (the operator's, kopf's, the Kubernetes
 Python client's), and does what the API server does for the calls they make:
-- authentication by bearer token and RBAC on every request (`fake_rbac.py`): the operator holds
+- authentication by bearer token and RBAC on every request (`fake_rbac.py`; admission and
+  validation in `fake_admission.py`, patches in `fake_patches.py`): the operator holds
   the rules of manifests/operator/clusterrole.yaml, a ServiceAccount the rules of the Roles its
   RoleBindings name; the OwnerReferencesPermissionEnforcement plugin and the escalation check
   on Role writes; 403 with the server's wording otherwise;
@@ -30,58 +31,37 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import kubernetes_validate
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ...integration.test_gateway_admission import serve
+from .fake_admission import admission_error
+from .fake_patches import json_patch, merge_patch, selected
 from .fake_rbac import (
     OPERATOR_SUBJECT,
     Attributes,
     allows,
-    blocking_owner_errors,
-    escalation,
     operator_cluster_role,
 )
-from .k8s_values import label_errors, quantity_errors
+from .fake_resources import (
+    BUILTIN,
+    CRD_PREFIX,
+    MONITORING,
+    MONITORING_KINDS,
+    Resources,
+    group_list,
+    resource_list,
+)
 
 PATH = re.compile(
     r"^(?P<prefix>/api/v1|/apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)"
     r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status|scale))?$"
 )
-# (prefix, plural) -> (kind, namespaced)
-BUILTIN: dict[tuple[str, str], tuple[str, bool]] = {
-    ("/apis/apps/v1", "deployments"): ("Deployment", True),
-    ("/api/v1", "services"): ("Service", True),
-    ("/api/v1", "configmaps"): ("ConfigMap", True),
-    ("/api/v1", "serviceaccounts"): ("ServiceAccount", True),
-    ("/api/v1", "events"): ("Event", True),
-    ("/api/v1", "namespaces"): ("Namespace", False),
-    ("/apis/rbac.authorization.k8s.io/v1", "roles"): ("Role", True),
-    ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"): ("RoleBinding", True),
-    ("/apis/policy/v1", "poddisruptionbudgets"): ("PodDisruptionBudget", True),
-    ("/apis/discovery.k8s.io/v1", "endpointslices"): ("EndpointSlice", True),
-    ("/apis/coordination.k8s.io/v1", "leases"): ("Lease", True),
-    ("/apis/kvfleet.dev/v1alpha1", "llmdeployments"): ("LLMDeployment", True),
-    ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions"): (
-        "CustomResourceDefinition",
-        False,
-    ),
-}
-MONITORING = {
-    "podmonitors.monitoring.coreos.com": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
-    "servicemonitors.monitoring.coreos.com": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
-    "prometheusrules.monitoring.coreos.com": ("/apis/monitoring.coreos.com/v1", "prometheusrules"),
-}
-MONITORING_KINDS = {"podmonitors": "PodMonitor", "servicemonitors": "ServiceMonitor"}
-MONITORING_KINDS["prometheusrules"] = "PrometheusRule"
-CRD_PREFIX = "/apis/apiextensions.k8s.io/v1"
-LLMD = ("/apis/kvfleet.dev/v1alpha1", "llmdeployments")
 Key = tuple[str, str, str, str]  # (prefix, plural, namespace or "", name)
 
 
@@ -97,57 +77,6 @@ def _problem(code: int, message: str, reason: str = "") -> JSONResponse:
         "code": code,
     }
     return JSONResponse(body, status_code=code)
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
-
-
-def json_patch(target: Any, operations: list[dict[str, Any]]) -> Any:
-    """RFC 6902 JSON patch (add, remove, replace, test); ValueError when an operation fails."""
-    out = copy.deepcopy(target)
-    for op in operations:
-        *parents, last = [
-            p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]
-        ]
-        node = out
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        index: Any = last
-        if isinstance(node, list):
-            index = len(node) if last == "-" else int(last)
-        if op["op"] == "test" and node[index] != op["value"]:
-            raise ValueError(f"test failed at {op['path']}")
-        if op["op"] == "remove" or op["op"] == "replace":
-            if isinstance(node, list) and op["op"] == "remove":
-                node.pop(index)
-            elif op["op"] == "remove":
-                del node[index]
-        if op["op"] == "add" and isinstance(node, list):
-            node.insert(index, copy.deepcopy(op["value"]))
-        elif op["op"] in ("add", "replace"):
-            node[index] = copy.deepcopy(op["value"])
-    return out
-
-
-def _selected(obj: Mapping[str, Any], selector: str | None) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    for term in filter(None, (selector or "").split(",")):
-        name, equals, value = term.partition("=")
-        if equals and labels.get(name.rstrip("!")) != value.lstrip("="):
-            return False
-        if not equals and name not in labels:
-            return False
-    return True
 
 
 @dataclass
@@ -186,7 +115,7 @@ class FakeKube:
 
     # ---- what tests do to the cluster directly (kubectl, controllers) ----
 
-    def resources(self) -> dict[tuple[str, str], tuple[str, bool]]:
+    def resources(self) -> Resources:
         found = dict(BUILTIN)
         for crd in self.crds:
             if crd in MONITORING:
@@ -330,13 +259,7 @@ class FakeKube:
 
         @app.get("/apis")
         async def groups() -> dict[str, Any]:
-            versions = sorted({p for p, _ in self.resources() if p.startswith("/apis/")})
-            found = []
-            for prefix in versions:
-                name, version = prefix.removeprefix("/apis/").split("/")
-                entry = {"groupVersion": f"{name}/{version}", "version": version}
-                found.append({"name": name, "versions": [entry], "preferredVersion": entry})
-            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": found}
+            return group_list(self.resources())
 
         @app.api_route("/{path:path}", methods=["GET", "PATCH", "DELETE", "POST", "PUT"])
         async def objects(path: str, request: Request) -> Response:
@@ -347,7 +270,7 @@ class FakeKube:
                 return _problem(401, "Unauthorized", "Unauthorized")
             resources = self.resources()
             if request.method == "GET" and any(f"/{path}" == p for p, _ in resources):
-                return JSONResponse(self._resource_list(f"/{path}"))
+                return JSONResponse(resource_list(resources, f"/{path}"))
             match = PATH.match("/" + path)
             if match is None or (match["prefix"], match["plural"]) not in resources:
                 return _problem(404, f"the server could not find the requested resource: {path}")
@@ -362,35 +285,6 @@ class FakeKube:
             return OPERATOR_SUBJECT
         token = header.removeprefix("Bearer ").strip()
         return self.tokens.get(token, OPERATOR_SUBJECT if token == "operator" else None)
-
-    def _resource_list(self, prefix: str) -> dict[str, Any]:
-        found = []
-        for (p, plural), (kind, namespaced) in self.resources().items():
-            if p != prefix:
-                continue
-            verbs = ["create", "delete", "get", "list", "patch", "update", "watch"]
-            found.append(
-                {
-                    "name": plural,
-                    "singularName": kind.lower(),
-                    "namespaced": namespaced,
-                    "kind": kind,
-                    "verbs": verbs,
-                }
-            )
-            if (p, plural) == LLMD:
-                for sub in ("status", "scale"):
-                    found.append(
-                        {
-                            "name": f"{plural}/{sub}",
-                            "singularName": "",
-                            "namespaced": True,
-                            "kind": "Scale" if sub == "scale" else kind,
-                            "verbs": ["get", "patch"],
-                        }
-                    )
-        group_version = prefix.removeprefix("/apis/").removeprefix("/api/")
-        return {"kind": "APIResourceList", "groupVersion": group_version, "resources": found}
 
     async def _serve(  # noqa: PLR0911 (one answer per verb, as the server's handlers)
         self, match: re.Match[str], request: Request, subject: str, raw: bytes
@@ -440,7 +334,7 @@ class FakeKube:
             items = [
                 o
                 for (p, r, ns, _), o in self.objects.items()
-                if (p, r) == (prefix, plural) and namespace in (None, ns) and _selected(o, selector)
+                if (p, r) == (prefix, plural) and namespace in (None, ns) and selected(o, selector)
             ]
             version = str(self.history[-1].version if self.history else 0)
         body = {"kind": "List", "metadata": {"resourceVersion": version}, "items": items}
@@ -464,7 +358,7 @@ class FakeKube:
                     seen = event.version
                     p, r, ns, _ = event.key
                     wanted = (p, r) == (prefix, plural) and namespace in (None, ns)
-                    if wanted and _selected(event.obj, selector):
+                    if wanted and selected(event.obj, selector):
                         line = {"type": event.type, "object": event.obj}
                         yield (json.dumps(line) + "\n").encode()
                 await asyncio.sleep(0.02)
@@ -611,37 +505,13 @@ class FakeKube:
         namespace: str,
     ) -> JSONResponse | None:
         """Admission and validation of a write, as the server runs them."""
-        kind, name = body.get("kind", ""), body.get("metadata", {}).get("name", "")
-        held = self.rules_of(subject)
-        refused = blocking_owner_errors(held, body, stored, namespace)
-        if refused:
-            message = f'{kind.lower()}s "{name}" is forbidden: {refused[0]}'
+        refused = admission_error(self.rules_of(subject), subject, body, stored, namespace)
+        if refused is None:
+            return None
+        code, message = refused
+        if code == 403:
             self.denied.append(message)
-            return _problem(403, message)
-        if kind == "Role":
-            missing = escalation(held, body.get("rules") or [], namespace)
-            if missing:
-                message = (
-                    f'roles.rbac.authorization.k8s.io "{name}" is forbidden: user "{subject}" '
-                    f"is attempting to grant RBAC permissions not currently held: {missing}"
-                )
-                self.denied.append(message)
-                return _problem(403, message)
-        bad_quantities = quantity_errors(body)
-        if bad_quantities:
-            return _problem(500, bad_quantities[0])
-        problems = label_errors(body)
-        if not body.get("apiVersion", "").startswith("monitoring.coreos.com/"):
-            try:
-                kubernetes_validate.validate(body, "1.30.0", strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                problems.append(exc.message)
-        deployment = stored is not None and kind == "Deployment"
-        if deployment and body["spec"].get("selector") != (stored or {})["spec"].get("selector"):
-            problems.append("spec.selector: Invalid value: field is immutable")
-        if problems:
-            return _problem(422, f'{kind} "{name}" is invalid: {"; ".join(problems)}')
-        return None
+        return _problem(code, message)
 
     def _apply(self, key: Key, body: dict[str, Any], subject: str, dry_run: bool) -> JSONResponse:
         if body.get("metadata", {}).get("name") != key[3]:

@@ -12,13 +12,15 @@ import pytest
 
 from kvfleet.operator import main
 from kvfleet.operator.common import OperatorConfig, Owner
+from kvfleet.operator.conditions import Phase
 from kvfleet.operator.reconcile import Reconciler, Resyncer
-from kvfleet.operator.spec import Phase, parse_spec
+from kvfleet.operator.spec import parse_spec
 from kvfleet.operator.status import build_status
 
 from .conftest import DEPLOYMENTS, SPEC, Cluster, client_for
-from .fake_kube import MONITORING, FakeKube, running
+from .fake_kube import FakeKube, running
 from .fake_rbac import operator_cluster_role
+from .fake_resources import MONITORING
 
 
 def test_events_say_what_was_created_changed_and_scaled(cluster: Cluster) -> None:
