@@ -5,7 +5,6 @@ the gateway's ServiceAccount with the Role the operator wrote for it."""
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,29 +47,43 @@ def cluster() -> Iterator[tuple[FakeKube, str]]:
         yield fake, url
 
 
-def elector(url: str, identity: str) -> LeaderElector:
+class Clock:
+    """A pod's own monotonic clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def elector(url: str, identity: str, clock: Clock | None = None) -> LeaderElector:
     store = KubernetesLeaseStore("llm", autoscaler_lease_name("chat"), gateway_client(url))
-    return LeaderElector(store, identity, lease_duration_s=1.0, retry_period_s=0.2)
+    monotonic = clock or Clock()
+    return LeaderElector(
+        store, identity, lease_duration_s=15, retry_period_s=5, monotonic=monotonic
+    )
 
 
 def test_one_leader_and_a_new_one_within_the_lease_duration(
     cluster: tuple[FakeKube, str],
 ) -> None:
     fake, url = cluster
-    a, b = elector(url, "gateway-a"), elector(url, "gateway-b")
+    a_clock, b_clock = Clock(), Clock()
+    a, b = elector(url, "gateway-a", a_clock), elector(url, "gateway-b", b_clock)
     assert a.try_acquire_or_renew()
-    deadline = time.monotonic() + 2.5  # more than two lease durations with both alive
-    while time.monotonic() < deadline:
+    for _ in range(8):  # 40 s, more than two lease durations, both alive: a keeps it
+        a_clock.now += 5
+        b_clock.now += 5
         assert a.try_acquire_or_renew()
         assert not b.try_acquire_or_renew()
-        time.sleep(0.2)
-    # a dies (stops renewing): b leads within the lease duration (plus one retry period)
-    died = time.monotonic()
+    # a dies (stops renewing): b takes over once the record has not moved for 15 s on its clock
+    rounds = 0
     while not b.try_acquire_or_renew():
-        assert time.monotonic() - died < 1.0 + 0.2 + 0.3, "no new leader in time"
-        time.sleep(0.2)
-    took_over_s = time.monotonic() - died
-    assert took_over_s <= 1.5
+        rounds += 1
+        b_clock.now += 5
+        assert rounds <= 3, "no new leader within the lease duration"
+    assert rounds == 3  # 15 s after it last saw the record move: within one lease duration
     lease = fake.get("/apis/coordination.k8s.io/v1", "leases", "llm", "chat-autoscaler")
     assert lease is not None
     assert lease["spec"]["holderIdentity"] == "gateway-b"
@@ -78,6 +91,7 @@ def test_one_leader_and_a_new_one_within_the_lease_duration(
     assert fake.denied == []
     # a comes back: it follows (b renews)
     assert b.try_acquire_or_renew()
+    a_clock.now += 5
     assert not a.try_acquire_or_renew()
 
 

@@ -85,7 +85,6 @@ def test_a_request_at_zero_replicas_scales_up_and_is_answered(
             answer["response"] = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=30)
 
         client = threading.Thread(target=ask)
-        began = time.monotonic()
         client.start()
         deadline = time.monotonic() + 10
         while fake.objects[(*LLMD, "llm", "chat")]["spec"]["replicas"] == 0:
@@ -95,11 +94,9 @@ def test_a_request_at_zero_replicas_scales_up_and_is_answered(
         time.sleep(0.5)  # the engine loads...
         fake.create(*SLICES, engine_slice(engine_url))  # ...and turns ready
         client.join(30)
-        waited_s = time.monotonic() - began
     response = answer["response"]
     assert response.status_code == 200, response.text
     assert response.json()["choices"]
-    assert waited_s < 20
     assert [w for w in fake.writes if w[0] == "scale"] == [("scale", "llmdeployments", "chat")]
     assert fake.objects[(*LLMD, "llm", "chat")]["spec"]["replicas"] == 1
     assert fake.denied == []

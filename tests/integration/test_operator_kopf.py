@@ -111,21 +111,18 @@ def test_namespaced_operator_needs_no_more_rbac_and_deletion_needs_no_operator(
     with running(fake) as url:
         monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "kubeconfig", url)))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        began = time.monotonic()
         with operator(["llm"]):
             _wait(
                 "the engine Deployment",
                 lambda: fake.get("/apis/apps/v1", "deployments", "llm", "chat-engine") is not None,
             )
-            started_s = time.monotonic() - began
             _wait(
                 "kopf to drop the finalizer an older operator left",
                 lambda: not fake.objects[(*LLMD, "llm", "older")]["metadata"].get("finalizers"),
             )
             _wait("the status", lambda: "status" in fake.objects[(*LLMD, "llm", "chat")])
             _wait("Events", lambda: len(fake.events_for("chat")) >= 9)
-        assert started_s < 20, f"the operator took {started_s:.1f} s to create the first child"
-        assert fake.denied == []  # not one 403
+        assert fake.denied == []  # not one 403 (each cost kopf a backoff: ~55 s at start)
         listed = [p for _, p in fake.requests if p.split("?")[0] == "/api/v1/namespaces"]
         assert listed == []  # namespaced mode never lists or watches namespaces
         assert fake.get("/apis/apps/v1", "deployments", "elsewhere", "other-engine") is None
