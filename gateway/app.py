@@ -224,8 +224,10 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
         # a stream stops when its client does; a whole answer is abandoned (the engine aborts)
         response, used = await (forwarded if stream else unless_disconnected(request, forwarded))
     except ClientGone:
+        # The engine worked on it until the abort, how far is unknown: the whole reservation
+        # stays charged, so leaving just before the answer never makes a request free.
         gateway.gate.release()
-        gateway.limiter.settle(reservation, used, time.monotonic())
+        gateway.limiter.settle(reservation, reservation.tokens, time.monotonic())
         return Response(status_code=CLIENT_CLOSED)
     except BaseException:
         gateway.gate.release()

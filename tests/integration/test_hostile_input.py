@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 
 from kvfleet.bench.fake_engine import MODEL as FAKE_MODEL
 from kvfleet.bench.fake_engine import fake_engine
+from kvfleet.gateway.admission.rate_limit import KeyLimits
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
 from .conftest import MODEL, Server
@@ -228,13 +229,18 @@ def test_the_gateway_abandons_a_whole_answer_whose_client_left() -> None:
 
     engine = fake_engine()
     engine.router.routes.insert(0, APIRoute("/v1/completions", never_done, methods=["POST"]))
+    limits = KeyLimits(tokens_per_min=100)
     with serve(engine) as engine_url:
-        app = create_gateway_app(GatewaySettings(replicas=(engine_url,)))
+        app = create_gateway_app(GatewaySettings(replicas=(engine_url,), default_limits=limits))
         with serve(app) as gateway_url:
-            body = {"model": FAKE_MODEL, "prompt": "Hello", "max_tokens": 2}
+            # "Hello" counts 5 (its bytes: no tokenizer) + 60 = 65 of the 100 a minute
+            body = {"model": FAKE_MODEL, "prompt": "Hello", "max_tokens": 60}
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=1.0)
             gone = time.monotonic()
             while not left:
                 assert time.monotonic() - gone < 5, "the gateway kept waiting for nobody"
                 time.sleep(0.05)
+            # leaving did not make it free: the same request no longer fits this minute
+            again = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=5)
+            assert again.status_code == 429
