@@ -18,7 +18,11 @@ def test_waiting_requests_scale_from_zero_once_and_go_on_when_an_engine_is_ready
 
     async def scenario() -> None:
         waiting = [asyncio.create_task(activator.wait_for_replica()) for _ in range(5)]
-        await asyncio.sleep(0.2)
+        for _ in range(100):  # until every request waits and the scale was read (bounded)
+            await asyncio.sleep(0.01)
+            if activator.waiting == 5 and scale.writes:
+                break
+        await asyncio.sleep(0.05)  # more polls go by: still one write
         assert scale.writes == [1]  # five requests, one write
         assert activator.waiting == 5
         assert not any(task.done() for task in waiting)
