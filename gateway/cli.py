@@ -117,6 +117,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         keys = KeyStore.from_file(args.api_keys) if args.api_keys else KeyStore([])
     except ValueError as exc:
         raise SystemExit(f"kvfleet: error: {exc}") from exc
+    if not args.activation_timeout > 0:
+        raise SystemExit("kvfleet: error: --activation-timeout must be positive (seconds)")
     autoscale = None
     if args.autoscale:
         namespace, sep, name = args.autoscale.partition("/")

@@ -60,6 +60,8 @@ def test_gateway_settings_from_flags(tmp_path: Path) -> None:
             "min_replicas",
         ),
         (["gateway", "--replica", "u", "--api-keys", "/nowhere.json"], "cannot read the API keys"),
+        (["gateway", "--replica", "u", "--activation-timeout", "-1"], "must be positive"),
+        (["gateway", "--replica", "u", "--activation-timeout", "nan"], "must be positive"),
     ],
 )
 def test_bad_gateway_flags_stop_with_a_reason(argv: list[str], message: str) -> None:
