@@ -1,8 +1,10 @@
 """AsyncEngine: an LLMEngine stepped in one background thread, one async stream per request.
 
 The engine is touched only by its thread. Callers talk to it through a command queue (add,
-abort, KV snapshot) and get outputs back on per-request asyncio queues. A step that raises fails
-the requests in flight with an error and the loop carries on: one bad request never stops it.
+abort, KV snapshot) and get outputs back on per-request asyncio queues. A step that raises is
+recovered from: the engine searches for the request at fault (`FaultIsolation`) and fails only
+that one (RequestFailedError); the others go on. Only an engine that cannot go on (a dead
+tensor-parallel worker, steps failing whatever runs in them) fails everything in flight.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed while this request was in flight; the request was aborted."""
+    """The engine stopped for good while this request was in flight (its own fault)."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request made the engine's steps fail (found by running them without it); it
+    alone was stopped."""
 
 
 @dataclass
@@ -68,6 +75,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self.num_step_errors = 0
+        self.num_isolated = 0  # requests failed alone for making steps fail
         if engine.workers is not None:  # a dying worker wakes the loop, which then stops
             engine.workers.on_death(lambda _: self._wake.set())
         self._lora_names: tuple[str, ...] = ()
@@ -190,9 +198,7 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:
-                self._fail_in_flight(exc)
-                if self.engine.fatal_error is not None:
-                    break
+                self._recover(exc)
                 continue
             for output in outputs:
                 self._deliver(output)
@@ -272,13 +278,35 @@ class AsyncEngine:
         if stream is not None:
             stream.put(output)
 
-    def _fail_in_flight(self, exc: Exception) -> None:
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: find the request at fault and fail it alone, or, when the engine
+        itself is broken, stop."""
         self.num_step_errors += 1
-        logger.error(
-            "an engine step failed; aborting the %d requests in flight",
-            len(self._streams),
-            exc_info=exc,
-        )
+        if self.engine.fatal_error is None:
+            try:
+                blamed = self.engine.recover_from_failed_step()
+            except Exception as fault:  # (EngineSickError among them)
+                logger.critical("an engine step failed and the engine cannot go on: %s", fault)
+                self.engine.mark_broken(f"{exc}; recovering failed: {fault}")
+            else:
+                logger.error(
+                    "an engine step failed; requests blamed: %s",
+                    blamed or "none yet",
+                    exc_info=exc,
+                )
+                self.num_isolated += len(blamed)
+                for request_id in blamed:
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        message = f"this request made the engine fail, and was stopped: {exc}"
+                        stream.put(RequestFailedError(message))
+                self._publish_kv_events(self.engine.kv_cache_manager.block_pool.take_events())
+                return
+        self._fail_in_flight(exc)
+        self._stop.set()
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        logger.error("the engine stopped; failing the %d requests in flight", len(self._streams))
         request_ids = list(self._streams)
         try:
             self.engine.abort_request(request_ids)

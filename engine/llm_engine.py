@@ -119,6 +119,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._in_flight: LaunchedStep | None = None  # launched, its outputs not taken yet
+        self._broken: str | None = None
         self._penalized: set[str] = set()  # requests whose sampling reads all their outputs
         self._children: dict[str, list[RequestId]] = {}
         self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter
@@ -160,6 +161,9 @@ class LLMEngine:
         if lora_name is not None and (self.lora is None or lora_name not in self.lora.names):
             hint = "" if self.lora is not None else " (this engine runs without enable_lora)"
             raise LoRANotFoundError(f"the adapter {lora_name!r} does not exist{hint}")
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and not _is_unicode(value):
+                raise ValueError(f"{name} must be Unicode text (a lone surrogate is not)")
         text, token_ids = self._tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stop_token_ids = (*params.stop_token_ids, *self._extra_eos_ids(params))
@@ -248,14 +252,47 @@ class LLMEngine:
             self._request_done(request_id)
         return self.output_processor.abort(child_ids, time.monotonic())
 
+    def recover_from_failed_step(self) -> list[str]:
+        """After `step` raised: every request is reset to recompute from the tokens its
+        client was given, and the search for the request at fault goes on (one request
+        alone failing its step is blamed: `FaultIsolation`). Returns the requests blamed,
+        aborted here (their callers tell their clients). EngineSickError when steps fail
+        whatever runs in them."""
+        self._in_flight = None
+        self.runner.forget_requests()
+        scheduler = self.scheduler
+        if self.speculator is not None:
+            self.speculator.forget(list(scheduler.requests))
+        done = []
+        for child_id, request in scheduler.requests.items():
+            delivered = self.output_processor.num_delivered(child_id)
+            if delivered is None:  # (a stop string ended it as the step failed)
+                done.append(child_id)
+            else:
+                request.keep_outputs(delivered)
+        scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        culprit = scheduler.recover_from_failed_step()
+        if culprit is None:
+            return []
+        parent = next(p for p, children in self._children.items() if culprit in children)
+        self.abort_request([parent])
+        return [parent]
+
     def has_unfinished_requests(self) -> bool:
         # NOTE: a step still in flight without them carries no output anyone waits for.
         return self.scheduler.has_unfinished_requests()
 
     @property
     def fatal_error(self) -> str | None:
-        """Why this engine cannot serve any more (a tensor-parallel worker died), else None."""
-        return self.workers.dead if self.workers is not None else None
+        """Why this engine cannot serve any more (a tensor-parallel worker died, steps fail
+        whatever runs in them), else None."""
+        if self.workers is not None and self.workers.dead is not None:
+            return self.workers.dead
+        return self._broken
+
+    def mark_broken(self, reason: str) -> None:
+        """This engine cannot serve any more (`fatal_error` says why from now on)."""
+        self._broken = reason
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
@@ -348,6 +385,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs, stopped = self.output_processor.process(core_outputs, now, final_only)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.isolation.step_passed(o.req_id for o in core_outputs if o.new_token_ids)
         for output in outputs:
             if output.finished:
                 self._request_done(output.request_id)
@@ -379,3 +417,12 @@ class LLMEngine:
             for t in self.model_config.eos_token_ids
             if t != self.eos_token_id and t not in params.stop_token_ids
         )
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes to UTF-8 (what block hashing does with it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -80,6 +80,12 @@ class OutputProcessor:
             parent.children.append(child)
             self.children[child_id] = child
 
+    def num_delivered(self, child_id: RequestId) -> int | None:
+        """The output tokens recorded for a child (those its client gets: outputs are
+        cumulative); None once it has finished."""
+        child = self.children.get(child_id)
+        return None if child is None else len(child.completion.token_ids)
+
     def mark_scheduled(self, child_id: RequestId, now: float) -> None:
         child = self.children.get(child_id)
         if child is not None and child.parent.metrics.first_scheduled_time is None:

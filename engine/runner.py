@@ -30,8 +30,9 @@ from kvfleet.engine.parallel.group import (
     TPGroup,
     pack_aligned,
 )
+from kvfleet.engine.protocol import MAX_LOGPROBS
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
-from kvfleet.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.rejection import StepDrafts, sample_with_drafts
 
 
@@ -250,6 +251,12 @@ class ModelRunner:
         self.decode_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def forget_requests(self) -> None:
+        """Drop every request's state (after a failed step: all are scheduled anew)."""
+        self.requests.clear()
+        self._last_sampling = self._last_race = None
+        self._latest = None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step, start to finish."""

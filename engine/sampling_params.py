@@ -6,14 +6,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvfleet.engine.protocol import MAX_INT32, MAX_INT64, MAX_LOGPROBS
+
 # Below this, a temperature means greedy (argmax): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
-MAX_LOGPROBS = 20
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling knobs with OpenAI/vLLM semantics. Bad values raise ValueError.
+    """Per-request sampling knobs with OpenAI/vLLM semantics. Bad values raise ValueError,
+    among them any that would not fit the tensor it goes into (no step can fail on them).
 
     `top_k=None` and `max_tokens=None` mean "no limit" (up to the context length). With `n > 1`
     and a seed, sample i is drawn with seed + i.
@@ -43,7 +45,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_strings = _stop_strings(self.stop)
         if not isinstance(self.stop_token_ids, Sequence) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids
         ):
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
@@ -51,16 +53,16 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         _check(_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}")
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
-            f"temperature must be non-negative, got {self.temperature!r}",
+            _is_number(self.temperature) and 0 <= self.temperature < math.inf,
+            f"temperature must be non-negative and finite, got {self.temperature!r}",
         )
         _check(
             _is_number(self.top_p) and 0 < self.top_p <= 1,
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
-            f"top_k must be at least 1 (or None to disable), got {self.top_k!r}",
+            self.top_k is None or (_is_int(self.top_k) and 1 <= self.top_k <= MAX_INT32),
+            f"top_k must be in [1, {MAX_INT32}] (or None to disable), got {self.top_k!r}",
         )
         _check(
             _is_number(self.min_p) and 0 <= self.min_p <= 1,
@@ -72,15 +74,17 @@ class SamplingParams:
                 _is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}"
             )
         _check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-            f"repetition_penalty must be positive, got {self.repetition_penalty!r}",
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+            f"repetition_penalty must be positive and finite, got {self.repetition_penalty!r}",
         )
         _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            f"max_tokens must be at least 1, got {self.max_tokens!r}",
+            self.max_tokens is None
+            or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32),
+            f"max_tokens must be in [1, {MAX_INT32}], got {self.max_tokens!r}",
         )
         _check(
-            self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"
+            self.seed is None or (_is_int(self.seed) and -MAX_INT64 - 1 <= self.seed <= MAX_INT64),
+            f"seed must be a 64-bit integer, got {self.seed!r}",
         )
         _check(
             isinstance(self.speculative, bool),

@@ -1,7 +1,10 @@
 """The hop to a replica: route, send, pass the answer through; drain and retry on failure.
 
-A replica that fails before sending a byte is drained and the request tries the next one; a
-stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
+A replica that cannot be reached is drained and the request tries the next one. One that
+answers 5xx (not 503) is asked for its health at once and drained only if that fails: a
+request can make a replica answer 500 without the replica being sick, and one bad request
+must not take replicas out of rotation. A stream cut mid-way ends with an OpenAI error event
+and `[DONE]`, never a hang. 4xx answers (the request's own fault) pass through untouched.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ async def proxy(
         if upstream.status >= 500 and upstream.status != 503:
             upstream.release()
             gateway.pool.add_in_flight(replica_id, -1)
-            gateway.pool.drain(replica_id, f"status {upstream.status}")
+            await gateway.pool.recheck(replica_id, f"it answered {upstream.status}")
             last_error = f"an engine replica answered {upstream.status}"
             continue
         if stream and upstream.status == 200:

@@ -3,7 +3,8 @@
 Per replica, one task polls `/health`, `/metrics` and `/v1/models`, and one follows `/kv/events`
 (a snapshot, then every change) into the shared PrefixIndex; a broken or gapped stream marks the
 replica's index stale and reconnects with backoff. `snapshot()` is what routing reads. A replica
-that fails a request is drained (not ready) until its health check passes again.
+that cannot be reached is drained (not ready) until its health check passes again; one that
+answers a request with a server error is checked at once and drained only if that check fails.
 """
 
 from __future__ import annotations
@@ -120,6 +121,17 @@ class ReplicaPool:
         if replica.state.ready:
             logger.warning("replica %s drained: %s", replica.url, reason)
         replica.state = replace(replica.state, ready=False)
+
+    async def recheck(self, replica_id: ReplicaId, reason: str) -> None:
+        """A replica answered a server error: poll its health now; drained only if it fails."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return
+        await self._poll(replica)
+        if not replica.state.ready:
+            logger.warning(
+                "replica %s drained: %s and its health check failed", replica.url, reason
+            )
 
     def note_adapter(self, replica_id: ReplicaId, adapter: str) -> None:
         replica = self.replicas[replica_id]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvfleet.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvfleet.engine.core.block_pool import AllBlocksCleared, BlockPool, KVCacheBlock
 from kvfleet.engine.core.hashing import ROOT_HASH, hash_full_blocks
 from kvfleet.engine.core.request import Request, RequestId
 
@@ -94,6 +94,16 @@ class KVCacheManager:
             known = min(num_computed + num_new_tokens, request.num_tokens)
             self._cache_full_blocks(request, req_blocks, known)
         return new_blocks
+
+    def reset(self) -> None:
+        """Drop every block table and cached block: after a failed step, when no request
+        holds blocks any more and what the step cached may never have been written."""
+        pool = self.block_pool
+        self.block_pool = BlockPool(pool.num_blocks, pool.enable_caching, pool.enable_events)
+        if pool.enable_events:
+            self.block_pool.events.append(AllBlocksCleared())
+        self.req_to_blocks.clear()
+        self.num_cached_blocks.clear()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""

@@ -90,3 +90,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def keep_outputs(self, count: int) -> None:
+        """Drop the output tokens after the first `count` (never delivered: a step failed)."""
+        if count < self.num_output_tokens:
+            del self.output_token_ids[count:]
+            self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+            self.block_hashes = []  # (hashed again as needed)

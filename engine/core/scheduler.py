@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kvfleet.engine.core.isolation import FaultIsolation
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.outputs import (
     CachedRequestData,
@@ -94,6 +95,9 @@ class Scheduler:
         self._counter = itertools.count()
         self._finished_since_last_step: set[RequestId] = set()
         self.spec_decode_stats = SpecDecodeStats()
+        self.isolation = FaultIsolation()
+        # The requests the last `schedule` considered, so a failure there is blamed right.
+        self._considered: set[RequestId] = set()
 
     @property
     def num_running(self) -> int:
@@ -133,6 +137,24 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, status)
 
+    def recover_from_failed_step(self) -> RequestId | None:
+        """A step raised: every request goes back to waiting, to recompute from its tokens
+        (no pending ones: no step is in flight now), on a KV cache with nothing in it; the
+        search for the request at fault goes on (`FaultIsolation`). Returns the request
+        blamed, if known now (still queued: the caller finishes it)."""
+        in_step = self._considered | {r.request_id for r in self.running}
+        for request in self.running:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self._enqueue(request)
+        self.running = []
+        for request in self.waiting:
+            request.num_pending_tokens = 0
+        self.kv_cache_manager.reset()
+        self._finished_since_last_step = set()
+        self._considered = set()
+        return self.isolation.step_failed([r.request_id for r in self.waiting], in_step)
+
     def schedule(self, drafts: Mapping[RequestId, list[int]] | None = None) -> SchedulerOutput:
         """The next step. `drafts`: draft tokens proposed for running requests (speculative
         decoding), used where the request is decoding and there is room."""
@@ -141,11 +163,13 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[RequestId] = set()
         scheduled_drafts: dict[RequestId, list[int]] = {}
+        self._considered = set()
 
         self.running.sort(key=self._queue_key)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._considered.add(request.request_id)
             proposed = drafts.get(request.request_id) if drafts else None
             spec = self._drafts_that_fit(request, proposed, budget) if proposed else []
             num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec))
@@ -157,6 +181,7 @@ class Scheduler:
                 victim = self.running.pop()  # the lowest priority, newest
                 self._preempt(victim)
                 preempted.add(victim.request_id)
+                self._considered.add(victim.request_id)
                 if victim is request:
                     break
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -205,9 +230,14 @@ class Scheduler:
                 break
             request = self.waiting[position]
             # NOTE: a request preempted while its last step ran waits for that step's token.
-            if request.num_pending_tokens or not self._adapter_fits(request, adapters):
+            if (
+                request.num_pending_tokens
+                or not self._adapter_fits(request, adapters)
+                or not self.isolation.may_start(request.request_id)
+            ):
                 position += 1  # waits for a slot; requests behind it may still start
                 continue
+            self._considered.add(request.request_id)
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens)
             if num_new == 0:
@@ -363,6 +393,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._arrival_order[request.request_id]
         self._finished_since_last_step.add(request.request_id)
+        self.isolation.forget([request.request_id])
 
     def _enqueue(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self._queue_key)

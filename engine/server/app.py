@@ -20,7 +20,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from kvfleet.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    RequestFailedError,
+)
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
@@ -97,6 +102,8 @@ class _State:
             num_preemptions=scheduler.num_preemptions,
             lora=lora,
             spec_decode=scheduler.spec_decode_stats if core.speculator is not None else None,
+            num_step_failures=self.engine.num_step_errors,
+            num_requests_isolated=self.engine.num_isolated,
         )
 
     def ready_serving(self) -> OpenAIServing:
@@ -310,6 +317,8 @@ async def _run(serving: OpenAIServing, prepared: Any, request: Request) -> Respo
         body = await unless_disconnected(request, serving.full_response(prepared, streams))
     except EngineStepError as exc:
         raise APIError(500, str(exc), "internal_error") from exc
+    except RequestFailedError as exc:  # this request's fault: the replica serves on
+        raise APIError(400, str(exc), code="request_failed") from exc
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)  # aborted: nobody is there to answer
     return JSONResponse(body)
@@ -322,4 +331,8 @@ async def _guard_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except EngineStepError as exc:
         yield f"data: {json.dumps(error_body(str(exc), 'internal_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+    except RequestFailedError as exc:
+        body = error_body(str(exc), "invalid_request_error", code="request_failed")
+        yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"

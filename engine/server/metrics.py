@@ -96,6 +96,8 @@ class EngineStats:
     # LoRA (None when off): adapters of running and of waiting requests, and the slot count
     lora: tuple[list[str], list[str], int] | None = None
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
+    num_step_failures: int = 0  # steps that raised (recovered from, or fatal)
+    num_requests_isolated: int = 0  # requests failed alone for making steps fail
 
 
 class _EngineCollector(Collector):
@@ -147,6 +149,18 @@ class _EngineCollector(Collector):
                 counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
                 counter.add_metric([self.model_name], value)
                 yield counter
+            if p == "kvfleet:":  # (no vLLM twins: vLLM has no such counters)
+                for name, doc, value in (
+                    ("engine_step_failures", "Engine steps that raised.", stats.num_step_failures),
+                    (
+                        "requests_isolated",
+                        "Requests failed alone for making engine steps fail.",
+                        stats.num_requests_isolated,
+                    ),
+                ):
+                    counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
+                    counter.add_metric([self.model_name], value)
+                    yield counter
             if stats.lora is not None:
                 yield _lora_info(p, stats.lora)
             if stats.spec_decode is not None:

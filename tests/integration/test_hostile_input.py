@@ -22,6 +22,8 @@ from kvfleet.engine.server.app import ServerSettings, create_app
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.admission.rate_limit import KeyLimits
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
+from kvfleet.gateway.proxy import REPLICA_HEADER
+from kvfleet.gateway.routing.snapshot import Policy
 
 from .conftest import MODEL, Server
 from .test_gateway_admission import serve
@@ -246,3 +248,51 @@ def test_the_gateway_abandons_a_whole_answer_whose_client_left() -> None:
             # leaving did not make it free: the same request no longer fits this minute
             again = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=5)
             assert again.status_code == 429
+
+
+def _replica_that_fails(on: str, sick: dict[str, bool]) -> Any:
+    """A fake engine answering 500 to completions whose prompt is `on` (a request it cannot
+    serve), and to everything, health included, while `sick["now"]`."""
+    engine = fake_engine()
+
+    @engine.middleware("http")
+    async def fail(request: Any, call_next: Any) -> Any:
+        if sick["now"] and request.url.path in ("/health", "/v1/completions"):
+            status = 503 if request.url.path == "/health" else 500
+            return JSONResponse({"error": {"message": "sick"}}, status_code=status)
+        if request.url.path == "/v1/completions" and on in (await request.body()).decode():
+            return JSONResponse({"error": {"message": "cannot"}}, status_code=500)
+        return await call_next(request)
+
+    return engine
+
+
+def test_one_requests_server_error_drains_no_replica() -> None:
+    """Issue 27, defect 1 at the gateway: a replica answering 500 to one request was drained,
+    the retry's replica too, leaving "no engine replica is ready". A 500 now makes the gateway
+    check the replica's health at once: only a replica whose check fails leaves rotation."""
+    sick = {"now": False}
+    with (
+        serve(_replica_that_fails("boom", sick)) as a_url,
+        serve(_replica_that_fails("boom", {"now": False})) as b_url,
+    ):
+        # polls a minute apart: only the check after a 500 can change a replica's state
+        settings = GatewaySettings(
+            replicas=(a_url, b_url), poll_interval_s=60, policy=Policy.ROUND_ROBIN
+        )
+        with serve(create_gateway_app(settings)) as url:
+
+            def post(prompt: str) -> httpx.Response:
+                body = {"model": FAKE_MODEL, "prompt": prompt, "max_tokens": 2}
+                return httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+
+            boom = post("boom")  # both replicas answer it 500
+            assert boom.status_code == 503
+            assert "answered 500" in boom.json()["error"]["message"]
+            served_by = {post("fine").headers[REPLICA_HEADER] for _ in range(6)}
+            assert served_by == {a_url, b_url}  # both still in rotation
+
+            sick["now"] = True  # now replica a is sick: its health check fails
+            answers = [post("fine") for _ in range(6)]
+            assert [a.status_code for a in answers] == [200] * 6
+            assert {a.headers[REPLICA_HEADER] for a in answers} == {b_url}

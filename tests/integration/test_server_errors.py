@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -200,12 +201,15 @@ def test_health_is_503_while_loading_and_vllm_names(
         assert 'vllm:generation_tokens_total{model_name="tiny"} 3.0' in metrics
 
 
-def test_a_failing_step_fails_its_requests_not_the_server_and_overload_is_503(
+def test_a_request_that_fails_its_steps_fails_alone(
     hf_model_dir: Callable[[str], tuple[Any, Path]],
 ) -> None:
+    """Defect 1 of issue 27: a poisoned request in a batch of five fails alone (400: its
+    fault, not the replica's); its four batch mates get what they get without it."""
     _, folder = hf_model_dir("llama2-tied")
     mode = {"fail": True}
     go = threading.Event()
+    poison = [6, 6, 6, 6]
 
     def flaky_factory(config: EngineConfig) -> LLMEngine:
         engine = LLMEngine(config)
@@ -213,14 +217,77 @@ def test_a_failing_step_fails_its_requests_not_the_server_and_overload_is_503(
 
         def step() -> list[Any]:
             if mode.pop("fail", False):
-                raise RuntimeError("injected failure")
+                raise RuntimeError("injected transient failure")
             return real_step()
+
+        def launch(scheduler_output: Any) -> Any:
+            go.wait(60)  # after scheduling: the scheduled request is running, not waiting
+            requests = engine.scheduler.requests
+            if any(
+                requests[r].prompt_token_ids == poison
+                for r in scheduler_output.num_scheduled_tokens
+                if r in requests
+            ):
+                raise RuntimeError("injected failure")
+            return real_launch(scheduler_output)
+
+        engine.step = step  # type: ignore[method-assign]
+        engine.runner.launch = launch  # type: ignore[method-assign]
+        return engine
+
+    def complete(prompt: list[int]) -> httpx.Response:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+    settings = ServerSettings(engine=tiny_config(folder), served_model_name="tiny")
+    prompts = [[5 + i, 9, 11 + 2 * i, 4] for i in range(4)]
+    with serve_in_thread(create_app(settings, flaky_factory)) as url:
+        wait_healthy(url)
+        go.set()
+        recovered = complete(prompts[0])  # the first step fails once: it runs again
+        assert recovered.status_code == 200, recovered.text
+        alone = [complete(prompt).json()["choices"][0]["text"] for prompt in prompts]
+
+        go.clear()  # the five arrive while a step holds: the next one runs them together
+        with ThreadPoolExecutor(5) as pool:
+            sent = pool.map(complete, [*prompts[:2], poison, *prompts[2:]])
+            for _ in range(200):
+                load = httpx.get(f"{url}/metrics").text
+                if _gauge(load, "num_requests_running") + _gauge(load, "num_requests_waiting") == 5:
+                    break
+                time.sleep(0.05)
+            go.set()
+            answers = list(sent)
+        bad = answers.pop(2)
+        assert bad.status_code == 400
+        error = bad.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_failed")
+        assert "injected failure" in error["message"]
+        assert [a.status_code for a in answers] == [200] * 4
+        assert [a.json()["choices"][0]["text"] for a in answers] == alone
+        assert httpx.get(f"{url}/health").status_code == 200
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvfleet:requests_isolated_total{model_name="tiny"} 1.0' in metrics
+        assert complete(prompts[1]).json()["choices"][0]["text"] == alone[1]
+
+
+def _gauge(metrics: str, name: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith(f"kvfleet:{name}{{"))
+    return float(line.rpartition(" ")[2])
+
+
+def test_overload_is_503(hf_model_dir: Callable[[str], tuple[Any, Path]]) -> None:
+    _, folder = hf_model_dir("llama2-tied")
+    go = threading.Event()
+
+    def blocking_factory(config: EngineConfig) -> LLMEngine:
+        engine = LLMEngine(config)
+        real_launch = engine.runner.launch
 
         def launch(scheduler_output: Any) -> Any:
             go.wait(60)  # after scheduling: the scheduled request is running, not waiting
             return real_launch(scheduler_output)
 
-        engine.step = step  # type: ignore[method-assign]
         engine.runner.launch = launch  # type: ignore[method-assign]
         return engine
 
@@ -228,16 +295,9 @@ def test_a_failing_step_fails_its_requests_not_the_server_and_overload_is_503(
     settings = ServerSettings(
         engine=tiny_config(folder), served_model_name="tiny", max_waiting_requests=1
     )
-    with serve_in_thread(create_app(settings, flaky_factory)) as url:
+    with serve_in_thread(create_app(settings, blocking_factory)) as url:
         wait_healthy(url)
-        go.set()
-        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-        assert failed.status_code == 500
-        assert "injected failure" in failed.json()["error"]["message"]
-        assert httpx.get(f"{url}/health").status_code == 200
-
-        # Steps now block until `go`: one request runs, the next waits, the third is refused.
-        go.clear()
+        # Steps block until `go`: one request runs, the next waits, the third is refused.
         results: list[int] = []
         senders = [
             threading.Thread(

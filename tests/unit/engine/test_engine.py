@@ -117,7 +117,11 @@ def test_small_kv_pool_preempts_and_every_request_completes(
         ([1, 2, 999], {}, "token id 999 is out of range"),
         ([1, 2, True], {}, "a prompt must be a string or a list of token ids"),
         ("hello", {}, "this engine has no tokenizer"),
-        ([1, 2], {"max_tokens": 0}, "max_tokens must be at least 1"),
+        ([1, 2], {"max_tokens": 0}, r"max_tokens must be in \[1, 2147483647\]"),
+        ([1, 2], {"top_k": 10**30}, r"top_k must be in \[1, 2147483647\]"),
+        ([1, 2], {"seed": 2**64}, "seed must be a 64-bit integer"),
+        ([1, 2], {"temperature": float("inf")}, "temperature must be non-negative"),
+        ([1, 2], {"stop_token_ids": [2**40]}, "stop_token_ids must be a list of token ids"),
         ([1, 2], {"temperature": -1}, "temperature must be non-negative"),
         ([1, 2], {"top_p": 0}, r"top_p must be in \(0, 1\]"),
         ([1, 2], {"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
@@ -132,6 +136,8 @@ def test_bad_input_is_refused_and_others_keep_running(
     engine.step()
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", prompt, SamplingParams(**params))
+    with pytest.raises(ValueError, match="cache_salt must be Unicode text"):
+        engine.add_request("salted", [1, 2], GREEDY, cache_salt="\ud800")
     engine.add_request("good-2", tokens(20, 2), GREEDY)
     finished = run(engine)
     assert sorted(finished) == ["good-1", "good-2"]
