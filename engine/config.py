@@ -178,6 +178,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # At most this many requests compute prompt tokens in one step: a burst is prefilled a
+    # slice at a time, so the first to arrive decode within a few steps (first come, first
+    # served) instead of all waiting for every prompt.
+    max_prefill_seqs: int = 32
     enable_chunked_prefill: bool = True
     # Schedule and prepare step N+1 while step N runs on the device (steps whose requests use
     # penalties, which read every output token, still run one at a time).

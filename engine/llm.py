@@ -30,6 +30,7 @@ _CACHE_ARGS = {
 _SCHEDULER_ARGS = {
     "max_num_batched_tokens",
     "max_num_seqs",
+    "max_prefill_seqs",
     "enable_chunked_prefill",
     "async_scheduling",
 }

@@ -177,6 +177,7 @@ class ModelRunner:
         self._last_race: tuple[tuple[RequestId, ...], _RaceRows | None] | None = None
         self._step_keys = np.random.default_rng(torch.initial_seed())
         self._latest: LaunchedStep | None = None  # the last step launched
+        self.ranks_in_step = False  # a step's forward was broadcast to the other ranks, not run
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -253,7 +254,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def forget_requests(self) -> None:
-        """Drop every request's state (after a failed step: all are scheduled anew)."""
+        """Drop every request's state (after a failed step: all are scheduled anew).
+        RuntimeError if the step failed with the other ranks in its collectives."""
+        if self.ranks_in_step:
+            raise RuntimeError(
+                "a step failed inside its forward: the tensor-parallel ranks are out of step"
+            )
         self.requests.clear()
         self._last_sampling = self._last_race = None
         self._latest = None
@@ -270,8 +276,6 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return LaunchedStep(scheduler_output, [], [], None)
         inputs = self._prepare_inputs(scheduler_output)
-        if self.model.tp is not None:  # the other ranks run the same forward
-            self.model.tp.broadcast_step(inputs.packed)
         states = [self.requests[req_id] for req_id in inputs.sampled_req_ids]
         sampling = drafts = None
         # Greedy requests only (no penalties, no logprobs): each row's argmax comes back and
@@ -292,7 +296,13 @@ class ModelRunner:
                 seed = states[row].sampling_params.seed
                 assert seed is not None
                 generator.manual_seed(position_seed(seed, inputs.sampled_positions[row]))
+        # NOTE: the last thing that can fail on this rank alone comes before the broadcast: a
+        # step that fails after it leaves the other ranks in its collectives.
+        if self.model.tp is not None:  # the other ranks run the same forward
+            self.model.tp.broadcast_step(inputs.packed)
+            self.ranks_in_step = True
         sampled = self._sample(inputs.step, inputs.lora, sampling, drafts, greedy_drafts)
+        self.ranks_in_step = False
         assert sampled is not None
         step = LaunchedStep(
             scheduler_output,

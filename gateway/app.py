@@ -9,7 +9,6 @@ stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -36,7 +35,7 @@ from kvfleet.engine.protocol import (
     parse_json_object,
     validate_request,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware, off_loop
 from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
@@ -192,7 +191,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     key_id = gateway.authenticate(request)
     labels.key = key_id
     raw = await request.body()
-    body = _parse_body(raw, path)
+    body = await off_loop(len(raw), _parse_body, raw, path)
     model = body.get("model")
     labels.model = model if isinstance(model, str) else ""
     if not gateway.pool.snapshot().ready:
@@ -208,7 +207,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
             code="model_not_found",
         )
     adapter = model if model in registry or cards[model].get("parent") else None
-    prompt_ids, prompt_tokens, prompts = await _prompts(gateway, body, path)
+    prompt_ids, prompt_tokens, prompts = await _prompts(gateway, body, path, len(raw))
     # every token the request can cause: all its prompts, and max_tokens for each of their n
     max_tokens = _max_tokens(body, path) * prompts
     priority = _priority(gateway, request, key_id, body)
@@ -323,14 +322,16 @@ async def _take_slot(
         raise
 
 
-async def _prompts(gateway: Gateway, body: dict[str, Any], path: str) -> tuple[list[int], int, int]:
+async def _prompts(
+    gateway: Gateway, body: dict[str, Any], path: str, size: int
+) -> tuple[list[int], int, int]:
     """(the first prompt's token ids, for routing; the tokens of all its prompts, for the
     reservation; how many prompts). Tokenized off the event loop: a large body must not stall
     other streams. Without the engines' tokenizer yet, text counts as its UTF-8 bytes (at least
     its tokens) and routing goes by load."""
     tokenizer = await gateway.tokenizer_for_routing()
     try:
-        return await asyncio.to_thread(_tokenize, tokenizer, body, path)
+        return await off_loop(size, _tokenize, tokenizer, body, path)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from exc
 

@@ -169,6 +169,7 @@ def _pod_namespace() -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import gc
     import logging
 
     import uvicorn
@@ -179,5 +180,9 @@ def _run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
 
     app = create_gateway_app(settings_from(args))
+    # What startup built lives as long as the process: out of the collector's full passes,
+    # which then cost what request objects cost (a large body's work is paused for anyway).
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

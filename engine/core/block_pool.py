@@ -181,6 +181,21 @@ class BlockPool:
             self.events.append(AllBlocksCleared())
         return True
 
+    def clear(self) -> None:
+        """Every block free and uncached, whoever held it (after a failed step, when no
+        request holds blocks any more and what was cached may never have been written). The
+        same block objects: a frozen heap keeps no stale pool alive."""
+        for block in self.blocks:
+            block.ref_cnt = 0
+            block.prev_free = block.next_free = None
+            block.block_hash = block.parent_hash = None
+            block.token_ids = block.extra_keys = ()
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.free_queue.popleft()
+        self.cached_blocks.clear()
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+
     def forget_cached(self, extra_key: str) -> int:
         """Drop every cached block hashed with `extra_key` (an unloaded LoRA adapter's, so a
         new adapter under the same name never hits them); returns how many. NOTE: only for

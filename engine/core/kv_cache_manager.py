@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvfleet.engine.core.block_pool import AllBlocksCleared, BlockPool, KVCacheBlock
+from kvfleet.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvfleet.engine.core.hashing import ROOT_HASH, hash_full_blocks
 from kvfleet.engine.core.request import Request, RequestId
 
@@ -98,10 +98,7 @@ class KVCacheManager:
     def reset(self) -> None:
         """Drop every block table and cached block: after a failed step, when no request
         holds blocks any more and what the step cached may never have been written."""
-        pool = self.block_pool
-        self.block_pool = BlockPool(pool.num_blocks, pool.enable_caching, pool.enable_events)
-        if pool.enable_events:
-            self.block_pool.events.append(AllBlocksCleared())
+        self.block_pool.clear()
         self.req_to_blocks.clear()
         self.num_cached_blocks.clear()
 

@@ -62,14 +62,19 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
+        max_prefill_seqs: int | None = None,
     ) -> None:
         """`max_loras`: at most this many distinct LoRA adapters among running requests (the
-        device slots); a waiting request whose adapter would exceed it waits, others pass."""
+        device slots); a waiting request whose adapter would exceed it waits, others pass.
+        `max_prefill_seqs`: at most this many requests compute prompt tokens (their own, or
+        recomputed after preemption) in one step; None: as many as the budget holds."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
                 "max_num_batched_tokens and max_num_seqs must be at least 1 and max_model_len "
                 f"at least 2, got {max_num_batched_tokens}, {max_num_seqs}, {max_model_len}"
             )
+        if max_prefill_seqs is not None and max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs must be at least 1, got {max_prefill_seqs}")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must "
@@ -87,6 +92,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras
+        self.max_prefill_seqs = max_prefill_seqs
         self.requests: dict[RequestId, Request] = {}
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []
@@ -164,6 +170,7 @@ class Scheduler:
         preempted: set[RequestId] = set()
         scheduled_drafts: dict[RequestId, list[int]] = {}
         self._considered = set()
+        num_prefills = 0  # requests computing prompt tokens this step
 
         self.running.sort(key=self._queue_key)
         i = 0
@@ -188,6 +195,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            num_prefills += num_new - len(spec) > 1  # (a decode computes one token)
             if spec:
                 scheduled_drafts[request.request_id] = spec
             cached_reqs.append(
@@ -204,7 +212,7 @@ class Scheduler:
         # NOTE: no admissions in a step that preempted: the freed blocks go to running requests.
         new_reqs: list[NewRequestData] = []
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, num_prefills)
 
         finished = self._finished_since_last_step | preempted
         self._finished_since_last_step = set()
@@ -219,14 +227,19 @@ class Scheduler:
         )
 
     def _admit_waiting(
-        self, budget: int, num_scheduled: dict[RequestId, int], new_reqs: list[NewRequestData]
+        self,
+        budget: int,
+        num_scheduled: dict[RequestId, int],
+        new_reqs: list[NewRequestData],
+        num_prefills: int,
     ) -> int:
-        """Start waiting requests in queue order while the budget, seats and blocks last;
-        returns the budget left."""
+        """Start waiting requests in queue order while the budget, seats, prefill slots and
+        blocks last; returns the budget left."""
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         position = 0
+        max_prefills = self.max_prefill_seqs or self.max_num_seqs
         while position < len(self.waiting) and budget > 0:
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs or num_prefills >= max_prefills:
                 break
             request = self.waiting[position]
             # NOTE: a request preempted while its last step ran waits for that step's token.
@@ -267,6 +280,7 @@ class Scheduler:
             )
             self._advance(request, num_new)
             budget -= num_new
+            num_prefills += 1
         return budget
 
     def update_from_output(

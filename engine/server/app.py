@@ -42,7 +42,7 @@ from kvfleet.engine.protocol import (
     parse_json_object,
     validate_request,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware, off_loop
 from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
 from kvfleet.engine.server.serving import OpenAIServing
@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 FATAL_GRACE_S = 2.0  # /health answers 503 this long before a failed engine's server exits
 _Body = TypeVar("_Body", bound=BaseModel)
+_Prepared = TypeVar("_Prepared")
 
 
 @dataclass(frozen=True)
@@ -243,14 +244,20 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         serving = state.ready_serving()
-        body = await _parse(request, CompletionRequest)
-        return await _run(serving, serving.prepare_completion(body), request)
+        raw = await request.body()
+        prepared = await off_loop(
+            len(raw), _prepare, raw, CompletionRequest, serving.prepare_completion
+        )
+        return await _run(serving, prepared, request)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         serving = state.ready_serving()
-        body = await _parse(request, ChatCompletionRequest)
-        return await _run(serving, serving.prepare_chat(body), request)
+        raw = await request.body()
+        prepared = await off_loop(
+            len(raw), _prepare, raw, ChatCompletionRequest, serving.prepare_chat
+        )
+        return await _run(serving, prepared, request)
 
 
 def _add_kv_routes(app: FastAPI, state: _State) -> None:
@@ -298,10 +305,21 @@ def _ready_engine(state: _State) -> AsyncEngine:
 
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
+    raw = await request.body()
+    return await off_loop(len(raw), _validated, raw, model)
+
+
+def _validated(raw: bytes, model: type[_Body]) -> _Body:
     try:
-        return validate_request(parse_json_object(await request.body()), model)
+        return validate_request(parse_json_object(raw), model)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def _prepare(raw: bytes, model: type[_Body], prepare: Callable[[_Body], _Prepared]) -> _Prepared:
+    """A body read, validated and prepared (templated, tokenized): the CPU work of a request,
+    run in a worker thread."""
+    return prepare(_validated(raw, model))
 
 
 async def _run(serving: OpenAIServing, prepared: Any, request: Request) -> Response:

@@ -65,6 +65,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-prefill-seqs",
+        type=int,
+        default=32,
+        help="at most this many requests compute prompt tokens in one step (bursts are "
+        "served first come, a slice at a time)",
+    )
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument(
         "--no-async-scheduling",
@@ -161,6 +168,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
+                max_prefill_seqs=args.max_prefill_seqs,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 async_scheduling=not args.no_async_scheduling,
             ),

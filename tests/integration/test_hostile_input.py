@@ -5,6 +5,7 @@ error body, before any of it reaches a batch (the gateway forwards nothing), and
 from __future__ import annotations
 
 import asyncio
+import threading
 import json
 import time
 from typing import Any
@@ -296,3 +297,47 @@ def test_one_requests_server_error_drains_no_replica() -> None:
             answers = [post("fine") for _ in range(6)]
             assert [a.status_code for a in answers] == [200] * 6
             assert {a.headers[REPLICA_HEADER] for a in answers} == {b_url}
+
+
+def huge_chat(model: str) -> bytes:
+    """100,000 one-word messages (~4 MB, under the 8 MiB limit)."""
+    messages = [{"role": "user", "content": "word"}] * 100_000
+    return json.dumps({"model": model, "messages": messages, "max_tokens": 4}).encode()
+
+
+def _health_answers_first(url: str, raw: bytes) -> list[str]:
+    """The order in which a huge chat body and a /health probe sent 0.5 s after it finish."""
+    finished: list[str] = []
+
+    def send() -> None:
+        response = _post(f"{url}/v1/chat/completions", raw)
+        finished.append(f"chat {response.status_code}")
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.5)  # the body is in and being worked on (templating it takes seconds)
+    health = httpx.get(f"{url}/health", timeout=120)
+    finished.append(f"health {health.status_code}")
+    sender.join(120)
+    return finished
+
+
+def test_a_huge_body_is_worked_on_off_the_event_loop(server: Server) -> None:
+    """Issue 27, defect 6: 100,000 messages stalled the engine's event loop 3-5 s (templating
+    and tokenizing ran on it), and every other stream with it. Now /health, on the loop,
+    answers while the body is still being worked on; the body gets its 400 after."""
+    order = _health_answers_first(server.url, huge_chat(MODEL))
+    assert order == ["health 200", "chat 400"]
+
+
+def test_the_gateway_works_on_a_huge_body_off_its_event_loop() -> None:
+    from kvfleet.engine.loader.source import resolve_model_source
+    from kvfleet.engine.tokenizer import Tokenizer
+
+    info = Tokenizer.load(resolve_model_source(MODEL)).info(FAKE_MODEL, 16).model_dump()
+    with serve(fake_engine(tokenizer_info=info)) as engine_url:
+        app = create_gateway_app(GatewaySettings(replicas=(engine_url,)))
+        with serve(app) as gateway_url:
+            # the gateway tokenizes it (for the key's token reservation), then forwards it
+            order = _health_answers_first(gateway_url, huge_chat(FAKE_MODEL))
+    assert order == ["health 200", "chat 200"]

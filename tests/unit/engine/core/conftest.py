@@ -56,12 +56,14 @@ def make_scheduler() -> Callable[..., Scheduler]:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
+        max_prefill_seqs: int | None = None,
     ) -> Scheduler:
         manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         return Scheduler(
             manager,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            max_prefill_seqs=max_prefill_seqs,
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             max_loras=max_loras,
