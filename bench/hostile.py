@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import time
@@ -63,7 +64,7 @@ async def large_body(args: argparse.Namespace) -> dict[str, Any]:
         )
         answered = time.perf_counter()
         status, times = await streaming
-    gaps = [(b - a, b) for a, b in zip(times, times[1:], strict=False)]
+    gaps = [(b - a, b) for a, b in itertools.pairwise(times)]
     during = [g for g, at in gaps if sent <= at <= answered + max(g for g, _ in gaps)]
     median = statistics.median(g for g, _ in gaps)
     worst = max(during) if during else 0.0

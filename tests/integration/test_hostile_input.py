@@ -5,8 +5,8 @@ error body, before any of it reaches a batch (the gateway forwards nothing), and
 from __future__ import annotations
 
 import asyncio
-import threading
 import json
+import threading
 import time
 from typing import Any
 
