@@ -48,9 +48,11 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
-        self.headers: dict[
-            str, str
-        ] = {}  # e.g. Retry-After  # a chat message as sent: {"role": ..., "content": ...}
+        self.headers: dict[str, str] = {}  # e.g. Retry-After
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """(Pickled whole: a request read in a worker process raises it across.)"""
+        return (type(self), (self.status, self.message, self.type, self.code), self.__dict__)
 
 
 class OpenAIBaseModel(BaseModel):

@@ -35,7 +35,7 @@ from kvfleet.engine.protocol import (
     parse_json_object,
     validate_request,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware, off_loop
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware
 from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
@@ -81,6 +81,7 @@ def create_gateway_app(
             loops = ClusterLoops.start(gateway, kube_api_client)
             yield
             loops.stop()
+            gateway.bodies.close()
             await gateway.pool.stop()
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
@@ -191,23 +192,18 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     key_id = gateway.authenticate(request)
     labels.key = key_id
     raw = await request.body()
-    body = await off_loop(len(raw), _parse_body, raw, path)
+    counted_by = gateway.tokenizer
+    body, counted = await gateway.bodies.run(len(raw), read_request, raw, path)
     model = body.get("model")
     labels.model = model if isinstance(model, str) else ""
     if not gateway.pool.snapshot().ready:
         if gateway.activator is None:
             raise APIError(503, "no engine replica is ready; retry shortly", "service_unavailable")
         await gateway.activator.wait_for_replica()  # scaled to zero, or engines starting
-    cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
-    registry = dict(gateway.settings.adapters)
-    if not isinstance(model, str) or (model not in cards and model not in registry):
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; served: {sorted(cards)}",
-            code="model_not_found",
-        )
-    adapter = model if model in registry or cards[model].get("parent") else None
-    prompt_ids, prompt_tokens, prompts = await _prompts(gateway, body, path, len(raw))
+    adapter = _adapter_named(gateway, model)
+    if counted_by is None and await gateway.tokenizer_for_routing() is not None:
+        counted = await gateway.bodies.run(len(raw), count_prompts, raw, path)  # exactly now
+    prompt_ids, prompt_tokens, prompts = counted
     # every token the request can cause: all its prompts, and max_tokens for each of their n
     max_tokens = _max_tokens(body, path) * prompts
     priority = _priority(gateway, request, key_id, body)
@@ -322,16 +318,44 @@ async def _take_slot(
         raise
 
 
-async def _prompts(
-    gateway: Gateway, body: dict[str, Any], path: str, size: int
+def _adapter_named(gateway: Gateway, model: object) -> str | None:
+    """The LoRA adapter a request's `model` names (None: a base model); 404 if nothing is."""
+    cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
+    registry = dict(gateway.settings.adapters)
+    if not isinstance(model, str) or (model not in cards and model not in registry):
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; served: {sorted(cards)}",
+            code="model_not_found",
+        )
+    return model if model in registry or cards[model].get("parent") else None
+
+
+def read_request(
+    tokenizer: GatewayTokenizer | None, raw: bytes, path: str
+) -> tuple[dict[str, Any], tuple[list[int], int, int]]:
+    """A body parsed and refused (400) as the engine would refuse it, and its prompts counted
+    (`count_prompts`); run by `BodyWork` (a thread, or a worker process for a large body).
+    The body comes back without its prompt or messages: the engine reads the raw bytes."""
+    body = _parse_body(raw, path)
+    counted = _counted(tokenizer, body, path)
+    return {k: v for k, v in body.items() if k not in ("prompt", "messages")}, counted
+
+
+def count_prompts(
+    tokenizer: GatewayTokenizer | None, raw: bytes, path: str
 ) -> tuple[list[int], int, int]:
     """(the first prompt's token ids, for routing; the tokens of all its prompts, for the
-    reservation; how many prompts). Tokenized off the event loop: a large body must not stall
-    other streams. Without the engines' tokenizer yet, text counts as its UTF-8 bytes (at least
-    its tokens) and routing goes by load."""
-    tokenizer = await gateway.tokenizer_for_routing()
+    reservation; how many prompts). Without the engines' tokenizer yet, text counts as its
+    UTF-8 bytes (at least its tokens) and routing goes by load."""
+    return _counted(tokenizer, _parse_body(raw, path), path)
+
+
+def _counted(
+    tokenizer: GatewayTokenizer | None, body: dict[str, Any], path: str
+) -> tuple[list[int], int, int]:
     try:
-        return await off_loop(size, _tokenize, tokenizer, body, path)
+        return _tokenize(tokenizer, body, path)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from exc
 
@@ -381,11 +405,11 @@ def _max_tokens(body: dict[str, Any], path: str) -> int:
 
 
 def _parse_body(raw: bytes, path: str) -> dict[str, Any]:
-    """The body as a JSON object, refused (400) here as the engine would refuse it, before
-    routing reads its prompt."""
+    """The body refused (400) here as the engine would refuse it, else its fields as the
+    engine reads them (validated: token ids sent as 5.0 are the integers the engine takes),
+    for routing and counting."""
     try:
-        body = parse_json_object(raw)
-        validate_request(body, REQUEST_MODELS[path])
+        request = validate_request(parse_json_object(raw), REQUEST_MODELS[path])
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
-    return body
+    return request.model_dump(exclude_unset=True, exclude_none=True)

@@ -156,6 +156,7 @@ def settings_from(args: argparse.Namespace) -> Any:
         peers=tuple(args.peer),
         peers_service=args.peers_service,
         activation_timeout_s=args.activation_timeout,
+        prestart_body_worker=True,
     )
 
 

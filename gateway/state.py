@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
@@ -13,6 +14,7 @@ import httpx
 from fastapi import Request
 
 from kvfleet.engine.protocol import APIError
+from kvfleet.engine.server.body_limit import BodyWork
 from kvfleet.gateway.activation import Activator
 from kvfleet.gateway.admission.keys import KeyStore
 from kvfleet.gateway.admission.limiter import ConcurrencyGate
@@ -55,6 +57,9 @@ class GatewaySettings:
     autoscale_interval_s: float = 15.0
     # Scaled to zero (or engines starting): how long a request waits for a ready engine
     activation_timeout_s: float = 300.0
+    # Start the process that reads large request bodies once the tokenizer is known, not on
+    # first need (the gateway command does; tests leave it to the first large body).
+    prestart_body_worker: bool = False
     # Other gateway pods sharing the per-key limits: their URLs, or (k8s) the gateway's own
     # Service, whose ready endpoints are followed
     peers: tuple[str, ...] = ()
@@ -97,6 +102,11 @@ class Gateway:
         )
         self.metrics = GatewayMetrics(self.stats)
         self.tokenizer: GatewayTokenizer | None = None
+        # Where request bodies are read and their tokens counted (a worker process for large
+        # ones, which makes its own tokenizer from the same engine's description).
+        self.bodies: BodyWork[GatewayTokenizer] = BodyWork(
+            None, None, settings.prestart_body_worker
+        )
         self._tokenizer_tried_at = -math.inf
         self.round_robin = 0
         self.activator: Activator | None = None  # cluster mode with autoscaling
@@ -130,7 +140,10 @@ class Gateway:
                         f"{self.pool.url_of(replica.replica_id)}/tokenizer", timeout=30.0
                     )
                     if response.status_code == 200:
-                        self.tokenizer = GatewayTokenizer.from_info(response.json())
+                        info = response.json()
+                        self.tokenizer = GatewayTokenizer.from_info(info)
+                        load = functools.partial(GatewayTokenizer.from_info, info)
+                        self.bodies.use(self.tokenizer, load)
                         break
                 except Exception as exc:  # routing goes on by load without it
                     logger.warning("could not use the engines' tokenizer: %s", exc)

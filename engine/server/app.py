@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -39,20 +40,18 @@ from kvfleet.engine.protocol import (
     UnloadLoRAAdapterRequest,
     error_body,
     openapi_body,
-    parse_json_object,
-    validate_request,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware, off_loop
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware, BodyWork
 from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
-from kvfleet.engine.server.serving import OpenAIServing
+from kvfleet.engine.server.serving import OpenAIServing, read_body, read_chat, read_completion
+from kvfleet.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 FATAL_GRACE_S = 2.0  # /health answers 503 this long before a failed engine's server exits
 _Body = TypeVar("_Body", bound=BaseModel)
-_Prepared = TypeVar("_Prepared")
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,9 @@ class ServerSettings:
     max_waiting_requests: int = 4096  # beyond this the server answers 503 (overloaded)
     metrics_compat: str | None = None  # "vllm" adds the vllm: metric names
     shutdown_timeout_s: float = 10.0
+    # Start the process that reads large request bodies with the engine, not on first need
+    # (a server process does; tests leave it to the first large body).
+    prestart_body_worker: bool = False
 
     @property
     def model_name(self) -> str:
@@ -78,6 +80,7 @@ class _State:
         self.serving: OpenAIServing | None = None
         self.load_error: BaseException | None = None
         self.fatal_error: str | None = None  # set when the engine died for good
+        self.bodies: BodyWork[Tokenizer] | None = None  # where request bodies are read
         self.metrics = EngineMetrics(
             settings.model_name, self.read_stats, settings.metrics_compat == "vllm"
         )
@@ -106,6 +109,10 @@ class _State:
             num_step_failures=self.engine.num_step_errors,
             num_requests_isolated=self.engine.num_isolated,
         )
+
+    def body_work(self) -> BodyWork[Tokenizer]:
+        assert self.bodies is not None  # (set with the serving, which is checked first)
+        return self.bodies
 
     def ready_serving(self) -> OpenAIServing:
         if self.serving is None or self.engine is None:
@@ -142,6 +149,12 @@ def create_app(
             return
         engine = AsyncEngine(core, on_finished=state.metrics.observe_finished)
         engine.start()
+        load_tokenizer = None
+        if core.tokenizer is not None:  # (the worker process for large bodies makes its own)
+            load_tokenizer = functools.partial(
+                Tokenizer.load, core.source, settings.engine.tokenizer
+            )
+        state.bodies = BodyWork(core.tokenizer, load_tokenizer, settings.prestart_body_worker)
         state.engine = engine
         state.serving = OpenAIServing(
             engine, settings.model_name, core.max_model_len, core.tokenizer, state.metrics
@@ -173,6 +186,8 @@ def create_app(
         yield
         watching.cancel()
         loading.cancel()
+        if state.bodies is not None:
+            state.bodies.close()
         if state.engine is not None:
             await state.engine.shutdown(settings.shutdown_timeout_s)
 
@@ -245,19 +260,15 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
     async def completions(request: Request) -> Response:
         serving = state.ready_serving()
         raw = await request.body()
-        prepared = await off_loop(
-            len(raw), _prepare, raw, CompletionRequest, serving.prepare_completion
-        )
-        return await _run(serving, prepared, request)
+        req, prompts = await state.body_work().run(len(raw), read_completion, raw)
+        return await _run(serving, serving.prepare_completion(req, prompts), request)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         serving = state.ready_serving()
         raw = await request.body()
-        prepared = await off_loop(
-            len(raw), _prepare, raw, ChatCompletionRequest, serving.prepare_chat
-        )
-        return await _run(serving, prepared, request)
+        req, prompts = await state.body_work().run(len(raw), read_chat, raw)
+        return await _run(serving, serving.prepare_chat(req, prompts), request)
 
 
 def _add_kv_routes(app: FastAPI, state: _State) -> None:
@@ -306,20 +317,7 @@ def _ready_engine(state: _State) -> AsyncEngine:
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
     raw = await request.body()
-    return await off_loop(len(raw), _validated, raw, model)
-
-
-def _validated(raw: bytes, model: type[_Body]) -> _Body:
-    try:
-        return validate_request(parse_json_object(raw), model)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
-
-
-def _prepare(raw: bytes, model: type[_Body], prepare: Callable[[_Body], _Prepared]) -> _Prepared:
-    """A body read, validated and prepared (templated, tokenized): the CPU work of a request,
-    run in a worker thread."""
-    return prepare(_validated(raw, model))
+    return read_body(raw, model)  # (small bodies: the LoRA routes)
 
 
 async def _run(serving: OpenAIServing, prepared: Any, request: Request) -> Response:

@@ -188,6 +188,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
         max_body_bytes=args.max_body_bytes,
         metrics_compat=args.metrics_compat,
         shutdown_timeout_s=args.shutdown_timeout,
+        prestart_body_worker=True,
     )
 
 
@@ -225,7 +226,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         print(
             f"kvfleet: {len(engines)} engines of {args.model} starting behind {url}/v1", flush=True
         )
-        app = create_gateway_app(GatewaySettings(replicas=replicas))
+        app = create_gateway_app(GatewaySettings(replicas=replicas, prestart_body_worker=True))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         for engine in engines:

@@ -7,7 +7,9 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
@@ -18,11 +20,73 @@ from kvfleet.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    parse_json_object,
     random_id,
+    validate_request,
 )
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.metrics import EngineMetrics
 from kvfleet.engine.tokenizer import Tokenizer
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def read_body(raw: bytes, model: type[_Body]) -> _Body:
+    """A request body parsed and validated as `model`; APIError 400 naming what is wrong."""
+    try:
+        return validate_request(parse_json_object(raw), model)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def read_completion(
+    tokenizer: Tokenizer | None, raw: bytes
+) -> tuple[CompletionRequest, list[list[int]]]:
+    """A completions body read and its prompts tokenized (`BodyWork`: in a thread or a worker
+    process); the request comes back without its prompt (the token ids carry it)."""
+    req = read_body(raw, CompletionRequest)
+    if req.echo:
+        raise APIError(400, "echo is not supported: the prompt is not repeated in the output")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt is empty")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise APIError(400, "prompt is empty")
+            prompts.append(_require(tokenizer).encode(item))
+        else:
+            prompts.append(list(item))
+    return req.model_copy(update={"prompt": ""}), prompts
+
+
+def read_chat(
+    tokenizer: Tokenizer | None, raw: bytes
+) -> tuple[ChatCompletionRequest, list[list[int]]]:
+    """A chat body read, rendered by the chat template and tokenized (`BodyWork`); the
+    request comes back without its messages (the token ids carry them)."""
+    req = read_body(raw, ChatCompletionRequest)
+    tokenizer = _require(tokenizer)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    prompts = [tokenizer.encode(text, add_special_tokens=False)]
+    return req.model_copy(update={"messages": []}), prompts
+
+
+def _require(tokenizer: Tokenizer | None) -> Tokenizer:
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send prompts as token ids")
+    return tokenizer
 
 
 @dataclass
@@ -67,25 +131,19 @@ class OpenAIServing:
 
     # --- preparing ---------------------------------------------------------------------
 
-    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
-        self._lora_for(req.model)  # 404 before any work
-        if req.echo:
-            raise APIError(400, "echo is not supported: the prompt is not repeated in the output")
-        prompts = self._completion_prompts(req.prompt)
+    def prepare_completion(
+        self, req: CompletionRequest, prompts: list[list[int]]
+    ) -> PreparedRequest:
+        """A completions request read by `read_completion`, ready to start."""
+        self._lora_for(req.model)  # 404 before the sampling checks
         params = self._sampling_params(
             req, prompts, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs
         )
         return self._prepared("completion", "cmpl", req, prompts, params)
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        self._lora_for(req.model)  # 404 before any work
-        tokenizer = self._require_tokenizer()
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
-        prompts = [tokenizer.encode(text, add_special_tokens=False)]
+    def prepare_chat(self, req: ChatCompletionRequest, prompts: list[list[int]]) -> PreparedRequest:
+        """A chat request read by `read_chat`, ready to start."""
+        self._lora_for(req.model)  # 404 before the sampling checks
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._sampling_params(req, prompts, max_tokens, logprobs)
@@ -127,32 +185,6 @@ class OpenAIServing:
             f"the model {model!r} does not exist; this server serves {self.model_name!r}{adapters}",
             code="model_not_found",
         )
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send prompts as token ids")
-        return self.tokenizer
-
-    def _completion_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]]
-    ) -> list[list[int]]:
-        if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise APIError(400, "prompt is empty")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise APIError(400, "prompt is empty")
-                prompts.append(self._require_tokenizer().encode(item))
-            else:
-                prompts.append(list(item))
-        return prompts
 
     def _sampling_params(
         self,
