@@ -33,7 +33,7 @@ from kvfleet.engine.parallel.group import (
 from kvfleet.engine.protocol import MAX_LOGPROBS
 from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.spec_decode.rejection import StepDrafts, sample_with_drafts
+from kvfleet.engine.spec_decode.rejection import StepDrafts, greedy_verdicts, sample_with_drafts
 
 
 @dataclass
@@ -124,7 +124,7 @@ class LaunchedStep:
         if self.drafts is None:
             tokens = [[token] for token in last]
         elif self.greedy_drafts:
-            tokens = _greedy_verdicts(self.drafts, last)
+            tokens = greedy_verdicts(self.drafts, last)
         else:
             kept: list[int] = host.pop(0).tolist()
             tokens = [[*d[:a], t] for d, a, t in zip(self.drafts, kept, last, strict=True)]
@@ -575,21 +575,6 @@ class ModelRunner:
         )
         self._last_sampling = None if meta.presence_penalty is not None else (key, meta)
         return meta
-
-
-def _greedy_verdicts(drafts: list[list[int]], argmax: list[int]) -> list[list[int]]:
-    """Greedy verification: each request's drafts (k of them, its k + 1 logits rows' `argmax`
-    in order) kept while they equal the argmax before them, then the argmax after the last
-    kept one (the replacement of the first mismatch, or the bonus)."""
-    tokens = []
-    row = 0
-    for draft in drafts:
-        kept = 0
-        while kept < len(draft) and draft[kept] == argmax[row + kept]:
-            kept += 1
-        tokens.append([*draft[:kept], argmax[row + kept]])
-        row += len(draft) + 1
-    return tokens
 
 
 def _rows_with_drafts(

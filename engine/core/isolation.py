@@ -42,17 +42,26 @@ class FaultIsolation:
         return not self.suspects or request_id in self.suspects[: self.window]
 
     def step_failed(
-        self, unfinished: Sequence[RequestId], in_step: Collection[RequestId]
+        self,
+        unfinished: Sequence[RequestId],
+        in_step: Collection[RequestId],
+        scheduling: RequestId | None = None,
     ) -> RequestId | None:
         """A step raised. `unfinished`: every unfinished request, in queue order; `in_step`:
-        those the step ran or was scheduling. Returns the request the failure is blamed on,
-        if it is known now (no longer a suspect)."""
+        those the step ran; `scheduling`: the request the scheduler was at, if it raised.
+        Returns the request the failure is blamed on, if it is known now (no longer a
+        suspect)."""
+        if scheduling is not None:
+            in_step = {*in_step, scheduling}
         ran = [r for r in self.suspects if r in in_step]
         if not ran:  # a new search (or cleared requests failed: they are suspects again)
             ran = [r for r in unfinished if r in in_step]
+            if scheduling is not None:  # most likely its own: it runs alone first
+                ran = [scheduling, *(r for r in ran if r != scheduling)]
             self.suspects = ran + [r for r in unfinished if r not in in_step]
+            self.group = len(ran)
             # (one request alone runs once more before it is blamed)
-            self.group, self.window = len(ran), max(1, -(-len(ran) // 2))
+            self.window = 1 if scheduling is not None else max(1, -(-len(ran) // 2))
             return None
         self.suspects = ran + [r for r in self.suspects if r not in in_step]
         if len(ran) > 1:

@@ -102,8 +102,9 @@ class Scheduler:
         self._finished_since_last_step: set[RequestId] = set()
         self.spec_decode_stats = SpecDecodeStats()
         self.isolation = FaultIsolation()
-        # The requests the last `schedule` considered, so a failure there is blamed right.
-        self._considered: set[RequestId] = set()
+        # The request `schedule` is at while it runs (None once it returns): a failure while
+        # scheduling is that request's, most likely.
+        self._scheduling: RequestId | None = None
 
     @property
     def num_running(self) -> int:
@@ -148,7 +149,8 @@ class Scheduler:
         (no pending ones: no step is in flight now), on a KV cache with nothing in it; the
         search for the request at fault goes on (`FaultIsolation`). Returns the request
         blamed, if known now (still queued: the caller finishes it)."""
-        in_step = self._considered | {r.request_id for r in self.running}
+        in_step = {r.request_id for r in self.running}
+        scheduling, self._scheduling = self._scheduling, None
         for request in self.running:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
@@ -158,8 +160,8 @@ class Scheduler:
             request.num_pending_tokens = 0
         self.kv_cache_manager.reset()
         self._finished_since_last_step = set()
-        self._considered = set()
-        return self.isolation.step_failed([r.request_id for r in self.waiting], in_step)
+        waiting = [r.request_id for r in self.waiting]
+        return self.isolation.step_failed(waiting, in_step, scheduling)
 
     def schedule(self, drafts: Mapping[RequestId, list[int]] | None = None) -> SchedulerOutput:
         """The next step. `drafts`: draft tokens proposed for running requests (speculative
@@ -169,14 +171,13 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[RequestId] = set()
         scheduled_drafts: dict[RequestId, list[int]] = {}
-        self._considered = set()
         num_prefills = 0  # requests computing prompt tokens this step
 
         self.running.sort(key=self._queue_key)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            self._considered.add(request.request_id)
+            self._scheduling = request.request_id
             proposed = drafts.get(request.request_id) if drafts else None
             spec = self._drafts_that_fit(request, proposed, budget) if proposed else []
             num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec))
@@ -188,7 +189,6 @@ class Scheduler:
                 victim = self.running.pop()  # the lowest priority, newest
                 self._preempt(victim)
                 preempted.add(victim.request_id)
-                self._considered.add(victim.request_id)
                 if victim is request:
                     break
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -216,6 +216,7 @@ class Scheduler:
 
         finished = self._finished_since_last_step | preempted
         self._finished_since_last_step = set()
+        self._scheduling = None
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -250,7 +251,7 @@ class Scheduler:
             ):
                 position += 1  # waits for a slot; requests behind it may still start
                 continue
-            self._considered.add(request.request_id)
+            self._scheduling = request.request_id
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens)
             if num_new == 0:

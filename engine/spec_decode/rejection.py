@@ -230,3 +230,18 @@ def _coupled_verdicts(
     recovered = torch.where(seeded_draft, judged, recovered)
     bonus = torch.where(seeded, sampled[last_row], bonus)
     return accept, recovered, bonus
+
+
+def greedy_verdicts(drafts: list[list[int]], argmax: list[int]) -> list[list[int]]:
+    """Greedy verification: each request's drafts (k of them, its k + 1 logits rows' `argmax`
+    in order) kept while they equal the argmax before them, then the argmax after the last
+    kept one (the replacement of the first mismatch, or the bonus)."""
+    tokens = []
+    row = 0
+    for draft in drafts:
+        kept = 0
+        while kept < len(draft) and draft[kept] == argmax[row + kept]:
+            kept += 1
+        tokens.append([*draft[:kept], argmax[row + kept]])
+        row += len(draft) + 1
+    return tokens

@@ -177,3 +177,28 @@ def test_a_poisoned_request_fails_alone_and_its_batch_mates_finish_unchanged(
     after, blamed, failures = _run(engine)
     assert (blamed, failures) == ([], 0)
     assert after["after"].outputs[0].token_ids == expected["r0"].outputs[0].token_ids
+
+
+def test_a_request_that_breaks_scheduling_is_blamed(hf_model_dir: HfModelDir) -> None:
+    """A failure while a waiting request is being admitted (its blocks hashed) is its own,
+    though it never ran: the search starts with it."""
+    _, folder = hf_model_dir("llama2-tied")
+    prompts = {f"r{i}": [3 + (5 * i + 3 * j) % 380 for j in range(18 + 5 * i)] for i in range(3)}
+    clean = _engine(folder, async_scheduling=True)
+    for rid, prompt in prompts.items():
+        clean.add_request(rid, prompt, PARAMS)
+    expected, _, _ = _run(clean)
+
+    engine = _engine(folder, async_scheduling=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, PARAMS)
+    engine.step()
+    engine.add_request("salty", list(range(3, 40)), PARAMS, cache_salt="fine")
+    # changed after validation: hashing its blocks for the prefix cache raises
+    engine.scheduler.requests[RequestId("salty")].cache_salt = "\ud800"
+    finished, blamed, failures = _run(engine)
+    assert blamed == ["salty"]
+    assert failures == 2  # the first, then it alone
+    assert {r: o.outputs[0].token_ids for r, o in finished.items()} == {
+        r: o.outputs[0].token_ids for r, o in expected.items()
+    }

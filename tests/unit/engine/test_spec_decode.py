@@ -480,8 +480,8 @@ def test_proposers_that_cannot_shadow_are_explored_instead() -> None:
 @pytest.mark.parametrize("seed", range(20))
 def test_greedy_drafts_judged_on_the_host_as_on_the_device(seed: int) -> None:
     """An all-greedy step's drafts are judged on the host from each row's argmax
-    (`runner._greedy_verdicts`): the same tokens as the device's verification."""
-    from kvfleet.engine.runner import _greedy_verdicts
+    (`rejection.greedy_verdicts`): the same tokens as the device's verification."""
+    from kvfleet.engine.spec_decode.rejection import greedy_verdicts
 
     gen = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 5, (6,), generator=gen).tolist()
@@ -491,4 +491,4 @@ def test_greedy_drafts_judged_on_the_host_as_on_the_device(seed: int) -> None:
     greedy = [True] * len(counts)
     want = rejection_sample(logits.softmax(-1), argmax, greedy, counts, drafts)
     split = torch.split(drafts, counts)
-    assert _greedy_verdicts([d.tolist() for d in split], argmax.tolist()) == want
+    assert greedy_verdicts([d.tolist() for d in split], argmax.tolist()) == want
