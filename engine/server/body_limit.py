@@ -25,6 +25,9 @@ _Tok = TypeVar("_Tok")
 
 # From this size a body is worked on in a worker process, not a thread.
 LARGE_BODY_BYTES = 128 << 10
+# Large bodies waiting for or in the worker at once; more are refused (503) at once, so a
+# flood of them holds a bounded amount of memory and delay.
+MAX_LARGE_BODIES = 16
 
 
 class BodyWork(Generic[_Tok]):
@@ -47,6 +50,7 @@ class BodyWork(Generic[_Tok]):
         self._load = load
         self._prestart = prestart
         self._pool: ProcessPoolExecutor | None = None
+        self._large = 0  # large bodies waiting for or in the worker
         if prestart:
             self._executor().submit(_in_worker, _nothing)
 
@@ -61,6 +65,14 @@ class BodyWork(Generic[_Tok]):
         """`work(tokenizer, *args)` off the event loop; `size`: the body's bytes."""
         if size < LARGE_BODY_BYTES:
             return await asyncio.to_thread(work, self.tokenizer, *args)
+        if self._large >= MAX_LARGE_BODIES:
+            raise APIError(
+                503,
+                f"{self._large} large request bodies are being read; retry shortly",
+                "service_unavailable",
+                "overloaded",
+            )
+        self._large += 1
         try:
             return await asyncio.wrap_future(self._executor().submit(_in_worker, work, *args))
         except BrokenProcessPool as exc:
@@ -69,6 +81,8 @@ class BodyWork(Generic[_Tok]):
             raise APIError(
                 503, "the worker reading this request died; retry", "service_unavailable"
             ) from exc
+        finally:
+            self._large -= 1
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
