@@ -88,7 +88,10 @@ class BodyWork(Generic[_Tok]):
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 1,
-                mp_context=multiprocessing.get_context("spawn"),
+                # (forked from a clean server process, never from this one: no threads, no
+                # CUDA state; and not one of this process's own children, as its
+                # tensor-parallel ranks are)
+                mp_context=multiprocessing.get_context("forkserver"),
                 initializer=_start_worker,
                 initargs=(self._load,),
             )
