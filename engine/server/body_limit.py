@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -107,6 +108,8 @@ _worker: dict[str, Any] = {}  # (in a worker process: its tokenizer, made by its
 
 
 def _start_worker(load: Callable[[], Any] | None) -> None:
+    # Reading a body yields the CPU to the engine's steps (streams) and the event loop.
+    os.nice(10)
     _worker["tokenizer"] = load() if load is not None else None
 
 
