@@ -92,7 +92,7 @@ def create_gateway_app(
         body = error_body(exc.message, exc.type, exc.code)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         ready = state["gateway"].pool.snapshot().ready
         status = 200 if ready else 503

@@ -9,14 +9,17 @@ fails its next collective and exits.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -48,15 +51,19 @@ class WorkerPool:
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")  # no forked CUDA or thread state
-        for rank in range(1, self.world_size):
-            process = context.Process(
-                target=worker_main,
-                args=(self.config, rank, self.world_size, self.port),
-                name=f"kvfleet-tp-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            self.processes.append(process)
+        with _main_not_reimported():
+            for rank in range(1, self.world_size):
+                process = context.Process(
+                    target=worker_main,
+                    args=(self.config, rank, self.world_size, self.port),
+                    name=f"kvfleet-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                self.processes.append(process)
+        # At interpreter exit multiprocessing terminates the (daemon) workers: not deaths.
+        # (atexit runs last registered first: this one before multiprocessing's.)
+        atexit.register(self.expect_exit)
         threading.Thread(target=self._watch, name="kvfleet-tp-watch", daemon=True).start()
 
     def on_death(self, callback: Callable[[str], None]) -> None:
@@ -113,6 +120,23 @@ class WorkerPool:
             if process.is_alive():
                 process.terminate()
                 process.join(timeout_s)
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Workers started meanwhile do not run the user's script again. A spawned child imports
+    the parent's `__main__` (by its module name, else its file) before its target: a script
+    that builds an `LLM` at its top level, without an `if __name__ == "__main__":` guard,
+    would start a second engine in every worker. Their target and arguments live in kvfleet,
+    so nothing of `__main__` is needed there."""
+    main = sys.modules["__main__"]
+    saved = {n: main.__dict__[n] for n in ("__spec__", "__file__") if n in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def worker_main(config: Any, rank: int, world_size: int, port: int) -> None:

@@ -209,7 +209,7 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
         body = error_body(exc.message, exc.type, exc.code)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if state.engine is not None and state.engine.is_running:
             return JSONResponse({"status": "ok"})

@@ -78,6 +78,7 @@ def test_same_answers_as_an_engine_directly(gateway: Server, engines: list[Serve
     a, b = direct.chat.completions.create(**chat), through.chat.completions.create(**chat)
     assert b.choices[0].message.content == a.choices[0].message.content
     assert b.usage == a.usage
+    assert httpx.head(f"{gateway.url}/health").status_code == 200  # (probes may use HEAD)
     completion = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0}
     a2, b2 = direct.completions.create(**completion), through.completions.create(**completion)
     assert b2.choices[0].text == a2.choices[0].text

@@ -1,5 +1,6 @@
 """A replica killed with SIGKILL during 100 concurrent streams: every stream completes or ends
-with a clean error event, none hangs, and new requests reach the survivor within 2 s. Then 500
+with a clean error event, none hangs, and new requests all reach the survivor, none failing
+(a replica that cannot be reached is drained and the request retried elsewhere). Then 500
 concurrent streams on two replicas: each completes or is refused with a body; nothing is lost."""
 
 from __future__ import annotations
@@ -71,36 +72,32 @@ def test_sigkill_during_100_streams(two_engines: list[tuple[subprocess.Popen[byt
     settings = GatewaySettings(replicas=urls, poll_interval_s=0.25)
     with serve(create_gateway_app(settings)) as gateway:
 
-        async def run() -> tuple[list[tuple[str, str, str]], float, str]:
+        async def run() -> tuple[list[tuple[str, str, str]], list[tuple[int, str | None]]]:
             async with httpx.AsyncClient(timeout=30) as client:
                 streams = [asyncio.create_task(_stream(client, gateway)) for _ in range(100)]
                 await asyncio.sleep(0.8)  # streams are mid-way (40 chunks x 50 ms)
-                victim, victim_url = two_engines[0]
+                victim, _ = two_engines[0]
                 victim.send_signal(signal.SIGKILL)
-                killed_at = time.monotonic()
                 results = await asyncio.wait_for(asyncio.gather(*streams), 25)
-                # New requests: how soon do they all go to the survivor?
-                while True:
-                    response = await client.post(
+                # New requests, sent at once: none may fail; all go to the survivor
+                after = [
+                    await client.post(
                         f"{gateway}/v1/completions", json={"model": MODEL, "prompt": "x"}
                     )
-                    if (
-                        response.status_code == 200
-                        and response.headers[REPLICA_HEADER] != victim_url
-                    ):
-                        recovered = time.monotonic() - killed_at
-                        break
-                    await asyncio.sleep(0.05)
-                return results, recovered, victim_url
+                    for _ in range(10)
+                ]
+                return results, [(r.status_code, r.headers.get(REPLICA_HEADER)) for r in after]
 
-        results, recovered, victim_url = asyncio.run(run())
+        results, after = asyncio.run(run())
     outcomes = [outcome for _, outcome, _ in results]
     assert set(outcomes) <= {"done", "error"}
+    victim_url = two_engines[0][1]
     on_victim = [o for replica, o, _ in results if replica == victim_url]
     assert on_victim, "no stream was on the killed replica"
     assert set(on_victim) == {"error"}  # cut streams end with an error event
     assert all(o == "done" for replica, o, _ in results if replica != victim_url)
-    assert recovered < 2.0
+    survivor = two_engines[1][1]
+    assert after == [(200, survivor)] * 10
 
 
 def test_500_concurrent_streams_nothing_lost(

@@ -172,12 +172,14 @@ def test_health_is_503_while_loading_and_vllm_names(
     with serve_in_thread(create_app(settings, slow_factory)) as url:
         health = httpx.get(f"{url}/health")
         assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        assert httpx.head(f"{url}/health").status_code == 503  # (probes may use HEAD)
         early = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6]})
         assert early.status_code == 503
         assert early.json()["error"]["type"] == "service_unavailable"
 
         release.set()
         wait_healthy(url)
+        assert httpx.head(f"{url}/health").status_code == 200
         ok = httpx.post(
             f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
         )

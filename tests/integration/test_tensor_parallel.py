@@ -202,3 +202,35 @@ def test_engine_command_refuses_a_bad_tensor_parallel_size() -> None:
     )
     assert result.returncode != 0
     assert "tensor_parallel_size must be at least 1" in result.stderr
+
+
+def test_a_script_without_a_main_guard_runs_two_ranks(
+    tiny_config: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Issue 28: `LLM(tensor_parallel_size=2)` at a script's top level, as the README's
+    offline example does for one GPU, made every spawned worker run the script again and die
+    ("worker rank 1 ... exited with code 1"); with a guard, exiting printed "exited with code
+    None" as if a worker had died. Now it generates as TP=1 does and exits quietly."""
+    path = tiny_config()
+    prompts = [list(range(1, 2 + 3 * i)) for i in range(3)]
+    expected = [
+        list(o.outputs[0].token_ids)
+        for o in generate(1, str(path), prompts, load_format="dummy", skip_tokenizer_init=True)
+    ]
+    script = tmp_path / "offline.py"
+    script.write_text(
+        "from kvfleet.engine.llm import LLM\n"
+        "from kvfleet.engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(path)!r}, load_format='dummy', skip_tokenizer_init=True,\n"
+        "          dtype='float32', num_blocks=512, max_model_len=512, tensor_parallel_size=2)\n"
+        "params = SamplingParams(temperature=0, max_tokens=64, logprobs=5, ignore_eos=True)\n"
+        f"for out in llm.generate({prompts!r}, params):\n"
+        "    print('TOKENS', list(out.outputs[0].token_ids))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = [line for line in run.stdout.splitlines() if line.startswith("TOKENS")]
+    assert printed == [f"TOKENS {tokens}" for tokens in expected]  # once: no rank re-ran it
+    assert "exited with code" not in run.stderr
