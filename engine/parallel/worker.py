@@ -130,7 +130,9 @@ def _main_not_reimported() -> Iterator[None]:
     would start a second engine in every worker. Their target and arguments live in kvfleet,
     so nothing of `__main__` is needed there."""
     main = sys.modules["__main__"]
-    saved = {n: main.__dict__[n] for n in ("__spec__", "__file__") if n in main.__dict__}
+    saved: dict[str, Any] = {
+        n: main.__dict__[n] for n in ("__spec__", "__file__") if n in main.__dict__
+    }
     main.__spec__ = None
     main.__dict__.pop("__file__", None)
     try:
