@@ -126,12 +126,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class Usage(OpenAIBaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 class ErrorInfo(OpenAIBaseModel):
     message: str
     type: str

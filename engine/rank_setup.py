@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.attention.metadata import AttentionBackend, AttentionLayer
+from kvfleet.engine.attention.metadata import AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
 from kvfleet.engine.loader.model_loader import load_model
@@ -243,7 +243,7 @@ def _attention_factory(backend: str) -> AttentionFactory:
 
         layer_class = TritonAttention
 
-    def make(config: ModelConfig) -> AttentionBackend:
+    def make(config: ModelConfig) -> AttentionLayer:
         return layer_class(
             config.num_attention_heads,
             config.num_key_value_heads,

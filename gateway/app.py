@@ -30,12 +30,11 @@ from kvfleet.engine.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    error_body,
     openapi_body,
     parse_json_object,
     validate_request,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware, api_error_response
 from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
@@ -87,10 +86,7 @@ def create_gateway_app(
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
-    @app.exception_handler(APIError)
-    async def gateway_error(_: Request, exc: APIError) -> JSONResponse:
-        body = error_body(exc.message, exc.type, exc.code)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    app.add_exception_handler(APIError, api_error_response)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:

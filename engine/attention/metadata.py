@@ -62,7 +62,3 @@ class AttentionLayer(abc.ABC):
         """`forward` after rotating q and k (RoPE); a backend may do both in fewer kernels."""
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v, kv_cache, metadata)
-
-
-# Any layer implementation; the name the model code uses.
-AttentionBackend = AttentionLayer

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet.engine.attention.metadata import AttentionBackend, AttentionMetadata
+from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 if TYPE_CHECKING:
     from kvfleet.engine.parallel.group import TPGroup
 
-AttentionFactory = Callable[[ModelConfig], AttentionBackend]
+AttentionFactory = Callable[[ModelConfig], AttentionLayer]
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         rotary: RotaryEmbedding,
-        backend: AttentionBackend,
+        backend: AttentionLayer,
         tp: TPGroup | None = None,
     ):
         """`config` has this rank's heads (all of them without tensor parallelism)."""
@@ -103,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         rotary: RotaryEmbedding,
-        backend: AttentionBackend,
+        backend: AttentionLayer,
         fused: bool,
         tp: TPGroup | None = None,
     ):

@@ -41,7 +41,7 @@ from kvfleet.engine.protocol import (
     error_body,
     openapi_body,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware, BodyWork
+from kvfleet.engine.server.body_limit import BodyLimitMiddleware, BodyWork, api_error_response
 from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
 from kvfleet.engine.server.serving import OpenAIServing, read_body, read_chat, read_completion
@@ -204,10 +204,7 @@ def create_app(
 def _add_openai_routes(app: FastAPI, state: _State) -> None:
     settings = state.settings
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        body = error_body(exc.message, exc.type, exc.code)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    app.add_exception_handler(APIError, api_error_response)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:

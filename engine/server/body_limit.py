@@ -121,6 +121,16 @@ def _nothing(_: Any) -> None:
     """The first task of a worker started ahead of need."""
 
 
+async def api_error_response(_: Any, exc: Exception) -> Any:
+    """The exception handler of both servers: an APIError as the OpenAI error body, with its
+    status and headers (e.g. Retry-After)."""
+    from fastapi.responses import JSONResponse
+
+    assert isinstance(exc, APIError)  # (registered for APIError only)
+    body = error_body(exc.message, exc.type, exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
 class BodyLimitMiddleware:
     """413 for a request body over `max_bytes`, by Content-Length or as it streams in."""
 
