@@ -129,7 +129,7 @@ class _EngineCollector(Collector):
                 gauge = GaugeMetricFamily(p + name, doc, labels=["model_name"])
                 gauge.add_metric([self.model_name], value)
                 yield gauge
-            for name, doc, value in (
+            counters = [
                 (
                     "prefix_cache_queries",
                     "Prompt tokens looked up in the prefix cache.",
@@ -145,22 +145,20 @@ class _EngineCollector(Collector):
                     "Requests preempted for lack of KV-cache blocks.",
                     stats.num_preemptions,
                 ),
-            ):
-                counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
-                counter.add_metric([self.model_name], value)
-                yield counter
+            ]
             if p == "kvfleet:":  # (no vLLM twins: vLLM has no such counters)
-                for name, doc, value in (
+                counters += [
                     ("engine_step_failures", "Engine steps that raised.", stats.num_step_failures),
                     (
                         "requests_isolated",
                         "Requests failed alone for making engine steps fail.",
                         stats.num_requests_isolated,
                     ),
-                ):
-                    counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
-                    counter.add_metric([self.model_name], value)
-                    yield counter
+                ]
+            for name, doc, value in counters:
+                counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
+                counter.add_metric([self.model_name], value)
+                yield counter
             if stats.lora is not None:
                 yield _lora_info(p, stats.lora)
             if stats.spec_decode is not None:
