@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -306,16 +307,26 @@ def huge_chat(model: str) -> bytes:
 
 
 def _health_answers_first(url: str, raw: bytes) -> list[str]:
-    """The order in which a huge chat body and a /health probe sent 0.5 s after it finish."""
+    """The order in which a huge chat body and a /health probe sent once the body's last
+    byte is out finish (no sleep: the probe follows the upload, not a clock)."""
     finished: list[str] = []
+    uploaded = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        for start in range(0, len(raw), 1 << 16):
+            yield raw[start : start + (1 << 16)]
+        uploaded.set()
 
     def send() -> None:
-        response = _post(f"{url}/v1/chat/completions", raw)
+        headers = {"content-type": "application/json", "content-length": str(len(raw))}
+        response = httpx.post(
+            f"{url}/v1/chat/completions", content=body(), headers=headers, timeout=120
+        )
         finished.append(f"chat {response.status_code}")
 
     sender = threading.Thread(target=send)
     sender.start()
-    time.sleep(0.5)  # the body is in and being worked on (templating it takes seconds)
+    assert uploaded.wait(120), "the body was never sent"
     health = httpx.get(f"{url}/health", timeout=120)
     finished.append(f"health {health.status_code}")
     sender.join(120)
