@@ -59,9 +59,9 @@ lint: venv
 	@$(BIN)/ruff format --check .
 	@echo "==> mypy"
 	@mkdir -p $(VENV)/mypy-src/kvfleet
-	@for c in engine gateway operator bench; do ln -sfn "$(CURDIR)/$$c" "$(VENV)/mypy-src/kvfleet/$$c"; done
+	@for c in cli engine gateway operator bench; do ln -sfn "$(CURDIR)/$$c" "$(VENV)/mypy-src/kvfleet/$$c"; done
 	@MYPYPATH=$(VENV)/mypy-src $(BIN)/mypy --cache-dir $(VENV)/mypy-cache \
-		-p kvfleet.engine -p kvfleet.gateway -p kvfleet.operator -p kvfleet.bench
+		-p kvfleet.cli -p kvfleet.engine -p kvfleet.gateway -p kvfleet.operator -p kvfleet.bench
 
 # NOTE: pytest exits 5 when it collects no tests; that is not a failure of the suite.
 test: venv models lint

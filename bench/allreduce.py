@@ -123,7 +123,7 @@ def _fused_norm(rank: int, device: torch.device) -> dict[str, dict[str, float]]:
     then `add_rms_norm`, at the hidden sizes of Llama-3-70B and 8B, for decode batches up to
     256 rows and each choice of programs for the larger lane: bits over 20 calls on random rows
     (each rank its own), then microseconds per call in a graph."""
-    from kvfleet.engine.models.triton_layers import add_rms_norm
+    from kvfleet.engine.layers.triton_layers import add_rms_norm
     from kvfleet.engine.parallel.peer import PeerAllReduce
 
     group = dist.group.WORLD
@@ -166,7 +166,7 @@ def _two_shot_norm(device: torch.device) -> dict[str, dict[str, float]]:
     `add_rms_norm`, at the hidden sizes of Llama-3-70B and 8B, 512 to 8,192 rows: bits over 5
     calls (residual and weight alike on every rank, as in a model), then microseconds per call
     issued 20 at a time."""
-    from kvfleet.engine.models.triton_layers import add_rms_norm
+    from kvfleet.engine.layers.triton_layers import add_rms_norm
     from kvfleet.engine.parallel.peer import PeerAllReduce
 
     group = dist.group.WORLD

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine import model_cache
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.loader import model_cache
+from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
 TOPICS = ["rivers", "chess", "volcanoes", "bread", "satellites", "owls", "glass", "jazz"]

@@ -124,7 +124,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvfleet.engine import model_cache
+    from kvfleet.engine.loader import model_cache
 
     gguf = (
         model_cache.ModelCache(model_cache.kvfleet_home())

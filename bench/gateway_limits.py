@@ -28,7 +28,7 @@ import httpx
 from kvfleet.bench.fake_engine import MODEL
 from kvfleet.bench.gateway_overhead import _wait_ready
 from kvfleet.bench.report import emit
-from kvfleet.engine.parallel.worker import free_port
+from kvfleet.engine.worker.process import free_port
 from kvfleet.gateway.admission.keys import hash_key
 
 KEY = "bench-key"
@@ -55,7 +55,7 @@ def processes(tokens_per_min: float, gateways: int) -> Iterator[list[str]]:
                 command = [
                     sys.executable,
                     "-m",
-                    "kvfleet.engine.cli",
+                    "kvfleet.cli.main",
                     "gateway",
                     f"--replica=http://127.0.0.1:{engine_port}",
                     f"--port={port}",

@@ -22,7 +22,7 @@ import uvicorn
 
 from kvfleet.bench.fake_engine import MODEL, fake_engine
 from kvfleet.bench.report import emit
-from kvfleet.engine.parallel.worker import free_port
+from kvfleet.engine.worker.process import free_port
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
 

@@ -20,9 +20,9 @@ import torch
 from kvfleet.bench.ceilings import measure_ceilings, sync
 from kvfleet.bench.report import emit
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.rank_setup import freeze_startup_heap
-from kvfleet.engine.runner import kv_cache_bytes_per_block
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.worker.model_runner import kv_cache_bytes_per_block
+from kvfleet.engine.worker.setup import freeze_startup_heap
 
 
 def run(args: argparse.Namespace) -> int:

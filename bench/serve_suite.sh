@@ -14,7 +14,7 @@ url=http://127.0.0.1:$port
 engine_pid=
 
 start_engine() {
-  python3 -m kvfleet.engine.cli engine --model llama-3-8b --load-format dummy --port "$port" \
+  python3 -m kvfleet.cli.main engine --model llama-3-8b --load-format dummy --port "$port" \
     --max-model-len 8192 "$@" >"$out/engine-$#.log" 2>&1 &
   engine_pid=$!
   # Ready when /health answers 200; fail at once if the engine dies while loading.
@@ -27,7 +27,7 @@ start_engine() {
 }
 stop_engine() { kill "$engine_pid" 2>/dev/null || true; wait "$engine_pid" 2>/dev/null || true; }
 trap stop_engine EXIT
-bench() { python3 -m kvfleet.engine.cli bench serve --base-url "$url" --vocab-size 128000 "$@"; }
+bench() { python3 -m kvfleet.cli.main bench serve --base-url "$url" --vocab-size 128000 "$@"; }
 
 start_engine "$@"
 for mode in $suite; do

@@ -17,7 +17,7 @@ parts=${*:-smol8b tests}
 source "$(dirname "$0")/suite_lib.sh"
 spec() {  # name, then bench speculative arguments
   local name=$1; shift
-  run "$name" python3 -m kvfleet.engine.cli bench speculative --json "$out/$name.json" "$@"
+  run "$name" python3 -m kvfleet.cli.main bench speculative --json "$out/$name.json" "$@"
 }
 ngram4='{"method": "ngram", "num_speculative_tokens": 4}'
 ngram8='{"method": "ngram", "num_speculative_tokens": 8}'

@@ -33,9 +33,9 @@ from kvfleet.bench.report import emit
 from kvfleet.engine.core.request import Request
 from kvfleet.engine.core.scheduler import SpecDecodeStats
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.rank_setup import freeze_startup_heap
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.speculator import Speculator
+from kvfleet.engine.worker.setup import freeze_startup_heap
 
 DOCUMENTS = [
     "Kubernetes schedules containers onto nodes. A Deployment keeps a set of identical pods "

@@ -19,8 +19,8 @@ from kvfleet.bench.ceilings import measure_ceilings, sync
 from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range, random_workload, workload_cost
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.rank_setup import freeze_startup_heap
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.worker.setup import freeze_startup_heap
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ mkdir -p "$out"
 parts=${*:-allreduce tput latency70}
 # shellcheck source-path=SCRIPTDIR source=suite_lib.sh
 source "$(dirname "$0")/suite_lib.sh"
-bench=(python3 -m kvfleet.engine.cli bench)
+bench=(python3 -m kvfleet.cli.main bench)
 for part in $parts; do
   case $part in
     allreduce) run allreduce python3 bench/allreduce.py --out "$out/allreduce.json" ;;

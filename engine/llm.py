@@ -14,8 +14,8 @@ from kvfleet.engine.config import (
     SpeculativeConfig,
 )
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.protocol import Message
+from kvfleet.engine.output.request_output import RequestOutput
+from kvfleet.engine.protocol.openai import Message
 from kvfleet.engine.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]

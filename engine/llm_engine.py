@@ -14,19 +14,22 @@ import time
 from collections.abc import Sequence
 
 from kvfleet.engine.config import EngineConfig
-from kvfleet.engine.core.hashing import lora_key
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
-from kvfleet.engine.core.outputs import SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
+from kvfleet.engine.core.scheduler_output import SchedulerOutput
 from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.lora.manager import LoRAManager
-from kvfleet.engine.output_processor import OutputProcessor
-from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.output.processor import OutputProcessor
+from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.parallel.group import TPGroup
 from kvfleet.engine.parallel.partition import TPPlan
-from kvfleet.engine.parallel.worker import WorkerPool, free_port
-from kvfleet.engine.rank_setup import (
+from kvfleet.engine.protocol.kv import lora_key
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.engine.worker.model_runner import LaunchedStep, ModelRunner
+from kvfleet.engine.worker.process import WorkerPool, free_port
+from kvfleet.engine.worker.setup import (
     build_speculator,
     enable_peer_all_reduce,
     graph_query_len,
@@ -37,9 +40,6 @@ from kvfleet.engine.rank_setup import (
     resolve_setup,
     uses_graphs,
 )
-from kvfleet.engine.runner import LaunchedStep, ModelRunner
-from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfleet.engine.protocol import MAX_INT32, MAX_INT64, MAX_LOGPROBS
+from kvfleet.engine.protocol.openai import MAX_INT32, MAX_INT64, MAX_LOGPROBS
 
 # Below this, a temperature means greedy (argmax): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5

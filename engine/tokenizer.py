@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfleet.engine import model_cache
+from kvfleet.engine.loader import model_cache
 from kvfleet.engine.loader.source import ModelSource
-from kvfleet.engine.protocol import Message, TokenizerInfo, normalize_message
+from kvfleet.engine.protocol.openai import Message, TokenizerInfo, normalize_message
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvfleet.engine.protocol import APIError
+from kvfleet.engine.protocol.http import APIError
 from kvfleet.gateway.autoscaler import ScaleTarget
 
 logger = logging.getLogger(__name__)

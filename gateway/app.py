@@ -24,18 +24,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvfleet.engine.core.hashing import BlockHash, extra_keys_for, hash_full_blocks
-from kvfleet.engine.protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
+from kvfleet.engine.protocol.http import (
+    CLIENT_CLOSED,
     APIError,
+    BodyLimitMiddleware,
+    ClientGone,
+    api_error_response,
+    unless_disconnected,
+)
+from kvfleet.engine.protocol.kv import BlockHash, extra_keys_for, hash_full_blocks
+from kvfleet.engine.protocol.openai import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     openapi_body,
     parse_json_object,
     validate_request,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware, api_error_response
-from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
 from kvfleet.gateway.cluster import ClusterLoops

@@ -18,7 +18,7 @@ import aiohttp
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvfleet.engine.protocol import APIError, error_body
+from kvfleet.engine.protocol.http import APIError, error_body
 from kvfleet.gateway.routing.policy import NoReplicaError, route
 from kvfleet.gateway.routing.snapshot import ReplicaId, RouteDecision, RouteRequest
 from kvfleet.gateway.state import Gateway

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.engine.protocol.kv import BlockHash
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
 from kvfleet.gateway.routing.snapshot import ClusterSnapshot, ReplicaId, ReplicaState
 

@@ -13,8 +13,8 @@ import aiohttp
 import httpx
 from fastapi import Request
 
-from kvfleet.engine.protocol import APIError
-from kvfleet.engine.server.body_limit import BodyWork
+from kvfleet.engine.protocol.body_work import BodyWork
+from kvfleet.engine.protocol.http import APIError
 from kvfleet.gateway.activation import Activator
 from kvfleet.gateway.admission.keys import KeyStore
 from kvfleet.gateway.admission.limiter import ConcurrencyGate

@@ -18,7 +18,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kvfleet.engine.protocol import Message, normalize_message
+from kvfleet.engine.protocol.openai import Message, normalize_message
 
 
 class GatewayTokenizer:

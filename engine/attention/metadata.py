@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvfleet.engine.models.layers import RotaryEmbedding
+    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
-from kvfleet.engine.models.triton_layers import rotary_and_write_kv
+from kvfleet.engine.layers.triton_layers import rotary_and_write_kv
 
 if TYPE_CHECKING:
-    from kvfleet.engine.models.layers import RotaryEmbedding
+    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.engine.protocol.kv import BlockHash
 
 NULL_BLOCK_ID = 0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvfleet.engine.core.block_pool import BlockPool, KVCacheBlock
-from kvfleet.engine.core.hashing import ROOT_HASH, hash_full_blocks
 from kvfleet.engine.core.request import Request, RequestId
+from kvfleet.engine.protocol.kv import ROOT_HASH, hash_full_blocks
 
 
 class KVCacheManager:

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NewType
 
-from kvfleet.engine.core.hashing import BlockHash, extra_keys_for
+from kvfleet.engine.protocol.kv import BlockHash, extra_keys_for
 from kvfleet.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)

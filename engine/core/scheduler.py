@@ -27,14 +27,14 @@ from dataclasses import dataclass
 
 from kvfleet.engine.core.isolation import FaultIsolation
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
-from kvfleet.engine.core.outputs import (
+from kvfleet.engine.core.request import Request, RequestId, RequestStatus
+from kvfleet.engine.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 
 
 @dataclass

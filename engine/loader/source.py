@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.engine import model_cache
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.loader import model_cache
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfleet.engine.host_copy import to_device
+from kvfleet.engine.layers.host_copy import to_device
 
 
 @dataclass(frozen=True)

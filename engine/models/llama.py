@@ -16,7 +16,7 @@ from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
-from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 if TYPE_CHECKING:
     from kvfleet.engine.parallel.group import TPGroup

@@ -11,137 +11,26 @@ device still runs the step before.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.parallel.peer import PeerAllReduce
+from kvfleet.engine.parallel.step_message import (
+    HEADER_LEN,
+    INLINE_SEQS,
+    STOP,
+    PackedStep,
+    StepInputs,
+)
 
 if TYPE_CHECKING:
-    from kvfleet.engine.models.layers import RMSNorm
+    from kvfleet.engine.layers.torch_layers import RMSNorm
 
-STEP, STOP = 1, 0
-# header: op, num_tokens, num_seqs, max_blocks, num_sampled, race
-_HEADER = 6
-# The host message: the header, then the query and sequence lengths of up to this many
-# sequences (a second message carries the rest): one gloo round trip per step, in which rank 0
-# waits for every worker to be ready to receive (seen on 2 x H200 at 0.2-0.5 ms).
-_INLINE_SEQS = 256
 # A collective with a dead peer fails (gloo) or is abandoned (NCCL) after this long.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
-
-
-@dataclass(frozen=True)
-class RaceInputs:
-    """Per sampled row, what the vocabulary race needs (`engine/triton_sampler.py`)."""
-
-    keys: torch.Tensor  # [num_sampled] int64
-    bases: torch.Tensor  # [num_sampled] int64
-    temperature: torch.Tensor  # [num_sampled] float64, 0 in greedy rows
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """What every rank needs for one forward pass (and, for a race, to sample)."""
-
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64
-    race: RaceInputs | None = None  # None: rank 0 samples from the whole vocabulary's logits
-
-
-# Each part of the packed buffers starts at a multiple of this many bytes, whatever the step's
-# sizes: Triton specializes a kernel on whether each pointer is 16-byte aligned, and parts at
-# offsets that follow the token count would compile a kernel variant (0.2-0.6 s on an H100)
-# the first time a step of the other parity comes, mid-serving.
-ALIGN_BYTES = 16
-
-
-def _span(count: int, itemsize: int) -> int:
-    """`count` items rounded up to a whole number of alignments."""
-    per = ALIGN_BYTES // itemsize
-    return -(-count // per) * per
-
-
-def pack_aligned(parts: Sequence[np.ndarray], dtype: type) -> np.ndarray:
-    """`parts` (1-D) one after another in `dtype`, each at an aligned offset (zeros between)."""
-    itemsize = np.dtype(dtype).itemsize
-    out: np.ndarray = np.zeros(sum(_span(len(part), itemsize) for part in parts), dtype)
-    at = 0
-    for part in parts:
-        out[at : at + len(part)] = part
-        at += _span(len(part), itemsize)
-    return out
-
-
-@dataclass(frozen=True)
-class PackedStep:
-    """One step's inputs in the two flat device buffers the runner fills with one copy each;
-    rank 0 broadcasts exactly these. `sizes` and `unpack` are the one place their layout is
-    read; each part starts aligned (`pack_aligned`)."""
-
-    # int64: ids, positions, slots [num_tokens each], rows [num_sampled] (then the race's keys,
-    # bases and temperatures [num_sampled each], the last as float64 bits)
-    longs: torch.Tensor
-    ints: torch.Tensor  # int32: tables [num_seqs * max_blocks], cu_q [num_seqs + 1], lens
-    num_tokens: int
-    num_seqs: int
-    max_blocks: int
-    num_sampled: int
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    race: bool = False
-
-    @staticmethod
-    def sizes(
-        num_tokens: int, num_seqs: int, max_blocks: int, num_sampled: int, race: bool
-    ) -> tuple[int, int]:
-        """The lengths of `longs` and `ints`."""
-        longs = 3 * _span(num_tokens, 8) + _span(num_sampled, 8) * (4 if race else 1)
-        ints = _span(num_seqs * max_blocks, 4) + _span(num_seqs + 1, 4) + _span(num_seqs, 4)
-        return longs, ints
-
-    def header(self) -> list[int]:
-        return [
-            STEP,
-            self.num_tokens,
-            self.num_seqs,
-            self.max_blocks,
-            self.num_sampled,
-            int(self.race),
-        ]
-
-    def unpack(self) -> StepInputs:
-        n, sampled = _span(self.num_tokens, 8), _span(self.num_sampled, 8)
-        ids, positions, slots = self.longs[: 3 * n].view(3, n)[:, : self.num_tokens]
-        rows = self.longs[3 * n : 3 * n + self.num_sampled]
-        race = None
-        if self.race:
-            keys, bases, temperature = self.longs[3 * n + sampled : 3 * n + 4 * sampled].view(
-                3, sampled
-            )[:, : self.num_sampled]
-            race = RaceInputs(keys, bases, temperature.view(torch.float64))
-        table_size = self.num_seqs * self.max_blocks
-        cu_at = _span(table_size, 4)
-        lens_at = cu_at + _span(self.num_seqs + 1, 4)
-        metadata = AttentionMetadata(
-            slot_mapping=slots,
-            block_tables=self.ints[:table_size].view(self.num_seqs, self.max_blocks),
-            cu_seqlens_q=self.ints[cu_at : cu_at + self.num_seqs + 1],
-            seq_lens=self.ints[lens_at : lens_at + self.num_seqs],
-            max_seqlen_q=max(self.query_lens_cpu),
-            max_seqlen_k=max(self.seq_lens_cpu),
-            query_lens_cpu=self.query_lens_cpu,
-            seq_lens_cpu=self.seq_lens_cpu,
-        )
-        return StepInputs(ids, positions, metadata, rows, race)
 
 
 class TPGroup:
@@ -223,28 +112,28 @@ class TPGroup:
     def broadcast_step(self, step: PackedStep) -> None:
         """Rank 0: send one step's inputs to the other ranks (its own buffers, no copies)."""
         lens = step.query_lens_cpu + step.seq_lens_cpu
-        inline = 2 * _INLINE_SEQS
+        inline = 2 * INLINE_SEQS
         message = step.header() + lens[:inline]
-        self._broadcast_host(torch.tensor(message + [0] * (_HEADER + inline - len(message))))
+        self._broadcast_host(torch.tensor(message + [0] * (HEADER_LEN + inline - len(message))))
         if len(lens) > inline:
             self._broadcast_host(torch.tensor(lens[inline:]))
         self._broadcast(step.longs)
         self._broadcast(step.ints)
 
     def broadcast_stop(self) -> None:
-        self._broadcast_host(torch.zeros(_HEADER + 2 * _INLINE_SEQS, dtype=torch.int64))
+        self._broadcast_host(torch.zeros(HEADER_LEN + 2 * INLINE_SEQS, dtype=torch.int64))
 
     def receive_step(self) -> StepInputs | None:
         """Ranks > 0: the next step's inputs, or None when rank 0 stops. Waits on the host for
         rank 0; never on this rank's device."""
-        message = torch.empty(_HEADER + 2 * _INLINE_SEQS, dtype=torch.int64)
+        message = torch.empty(HEADER_LEN + 2 * INLINE_SEQS, dtype=torch.int64)
         self._broadcast_host(message)
-        op, n, num_seqs, max_blocks, num_sampled, race = message[:_HEADER].tolist()
+        op, n, num_seqs, max_blocks, num_sampled, race = message[:HEADER_LEN].tolist()
         if op == STOP:
             return None
-        lens = message[_HEADER : _HEADER + 2 * num_seqs]
-        if 2 * num_seqs > 2 * _INLINE_SEQS:
-            rest = torch.empty(2 * (num_seqs - _INLINE_SEQS), dtype=torch.int64)
+        lens = message[HEADER_LEN : HEADER_LEN + 2 * num_seqs]
+        if 2 * num_seqs > 2 * INLINE_SEQS:
+            rest = torch.empty(2 * (num_seqs - INLINE_SEQS), dtype=torch.int64)
             self._broadcast_host(rest)
             lens = torch.cat((lens, rest))
         num_longs, num_ints = PackedStep.sizes(n, num_seqs, max_blocks, num_sampled, bool(race))

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.models.triton_layers import NORM_WARPS, rms_normalize
+from kvfleet.engine.layers.triton_layers import NORM_WARPS, rms_normalize
 
 # Programs per launch of each lane. On 2 x H200 in a CUDA graph (bench/allreduce.py), against
 # the peer all-reduce then the norm: hidden 8,192, 1 row 6.1 us against 9.0, 16 rows 7.0

@@ -21,28 +21,34 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from kvfleet.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineStepError,
-    RequestFailedError,
-)
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
-from kvfleet.engine.protocol import (
+from kvfleet.engine.protocol.body_work import BodyWork
+from kvfleet.engine.protocol.http import (
+    CLIENT_CLOSED,
     APIError,
+    BodyLimitMiddleware,
+    ClientGone,
+    api_error_response,
+    error_body,
+    unless_disconnected,
+)
+from kvfleet.engine.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     UnloadLoRAAdapterRequest,
-    error_body,
     openapi_body,
 )
-from kvfleet.engine.server.body_limit import BodyLimitMiddleware, BodyWork, api_error_response
-from kvfleet.engine.server.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
+from kvfleet.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    RequestFailedError,
+)
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
 from kvfleet.engine.server.serving import OpenAIServing, read_body, read_chat, read_completion
 from kvfleet.engine.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvfleet.engine.core.scheduler import SpecDecodeStats
-from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.output.request_output import RequestOutput
 
 TTFT_BUCKETS = (
     0.001,

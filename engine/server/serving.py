@@ -11,12 +11,11 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
-from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.protocol import (
+from kvfleet.engine.output.request_output import CompletionOutput, RequestOutput
+from kvfleet.engine.protocol.http import APIError
+from kvfleet.engine.protocol.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -25,6 +24,7 @@ from kvfleet.engine.protocol import (
     validate_request,
 )
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.server.async_engine import AsyncEngine
 from kvfleet.engine.server.metrics import EngineMetrics
 from kvfleet.engine.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.engine.protocol.kv import BlockHash
 from kvfleet.gateway.routing.snapshot import ReplicaId
 
 

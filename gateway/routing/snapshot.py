@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import NewType
 
-from kvfleet.engine.core.hashing import BlockHash
+from kvfleet.engine.protocol.kv import BlockHash
 
 ReplicaId = NewType("ReplicaId", str)
 

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvfleet.engine.llm import LLM  # noqa: E402
-from kvfleet.engine.outputs import RequestOutput  # noqa: E402
+from kvfleet.engine.output.request_output import RequestOutput  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvfleet.engine import model_cache  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
+from kvfleet.engine.loader import model_cache  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 TOLERANCE = 1e-4  # max |logprob difference| against transformers, float32 on CUDA

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from kvfleet.engine.llm_engine import LLMEngine  # noqa: E402
-from kvfleet.engine.outputs import RequestOutput  # noqa: E402
+from kvfleet.engine.output.request_output import RequestOutput  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -24,7 +24,7 @@ PREFILL = 2048  # rows of the two-shot lane
 def _worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
-    from kvfleet.engine.models.triton_layers import add_rms_norm
+    from kvfleet.engine.layers.triton_layers import add_rms_norm
     from kvfleet.engine.parallel.peer import PeerAllReduce
 
     torch.cuda.set_device(rank)

@@ -1,4 +1,4 @@
-"""The vocabulary race (engine/triton_sampler.py) compiled for the GPU: 200,000 draws follow
+"""The vocabulary race (engine/sample/gumbel_race.py) compiled for the GPU: 200,000 draws follow
 softmax(logits / T) at two temperatures (chi-square), greedy rows are argmax, a whole
 vocabulary of Llama-3's size splits into shards that agree with it, and a seeded row draws the
 same token by the race or by the torch sampler."""
@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 
 from scipy import stats  # noqa: E402
 
-from kvfleet.engine.sampler import Sampler, SamplingMetadata, position_seed  # noqa: E402
+from kvfleet.engine.sample.gumbel_race import race, winners  # noqa: E402
+from kvfleet.engine.sample.torch_sampler import Sampler, SamplingMetadata, position_seed  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
-from kvfleet.engine.triton_sampler import race, winners  # noqa: E402
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], device="cuda")
 

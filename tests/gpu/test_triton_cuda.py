@@ -14,10 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvfleet.engine import model_cache  # noqa: E402
 from kvfleet.engine.attention import triton_attention  # noqa: E402
 from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
+from kvfleet.engine.loader import model_cache  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA_8B_HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -150,8 +150,8 @@ def test_smollm2_triton_agrees_with_torch_path() -> None:
 
 
 def test_fused_layers_match_torch_at_real_shapes() -> None:
-    from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding
-    from kvfleet.engine.models.triton_layers import add_rms_norm, rotary_inplace
+    from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
+    from kvfleet.engine.layers.triton_layers import add_rms_norm, rotary_inplace
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(300, 4096, generator=gen).cuda().bfloat16()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvfleet.engine.parallel.worker import free_port
+from kvfleet.engine.worker.process import free_port
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 2048
@@ -92,7 +92,7 @@ def engine_options(port: int) -> list[str]:
 
 def start_server(tmp_path: Path, *extra: str) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--model", MODEL]
+    command = [sys.executable, "-m", "kvfleet.cli.main", "engine", "--model", MODEL]
     command += [*engine_options(port), *extra]
     return launch(
         tmp_path,

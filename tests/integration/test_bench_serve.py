@@ -27,7 +27,7 @@ def test_bench_serve_modes(server: Server, tmp_path: Path, mode: str, extra: lis
         [
             sys.executable,
             "-m",
-            "kvfleet.engine.cli",
+            "kvfleet.cli.main",
             "bench",
             "serve",
             "--base-url",

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from kvfleet.engine.core.outputs import EngineCoreOutput
 from kvfleet.engine.core.request import RequestId
-from kvfleet.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.engine.core.scheduler_output import EngineCoreOutput
 from kvfleet.engine.loader.source import resolve_model_source
-from kvfleet.engine.output_processor import OutputProcessor
+from kvfleet.engine.output.detokenizer import IncrementalDetokenizer
+from kvfleet.engine.output.processor import OutputProcessor
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer
 

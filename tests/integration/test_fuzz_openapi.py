@@ -20,8 +20,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from kvfleet.engine.loader.source import resolve_model_source
-from kvfleet.engine.parallel.worker import free_port
 from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.engine.worker.process import free_port
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
 from .conftest import Server, launch, stop_server
@@ -64,7 +64,7 @@ def _tiny_model(folder: Path) -> Path:
 def fuzz_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = _tiny_model(tmp_path_factory.mktemp("tiny-smollm2"))
     port = free_port()
-    command = [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--model", str(folder)]
+    command = [sys.executable, "-m", "kvfleet.cli.main", "engine", "--model", str(folder)]
     command += ["--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--max-model-len", "128", "--num-blocks", "2048"]
     running = launch(

@@ -28,7 +28,7 @@ REPLICA_HEADER = "x-kvfleet-replica"
 
 def start_gateway(tmp_path: Path, replicas: list[Server], *extra: str) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "kvfleet.engine.cli", "gateway", "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "kvfleet.cli.main", "gateway", "--host", "127.0.0.1"]
     command += ["--port", str(port), *extra]
     for replica in replicas:
         command += ["--replica", replica.url]

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvfleet.bench.fake_engine import MODEL, fake_engine
-from kvfleet.engine.parallel.worker import free_port
+from kvfleet.engine.worker.process import free_port
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 
 from kvfleet.bench.fake_engine import MODEL, fake_engine
-from kvfleet.engine.parallel.worker import free_port
+from kvfleet.engine.worker.process import free_port
 from kvfleet.gateway.admission.keys import KeyStore, hash_key
 from kvfleet.gateway.admission.rate_limit import KeyLimits
 from kvfleet.gateway.app import GatewaySettings, create_gateway_app

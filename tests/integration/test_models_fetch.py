@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.engine.model_cache import BUILTIN_MODELS
+from kvfleet.engine.loader.model_cache import BUILTIN_MODELS
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(600)]
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from kvfleet.engine.server.cli import ENGINE_PORT
+from kvfleet.engine.server.commands import ENGINE_PORT
 from kvfleet.operator.build_monitoring import rule_groups
 from kvfleet.operator.common import Owner
 from kvfleet.operator.dashboards import DASHBOARDS, EMPTY, expand, render
@@ -34,7 +34,7 @@ REPLICAS = 2
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp_path = tmp_path_factory.mktemp("serve")
     port = free_port()
-    command = [sys.executable, "-m", "kvfleet.engine.cli", "serve", MODEL]
+    command = [sys.executable, "-m", "kvfleet.cli.main", "serve", MODEL]
     command += ["--replicas", str(REPLICAS), *engine_options(port), "--log-level", "warning"]
 
     def all_ready(server: Server) -> bool:

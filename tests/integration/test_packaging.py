@@ -116,7 +116,7 @@ def test_components_import_from_the_install(
 ) -> None:
     kind, python = installed_python
     code = (
-        "import kvfleet.engine, kvfleet.gateway, kvfleet.operator, kvfleet.engine.cli\n"
+        "import kvfleet.engine, kvfleet.gateway, kvfleet.operator, kvfleet.cli.main\n"
         "print(kvfleet.engine.__file__)\n"
         "print(list(kvfleet.operator.__path__)[0])\n"
     )
@@ -129,7 +129,7 @@ def test_components_import_from_the_install(
     else:
         assert "site-packages" in engine_file.parts
         assert operator_dir.parts[-2:] == ("kvfleet", "operator")
-    version = run(python, "-m", "kvfleet.engine.cli", "--version", cwd=repo_root)
+    version = run(python, "-m", "kvfleet.cli.main", "--version", cwd=repo_root)
     assert version.returncode == 0, version.stderr
     assert version.stdout.startswith("kvfleet 0.")
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from kvfleet.engine import model_cache
+from kvfleet.engine.loader import model_cache
 from tests.conftest import make_peft_adapter
 
 from .conftest import MODEL, Server, start_server, stop_server

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvfleet.engine import model_cache
 from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.loader import model_cache
 from kvfleet.engine.loader.source import resolve_model_source
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer

@@ -24,7 +24,7 @@ from scipy import stats as stats_module
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.spec_decode.draft_model import DraftModelProposer
+from kvfleet.engine.worker.draft_model import DraftModelProposer
 
 from .conftest import MODEL, start_server, stop_server
 

@@ -194,7 +194,7 @@ def test_bad_tensor_parallel_settings_are_refused_before_any_worker_starts() -> 
 
 def test_engine_command_refuses_a_bad_tensor_parallel_size() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--tensor-parallel-size", "0"],
+        [sys.executable, "-m", "kvfleet.cli.main", "engine", "--tensor-parallel-size", "0"],
         capture_output=True,
         text=True,
         check=False,

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from kvfleet.engine.cli import build_parser
+from kvfleet.cli.main import build_parser
 
 
 def test_speculative_bench_reports_both_runs(

@@ -77,7 +77,7 @@ def test_steps_grow_when_requests_outnumber_the_batch() -> None:
 
 @pytest.mark.parametrize("command", ["throughput", "serve"])
 def test_bench_cli_rejects_a_bad_length(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvfleet.engine.cli import main
+    from kvfleet.cli.main import main
 
     assert main(["bench", command, "--input-len", "9:3"]) == 1
     assert "LOW:HIGH" in capsys.readouterr().err

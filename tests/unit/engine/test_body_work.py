@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from kvfleet.engine.protocol import APIError
-from kvfleet.engine.server import body_limit
-from kvfleet.engine.server.body_limit import LARGE_BODY_BYTES, BodyWork
+from kvfleet.engine.protocol import body_work as body_limit
+from kvfleet.engine.protocol.body_work import LARGE_BODY_BYTES, BodyWork
+from kvfleet.engine.protocol.http import APIError
 from kvfleet.engine.server.serving import read_completion
 
 

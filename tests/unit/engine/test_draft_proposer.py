@@ -13,10 +13,10 @@ import pytest
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.request import Request, RequestId
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.rank_setup import load_rank_model, resolve_setup
-from kvfleet.engine.runner import ModelRunner
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.spec_decode.draft_model import DraftModelProposer
+from kvfleet.engine.worker.draft_model import DraftModelProposer
+from kvfleet.engine.worker.model_runner import ModelRunner
+from kvfleet.engine.worker.setup import load_rank_model, resolve_setup
 
 BLOCK = 4
 

@@ -12,7 +12,7 @@ import pytest
 from kvfleet.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -18,7 +18,7 @@ from kvfleet.engine.core.isolation import (
 )
 from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
 HfModelDir = Callable[[str], tuple[Any, Path]]

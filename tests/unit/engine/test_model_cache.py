@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.engine import cli, model_cache
-from kvfleet.engine.model_cache import (
+from kvfleet.cli import main as cli
+from kvfleet.engine.loader import model_cache
+from kvfleet.engine.loader.model_cache import (
     MANIFEST_NAME,
     ModelCache,
     ModelDownloadError,

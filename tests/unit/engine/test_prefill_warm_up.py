@@ -1,6 +1,7 @@
-"""The startup step that has Triton compile the prefill attention variants (engine/cuda_graphs.py,
-`warm_up_prefill_kernels`) on the CPU's torch kernels: it writes only into the null block, so
-no live K/V changes (the compile itself is proven on the device, tests/gpu)."""
+"""The startup step that has Triton compile the prefill attention variants
+(engine/worker/cuda_graphs.py, `warm_up_prefill_kernels`) on the CPU's torch kernels: it writes
+only into the null block, so no live K/V changes (the compile itself is proven on the device,
+tests/gpu)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 import torch
 
 from kvfleet.engine.config import EngineConfig
-from kvfleet.engine.cuda_graphs import DecodeGraphs
-from kvfleet.engine.rank_setup import load_rank_model, resolve_setup
-from kvfleet.engine.runner import ModelRunner
+from kvfleet.engine.worker.cuda_graphs import DecodeGraphs
+from kvfleet.engine.worker.model_runner import ModelRunner
+from kvfleet.engine.worker.setup import load_rank_model, resolve_setup
 
 
 def test_the_warm_up_steps_touch_only_the_null_block(tiny_config: Callable[..., Path]) -> None:

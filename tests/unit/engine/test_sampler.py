@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from kvfleet.engine.sampler import Sampler, SamplingMetadata
+from kvfleet.engine.sample.torch_sampler import Sampler, SamplingMetadata
 from kvfleet.engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -85,7 +85,7 @@ def test_penalties() -> None:
         temperature=0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
     )
     m = meta([params], prompts=[[0]], outputs=[[1, 2, 2]])
-    from kvfleet.engine.sampler import apply_penalties
+    from kvfleet.engine.sample.torch_sampler import apply_penalties
 
     out = apply_penalties(logits, m)[0]
     # token 0: prompt only -> 2 / 2; token 1: negative, once in output -> -2 * 2 - 0.5 - 0.25;

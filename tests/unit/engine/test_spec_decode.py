@@ -14,7 +14,8 @@ from scipy import stats
 
 from kvfleet.engine.config import SpeculativeConfig
 from kvfleet.engine.core.request import Request, RequestId
-from kvfleet.engine.sampler import (
+from kvfleet.engine.sample.rejection import emitted_tokens, verify_drafts
+from kvfleet.engine.sample.torch_sampler import (
     Sampler,
     SamplingMetadata,
     filtered_probs,
@@ -31,7 +32,6 @@ from kvfleet.engine.spec_decode.adaptive import (
 )
 from kvfleet.engine.spec_decode.ngram import NgramProposer
 from kvfleet.engine.spec_decode.proposer import Proposer
-from kvfleet.engine.spec_decode.rejection import emitted_tokens, verify_drafts
 from kvfleet.engine.spec_decode.speculator import Speculator
 
 
@@ -481,7 +481,7 @@ def test_proposers_that_cannot_shadow_are_explored_instead() -> None:
 def test_greedy_drafts_judged_on_the_host_as_on_the_device(seed: int) -> None:
     """An all-greedy step's drafts are judged on the host from each row's argmax
     (`rejection.greedy_verdicts`): the same tokens as the device's verification."""
-    from kvfleet.engine.spec_decode.rejection import greedy_verdicts
+    from kvfleet.engine.sample.rejection import greedy_verdicts
 
     gen = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 5, (6,), generator=gen).tolist()

@@ -1,7 +1,7 @@
-"""The per-step broadcast of tensor parallelism (engine/parallel/group.py) between two real
-processes over gloo: what rank 1 receives equals what rank 0 packed, for a step whose lengths
-fit the one host message and for one with more sequences than it carries (the rest follows in a
-second message), and the stop signal ends the exchange."""
+"""The per-step broadcast of tensor parallelism (engine/parallel/group.py, step_message.py)
+between two real processes over gloo: what rank 1 receives equals what rank 0 packed, for a
+step whose lengths fit the one host message and for one with more sequences than it carries
+(the rest follows in a second message), and the stop signal ends the exchange."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from kvfleet.engine.loader.source import resolve_model_source
-from kvfleet.engine.parallel import group as group_module
-from kvfleet.engine.parallel.group import ALIGN_BYTES, PackedStep, TPGroup, pack_aligned
+from kvfleet.engine.parallel.group import TPGroup
 from kvfleet.engine.parallel.partition import TPPlan
-from kvfleet.engine.parallel.worker import free_port
+from kvfleet.engine.parallel.step_message import ALIGN_BYTES, INLINE_SEQS, PackedStep, pack_aligned
+from kvfleet.engine.worker.process import free_port
 
-SEQS = (3, group_module._INLINE_SEQS, group_module._INLINE_SEQS + 45)
+SEQS = (3, INLINE_SEQS, INLINE_SEQS + 45)
 # (any model splits over two ranks; the plan only names this rank's shards)
 CONFIG = resolve_model_source("llama-3-8b", "dummy").read_config()
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvfleet.engine.protocol import APIError
+from kvfleet.engine.protocol.http import APIError
 from kvfleet.gateway.activation import Activator
 
 from .test_autoscaler import FakeScale as Scale

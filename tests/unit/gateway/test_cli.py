@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.engine.server import cli as server_cli
-from kvfleet.gateway import cli as gateway_cli
+from kvfleet.engine.server import commands as server_cli
+from kvfleet.gateway import commands as gateway_cli
 from kvfleet.gateway.routing.snapshot import Policy
 
 

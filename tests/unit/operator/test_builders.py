@@ -11,8 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.engine.cli import build_parser
-from kvfleet.gateway.cli import settings_from
+from kvfleet.cli.main import build_parser
+from kvfleet.gateway.commands import settings_from
 from kvfleet.operator.build_engine import Mounts, build_engine_deployment, engine_args
 from kvfleet.operator.build_gateway import (
     build_gateway_configmap,
@@ -283,7 +283,7 @@ def test_engine_replicas_follow_spec_within_autoscaling_bounds(
 
 def test_engine_takes_the_operators_tensor_parallelism_and_speculation() -> None:
     from kvfleet.engine.config import SpeculativeConfig
-    from kvfleet.engine.server.cli import _settings
+    from kvfleet.engine.server.commands import _settings
 
     args = build_parser().parse_args(["engine", "--tensor-parallel-size=2"])
     assert _settings(args, args.model).engine.tensor_parallel_size == 2

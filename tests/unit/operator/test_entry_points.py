@@ -31,7 +31,7 @@ def run(
     )
 
 
-KVFLEET_OPERATOR = [sys.executable, "-m", "kvfleet.engine.cli", "operator"]
+KVFLEET_OPERATOR = [sys.executable, "-m", "kvfleet.cli.main", "operator"]
 
 
 def test_help_needs_no_cluster(repo_root: Path) -> None:

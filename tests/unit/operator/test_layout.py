@@ -24,4 +24,4 @@ def test_operator_imports_no_torch(heavy_imports_of: Callable[..., list[str]]) -
 
 def test_cli_imports_no_torch(heavy_imports_of: Callable[..., list[str]]) -> None:
     # The gateway and operator images run the same `kvfleet` command.
-    assert heavy_imports_of("kvfleet.engine.cli", "kvfleet.engine.model_cache") == []
+    assert heavy_imports_of("kvfleet.cli.main", "kvfleet.engine.loader.model_cache") == []

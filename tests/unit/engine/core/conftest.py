@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
-from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId
 from kvfleet.engine.core.scheduler import Scheduler
+from kvfleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
 EOS = 2

@@ -12,7 +12,7 @@ from kvfleet.engine.core.block_pool import (
     FreeBlockQueue,
     KVCacheBlock,
 )
-from kvfleet.engine.core.hashing import ROOT_HASH, BlockHash, hash_block_tokens
+from kvfleet.engine.protocol.kv import ROOT_HASH, BlockHash, hash_block_tokens
 
 
 def h(n: int) -> BlockHash:

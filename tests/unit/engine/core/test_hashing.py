@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfleet.engine.core.hashing import ROOT_HASH, hash_block_tokens, hash_full_blocks
+from kvfleet.engine.protocol.kv import ROOT_HASH, hash_block_tokens, hash_full_blocks
 
 
 def test_hash_is_a_stable_sha256_layout() -> None:

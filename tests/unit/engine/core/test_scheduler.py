@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kvfleet.engine.core.outputs import NewRequestData
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
+from kvfleet.engine.core.scheduler_output import NewRequestData
 
 from .conftest import EOS, runner_output
 

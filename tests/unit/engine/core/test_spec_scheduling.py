@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId
 from kvfleet.engine.core.scheduler import Scheduler
+from kvfleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 from .conftest import EOS
 

@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.models import layers, triton_layers
-from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding
-from kvfleet.engine.models.triton_layers import add_rms_norm, rotary_inplace
+from kvfleet.engine.layers import torch_layers as layers
+from kvfleet.engine.layers import triton_layers
+from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
+from kvfleet.engine.layers.triton_layers import add_rms_norm, rotary_inplace
 
 TOLERANCES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.models.triton_layers import add_rms_norm
+from kvfleet.engine.layers.triton_layers import add_rms_norm
 from kvfleet.engine.parallel import triton_peer
 
 HIDDEN, MAX_ROWS = 64, 4

@@ -1,4 +1,4 @@
-"""The vocabulary race (engine/triton_sampler.py) under TRITON_INTERPRET on CPU: greedy rows are
+"""The vocabulary race (engine/sample/gumbel_race.py) under TRITON_INTERPRET on CPU: greedy rows are
 argmax (ties to the lower index), shards raced apart agree with the whole, a seeded row's draw
 depends only on its key, and temperature sampling follows softmax(logits / T).
 
@@ -14,7 +14,7 @@ from scipy import stats
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.triton_sampler import race, winners
+from kvfleet.engine.sample.gumbel_race import race, winners
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
@@ -95,8 +95,8 @@ def test_a_seeded_row_draws_the_same_token_by_the_race_or_by_the_torch_sampler(
     """On CUDA a plain step races the logits unless a row of its batch needs the distribution,
     when the torch sampler takes every row (and a speculative step verifies with it): a seeded
     row's token must not depend on which (the keyed draw is the race's on both paths)."""
-    from kvfleet.engine import sampler as sampler_module
-    from kvfleet.engine.sampler import Sampler, SamplingMetadata, position_seed
+    from kvfleet.engine.sample import torch_sampler as sampler_module
+    from kvfleet.engine.sample.torch_sampler import Sampler, SamplingMetadata, position_seed
     from kvfleet.engine.sampling_params import SamplingParams
 
     monkeypatch.setattr(sampler_module, "_draws_by_race", lambda device: True)  # (as on CUDA)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.engine.core.hashing import hash_full_blocks
+from kvfleet.engine.protocol.kv import hash_full_blocks
 from kvfleet.gateway.routing.prefix_index import PrefixIndex
 from kvfleet.gateway.routing.snapshot import ReplicaId
 

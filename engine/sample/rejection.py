@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.sampler import (
+from kvfleet.engine.sample.torch_sampler import (
     SamplerOutput,
     SamplingMetadata,
     apply_penalties,

@@ -146,7 +146,7 @@ def worker_main(config: Any, rank: int, world_size: int, port: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s"
     )
-    from kvfleet.engine.rank_setup import build_rank, freeze_startup_heap
+    from kvfleet.engine.worker.setup import build_rank, freeze_startup_heap
 
     faulthandler.enable()  # a hung or crashed rank shows where (SIGABRT, SIGSEGV)
     try:

@@ -1,4 +1,5 @@
-"""Chained block hashes for the prefix cache: hash(parent, token ids, extra keys).
+"""The KV-cache contract between engines and the gateway: chained block hashes for the prefix
+cache, hash(parent, token ids, extra keys), and the KV event and snapshot bodies.
 
 Deterministic across processes and machines (sha256 over a fixed byte layout), so a gateway
 hashing the same tokens finds the same blocks an engine reports in its KV events.
@@ -9,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NewType
+from typing import Literal, NewType
+
+from kvfleet.engine.protocol.openai import OpenAIBaseModel
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -67,3 +70,22 @@ def hash_full_blocks(
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+class KVEvent(OpenAIBaseModel):
+    """One prefix-cache change on an engine; `seq` increases by one per event."""
+
+    seq: int
+    type: Literal["stored", "removed", "cleared"]
+    block_hash: str | None = None  # hex sha256
+    parent_hash: str | None = None
+    token_count: int | None = None
+    adapter: str | None = None
+
+
+class KVSnapshot(OpenAIBaseModel):
+    """The cached blocks as of event `seq`; resume the event stream from seq + 1."""
+
+    seq: int
+    block_size: int
+    blocks: list[KVEvent]

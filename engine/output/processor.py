@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet.engine.core.outputs import EngineCoreOutput
 from kvfleet.engine.core.request import RequestId
-from kvfleet.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvfleet.engine.core.scheduler_output import EngineCoreOutput
+from kvfleet.engine.output.detokenizer import IncrementalDetokenizer
+from kvfleet.engine.output.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer
 

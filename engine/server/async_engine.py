@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.engine.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvfleet.engine.core.hashing import adapter_of
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.protocol import KVEvent, KVSnapshot
+from kvfleet.engine.output.request_output import RequestOutput
+from kvfleet.engine.protocol.kv import KVEvent, KVSnapshot, adapter_of
 from kvfleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

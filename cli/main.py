@@ -14,11 +14,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvfleet.bench import cli as bench_cli
-from kvfleet.engine import model_cache
-from kvfleet.engine.server import cli as server_cli
-from kvfleet.gateway import cli as gateway_cli
-from kvfleet.operator import cli as operator_cli
+from kvfleet.bench import commands as bench_cli
+from kvfleet.engine.loader import model_cache
+from kvfleet.engine.server import commands as server_cli
+from kvfleet.gateway import commands as gateway_cli
+from kvfleet.operator import commands as operator_cli
 
 logger = logging.getLogger(__name__)
 

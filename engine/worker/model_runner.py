@@ -16,24 +16,24 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
-from kvfleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvfleet.engine.core.request import RequestId
-from kvfleet.engine.cuda_graphs import DecodeGraphs
-from kvfleet.engine.host_copy import to_device
+from kvfleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvfleet.engine.layers.host_copy import to_device
 from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
-from kvfleet.engine.parallel.group import (
-    PackedStep,
-    RaceInputs,
-    StepInputs,
-    TPGroup,
-    pack_aligned,
+from kvfleet.engine.parallel.group import TPGroup
+from kvfleet.engine.parallel.step_message import PackedStep, RaceInputs, StepInputs, pack_aligned
+from kvfleet.engine.protocol.openai import MAX_LOGPROBS
+from kvfleet.engine.sample.rejection import StepDrafts, greedy_verdicts, sample_with_drafts
+from kvfleet.engine.sample.torch_sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    position_seed,
 )
-from kvfleet.engine.protocol import MAX_LOGPROBS
-from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.spec_decode.rejection import StepDrafts, greedy_verdicts, sample_with_drafts
+from kvfleet.engine.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -171,7 +171,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None
         self._last_sampling: tuple[tuple[RequestId, ...], SamplingMetadata] | None = None
-        # Sampled rows by the vocabulary race on CUDA (engine/triton_sampler.py): per batch,
+        # Sampled rows by the vocabulary race on CUDA (engine/sample/gumbel_race.py): per batch,
         # its temperatures and seeds, or None where a row needs the torch sampler.
         self.race_sampling = device.type == "cuda"
         self._last_race: tuple[tuple[RequestId, ...], _RaceRows | None] | None = None
@@ -378,7 +378,7 @@ class ModelRunner:
 
     def _race(self, rows: torch.Tensor, inputs: RaceInputs) -> torch.Tensor:
         """Each row's token by the vocabulary race: each rank over its shard, then the best."""
-        from kvfleet.engine.triton_sampler import race, winners
+        from kvfleet.engine.sample.gumbel_race import race, winners
 
         logits = self.model.compute_logits(rows, gather=False)
         tp = self.model.tp

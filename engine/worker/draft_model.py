@@ -32,11 +32,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvfleet.engine.core.block_pool import BlockPool, KVCacheBlock
-from kvfleet.engine.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvfleet.engine.core.request import Request, RequestId
-from kvfleet.engine.runner import ModelRunner
+from kvfleet.engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.proposer import Proposer
+from kvfleet.engine.worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 

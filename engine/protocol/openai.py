@@ -36,25 +36,6 @@ Message = Mapping[str, Any]
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
-class APIError(Exception):
-    """An error answered with the OpenAI error body (engine and gateway alike)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-        self.headers: dict[str, str] = {}  # e.g. Retry-After
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """(Pickled whole: a request read in a worker process raises it across.)"""
-        return (type(self), (self.status, self.message, self.type, self.code), self.__dict__)
-
-
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are accepted and ignored, as OpenAI's API does; floats must be finite
     # (Python's JSON reader takes NaN and Infinity).
@@ -126,17 +107,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -156,6 +126,18 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
+    @staticmethod
+    def parse_flag(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
+        """Adapters named on a command line as `NAME=PATH` (the engine's `--lora-modules`, the
+        gateway's `--lora-adapter`), as (name, path) pairs; ValueError naming the flag."""
+        pairs = []
+        for item in items:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"{flag} takes NAME=PATH, got {item!r}")
+            pairs.append((name, path))
+        return pairs
+
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str = Field(min_length=1)
@@ -171,35 +153,8 @@ class TokenizerInfo(OpenAIBaseModel):
     special_tokens: dict[str, str] = Field(default_factory=dict)  # bos_token, eos_token, ...
 
 
-class KVEvent(OpenAIBaseModel):
-    """One prefix-cache change on an engine; `seq` increases by one per event."""
-
-    seq: int
-    type: Literal["stored", "removed", "cleared"]
-    block_hash: str | None = None  # hex sha256
-    parent_hash: str | None = None
-    token_count: int | None = None
-    adapter: str | None = None
-
-
-class KVSnapshot(OpenAIBaseModel):
-    """The cached blocks as of event `seq`; resume the event stream from seq + 1."""
-
-    seq: int
-    block_size: int
-    blocks: list[KVEvent]
-
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def error_body(
-    message: str, type_: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=type_, param=param, code=code)
-    ).model_dump()
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -321,14 +276,3 @@ def normalize_message(message: Message) -> dict[str, str]:
     if not isinstance(content, str):
         raise ValueError(f"message content must be a string or text parts, got {content!r}")
     return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def parse_named_paths(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
-    """`NAME=PATH` command-line values (LoRA adapters) as pairs; ValueError naming the flag."""
-    pairs = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"{flag} takes NAME=PATH, got {item!r}")
-        pairs.append((name, path))
-    return pairs

@@ -99,7 +99,7 @@ def add_commands(commands: Any) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Any:
-    from kvfleet.engine.protocol import parse_named_paths
+    from kvfleet.engine.protocol.openai import LoadLoRAAdapterRequest
     from kvfleet.gateway.admission.keys import KeyStore
     from kvfleet.gateway.admission.rate_limit import KeyLimits
     from kvfleet.gateway.app import GatewaySettings
@@ -136,7 +136,7 @@ def settings_from(args: argparse.Namespace) -> Any:
             raise SystemExit(f"kvfleet: error: {exc}") from exc
         autoscale = (namespace, name, policy)
     try:
-        adapters = parse_named_paths(args.lora_adapter, "--lora-adapter")
+        adapters = LoadLoRAAdapterRequest.parse_flag(args.lora_adapter, "--lora-adapter")
     except ValueError as exc:
         raise SystemExit(f"kvfleet: error: {exc}") from exc
     return GatewaySettings(

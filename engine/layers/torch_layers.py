@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x + residual`; returns (normalized, the new residual)."""
         if self.fused and x.is_cuda:
-            from kvfleet.engine.models.triton_layers import add_rms_norm
+            from kvfleet.engine.layers.triton_layers import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """[num_tokens, 2 * d] -> [num_tokens, d]: silu(gate) * up (one Triton kernel if `fused`)."""
     if fused and gate_up.is_cuda:
-        from kvfleet.engine.models import triton_layers
+        from kvfleet.engine.layers import triton_layers
 
         return triton_layers.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -111,7 +111,7 @@ class RotaryEmbedding(nn.Module):
         """positions [num_tokens]; q [num_tokens, Hq, D], k [num_tokens, Hkv, D]."""
         self.caches(positions.device)
         if self.fused and q.is_cuda:
-            from kvfleet.engine.models.triton_layers import rotary_inplace
+            from kvfleet.engine.layers.triton_layers import rotary_inplace
 
             together = _heads_together(q, k)
             for x in (q, k) if together is None else (together,):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.host_copy import column as host_column
+from kvfleet.engine.layers.host_copy import column as host_column
 from kvfleet.engine.sampling_params import SamplingParams
 
 
@@ -180,7 +180,7 @@ def keyed_exponential_race(probs: torch.Tensor, keys: Sequence[int]) -> torch.Te
     batch needs the distribution), the same token. Elsewhere: argmax(p / E), E drawn by a
     generator seeded with the key."""
     if _draws_by_race(probs.device):
-        from kvfleet.engine.triton_sampler import race, winners
+        from kvfleet.engine.sample.gumbel_race import race, winners
 
         n, device = len(keys), probs.device
         packed = race(

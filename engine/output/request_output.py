@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet.engine.core.outputs import TokenLogprobs
+from kvfleet.engine.core.scheduler_output import TokenLogprobs
 
 
 @dataclass

@@ -23,9 +23,9 @@ from kvfleet.engine.loader.source import ModelSource, resolve_model_source
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.parallel.group import TPGroup
 from kvfleet.engine.parallel.partition import TPPlan
-from kvfleet.engine.runner import ModelRunner, kv_cache_bytes_per_block
-from kvfleet.engine.spec_decode.draft_model import DraftModelProposer
 from kvfleet.engine.spec_decode.speculator import Speculator
+from kvfleet.engine.worker.draft_model import DraftModelProposer
+from kvfleet.engine.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
 

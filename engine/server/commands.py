@@ -134,7 +134,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
         SchedulerConfig,
         SpeculativeConfig,
     )
-    from kvfleet.engine.protocol import parse_named_paths
+    from kvfleet.engine.protocol.openai import LoadLoRAAdapterRequest
     from kvfleet.engine.server.app import ServerSettings
 
     try:
@@ -144,7 +144,7 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
                 speculative = SpeculativeConfig.parse(args.speculative_config)
             except ValueError as exc:
                 raise ValueError(f"--speculative-config: {exc}") from exc
-        modules = parse_named_paths(args.lora_modules, "--lora-modules")
+        modules = LoadLoRAAdapterRequest.parse_flag(args.lora_modules, "--lora-modules")
         engine = EngineConfig(
             model=model,
             load_format=args.load_format,
@@ -220,7 +220,7 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         for port in ports:
-            command = [sys.executable, "-m", "kvfleet.engine.cli", "engine", "--model", args.model]
+            command = [sys.executable, "-m", "kvfleet.cli.main", "engine", "--model", args.model]
             command += ["--host", "127.0.0.1", "--port", str(port), *forwarded]
             engines.append(subprocess.Popen(command))
         print(
@@ -266,8 +266,8 @@ _NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served
 def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
     import uvicorn
 
-    from kvfleet.engine.rank_setup import freeze_startup_heap
     from kvfleet.engine.server.app import create_app
+    from kvfleet.engine.worker.setup import freeze_startup_heap
 
     url = f"http://{args.host}:{args.port}"
 

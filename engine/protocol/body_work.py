@@ -1,6 +1,5 @@
-"""Request bodies: 413 with the OpenAI error body over a limit (BodyLimitMiddleware), and the
-CPU work on a body (parsing, validation, templating, tokenizing) kept off the event loop and
-out of the engine's way (`BodyWork`).
+"""The CPU work on a request body (parsing, validation, templating, tokenizing), kept off the
+event loop and out of the engine's way (`BodyWork`).
 
 Light on purpose (no engine imports): the gateway uses it too.
 """
@@ -8,16 +7,15 @@ Light on purpose (no engine imports): the gateway uses it too.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Generic, TypeVar
 
-from kvfleet.engine.protocol import APIError, error_body
+from kvfleet.engine.protocol.http import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -119,75 +117,3 @@ def _in_worker(work: Callable[..., _T], *args: Any) -> _T:
 
 def _nothing(_: Any) -> None:
     """The first task of a worker started ahead of need."""
-
-
-async def api_error_response(_: Any, exc: Exception) -> Any:
-    """The exception handler of both servers: an APIError as the OpenAI error body, with its
-    status and headers (e.g. Retry-After)."""
-    from fastapi.responses import JSONResponse
-
-    assert isinstance(exc, APIError)  # (registered for APIError only)
-    body = error_body(exc.message, exc.type, exc.code)
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
-
-
-class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes`, by Content-Length or as it streams in."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(
-        self,
-        scope: dict[str, Any],
-        receive: Callable[[], Awaitable[dict[str, Any]]],
-        send: Callable[[dict[str, Any]], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(send)
-            return
-        received = 0
-
-        async def limited_receive() -> dict[str, Any]:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-        body = json.dumps(
-            error_body(
-                f"the request body is larger than {self.max_bytes} bytes",
-                "invalid_request_error",
-                "request_too_large",
-            )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-class _BodyTooLarge(Exception):
-    pass
