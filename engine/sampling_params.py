@@ -107,6 +107,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def effective_temperature(self) -> float:
+        """The temperature the samplers divide by, 0.0 for greedy: the one encoding of greedy
+        every sampling path reads (`engine/sample/`)."""
+        return 0.0 if self.is_greedy else self.temperature
+
+    @property
     def needs_distribution(self) -> bool:
         """Whether sampling needs the whole (filtered) distribution, not just a race."""
         return (

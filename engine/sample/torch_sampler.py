@@ -21,8 +21,8 @@ from kvfleet.engine.sampling_params import SamplingParams
 class SamplingMetadata:
     """The batch's sampling knobs as device tensors, one row per sampled request."""
 
-    temperature: torch.Tensor  # [B] float32; 1.0 in greedy rows (unused there)
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # [B] float32, 0 in greedy rows
+    greedy: torch.Tensor  # [B] bool: temperature == 0 (derived on the device)
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
     top_p: torch.Tensor | None  # [B] float32
@@ -48,15 +48,13 @@ class SamplingMetadata:
         def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return host_column(values, dtype, device)
 
-        greedy = [p.is_greedy for p in params]
+        temperature = column([p.effective_temperature for p in params])
         has_penalties = any(p.has_penalties for p in params)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=column(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-            ),
-            greedy=column(greedy, torch.bool),
-            all_greedy=all(greedy),
+            temperature=temperature,
+            greedy=temperature == 0,
+            all_greedy=all(p.is_greedy for p in params),
             top_k=column([p.top_k or vocab_size for p in params], torch.int64)
             if any(p.top_k is not None for p in params)
             else None,
@@ -135,7 +133,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Softmax of logits / temperature after top-k, top-p and min-p filtering."""
-    logits = logits / meta.temperature[:, None]
+    # (greedy rows, temperature 0, take their argmax elsewhere: any finite divisor serves)
+    logits = logits / meta.temperature.masked_fill(meta.greedy, 1.0)[:, None]
     if meta.top_k is not None or meta.top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)

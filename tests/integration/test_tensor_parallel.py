@@ -99,8 +99,8 @@ def race_tokens(
     runner = llm.engine.runner
     runner.race_sampling = race
     raced = []
-    original = runner._race
-    runner._race = lambda rows, inputs: raced.append(1) or original(rows, inputs)  # type: ignore[method-assign]
+    original = runner._race_batch
+    runner._race_batch = lambda step: raced.append(1) or original(step)  # type: ignore[method-assign]
     try:
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     finally:
