@@ -31,7 +31,7 @@ import torch
 from kvfleet.bench.ceilings import sync
 from kvfleet.bench.report import emit
 from kvfleet.engine.core.request import Request
-from kvfleet.engine.core.scheduler import SpecDecodeStats
+from kvfleet.engine.core.stats import SpecDecodeStats
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.spec_decode.speculator import Speculator

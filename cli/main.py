@@ -14,11 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvfleet.bench import commands as bench_cli
+from kvfleet.bench import commands as bench_commands
+from kvfleet.cli import serve
 from kvfleet.engine.loader import model_cache
-from kvfleet.engine.server import commands as server_cli
-from kvfleet.gateway import commands as gateway_cli
-from kvfleet.operator import commands as operator_cli
+from kvfleet.engine.server import commands as engine_commands
+from kvfleet.gateway import commands as gateway_commands
+from kvfleet.operator import commands as operator_commands
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvfleet {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_models_command(commands)
-    server_cli.add_commands(commands)
-    gateway_cli.add_commands(commands)
-    operator_cli.add_commands(commands)
-    bench_cli.add_commands(commands)
+    serve.add_command(commands)
+    engine_commands.add_commands(commands)
+    gateway_commands.add_commands(commands)
+    operator_commands.add_commands(commands)
+    bench_commands.add_commands(commands)
     return parser
 
 

@@ -1,6 +1,6 @@
 """LLMEngine: tokenizer, scheduler, KV cache and model runner, stepped by its owner.
 
-Wiring happens here (what every tensor-parallel rank sets up alike is in rank_setup.py).
+Wiring happens here (the device side is built by worker/build.py).
 `add_request` validates (ValueError on bad input, nothing
 added); `step` schedules, runs the model once, and returns the requests that progressed.
 """
@@ -14,32 +14,21 @@ import time
 from collections.abc import Sequence
 
 from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.core.block_pool import BlockStored, KVCacheEvent
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.core.scheduler_output import SchedulerOutput
+from kvfleet.engine.core.stats import SchedulerStats
 from kvfleet.engine.lora.adapter import LoRANotFoundError
-from kvfleet.engine.lora.manager import LoRAManager
 from kvfleet.engine.output.processor import OutputProcessor
 from kvfleet.engine.output.request_output import RequestOutput
-from kvfleet.engine.parallel.group import TPGroup
-from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.protocol.kv import lora_key
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tokenizer import Tokenizer
-from kvfleet.engine.worker.model_runner import LaunchedStep, ModelRunner
-from kvfleet.engine.worker.process import WorkerPool, free_port
-from kvfleet.engine.worker.setup import (
-    build_speculator,
-    enable_peer_all_reduce,
-    graph_query_len,
-    join_group,
-    load_draft,
-    load_rank_model,
-    num_kv_blocks,
-    resolve_setup,
-    uses_graphs,
-)
+from kvfleet.engine.worker.build import build_device_side
+from kvfleet.engine.worker.model_runner import LaunchedStep
+from kvfleet.engine.worker.setup import resolve_setup
 
 logger = logging.getLogger(__name__)
 
@@ -63,48 +52,11 @@ class LLMEngine:
             else None
         )
         lora = config.lora
-        self.workers: WorkerPool | None = None
-        self.tp: TPGroup | None = None
-        if config.tensor_parallel_size > 1:
-            TPPlan.build(self.model_config, 0, config.tensor_parallel_size)  # fail before spawning
-            port = free_port()
-            self.workers = WorkerPool(config, config.tensor_parallel_size, port)
-            self.workers.start()
-            size = config.tensor_parallel_size
-            self.tp = self.workers.run_while_alive(lambda: join_group(setup, 0, size, port))
-        model = load_rank_model(config, setup, self.tp)
-        if self.tp is not None and self.workers is not None:
-            tp = self.tp
-            self.workers.run_while_alive(lambda: enable_peer_all_reduce(config, setup, tp))
-        self.lora: LoRAManager | None = None
-        if lora.enable_lora:
-            # NOTE: before the KV cache is sized, so the slots count as weights.
-            self.lora = LoRAManager(
-                model,
-                lora.max_loras,
-                lora.max_cpu_loras or lora.max_loras,
-                lora.max_lora_rank,
-                use_triton=self.attention_backend == "triton",
-            )
-            for name, path in lora.lora_modules:
-                self.lora.add(name, path)
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, block_size, self.dtype, self.device, self.lora)
-        # NOTE: the draft model before the KV cache is sized: its weights and its own cache
-        # (as many blocks as the target's) count.
-        draft = load_draft(config, setup) if config.speculative else None
-        num_blocks = num_kv_blocks(config, self.runner, setup, draft)
-        if self.tp is not None and self.workers is not None:
-            tp, own = self.tp, num_blocks  # every rank holds the same blocks
-            num_blocks = self.workers.run_while_alive(lambda: tp.min_int(own))
-        self.runner.allocate_kv_cache(num_blocks)
-        if uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
-            self.runner.enable_decode_graphs(
-                config.scheduler.max_num_seqs, self.max_model_len, graph_query_len(config)
-            )
-        self.speculator = build_speculator(
-            config, setup, model, draft, num_blocks, self.max_model_len
-        )
+        device_side = build_device_side(config, setup)
+        self.runner, num_blocks = device_side.runner, device_side.num_blocks
+        self.lora, self.speculator = device_side.lora, device_side.speculator
+        self.tp, self.workers = device_side.tp, device_side.workers
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events
         )
@@ -138,6 +90,23 @@ class LLMEngine:
             block_size,
             self.max_model_len,
         )
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache_manager.block_size
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler now, as an immutable record (what other threads may read)."""
+        return self.scheduler.stats(
+            with_adapters=self.lora is not None, with_spec_decode=self.speculator is not None
+        )
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (KV events for gateways)."""
+        return self.kv_cache_manager.block_pool.take_events()
+
+    def cached_blocks(self) -> list[BlockStored]:
+        return self.kv_cache_manager.block_pool.cached()
 
     @property
     def eos_token_id(self) -> int | None:

@@ -6,7 +6,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfleet.engine.protocol.openai import MAX_INT32, MAX_INT64, MAX_LOGPROBS
+from kvfleet.engine.protocol.openai import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_INT32,
+    MAX_INT64,
+    MAX_LOGPROBS,
+)
 
 # Below this, a temperature means greedy (argmax): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -30,7 +35,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False

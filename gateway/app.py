@@ -10,7 +10,6 @@ stream cut mid-way ends with an OpenAI error event and `[DONE]`, never a hang.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -34,31 +33,22 @@ from kvfleet.engine.protocol.http import (
 )
 from kvfleet.engine.protocol.kv import BlockHash, extra_keys_for, hash_full_blocks
 from kvfleet.engine.protocol.openai import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     openapi_body,
-    parse_json_object,
-    validate_request,
 )
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
 from kvfleet.gateway.cluster import ClusterLoops
 from kvfleet.gateway.peers import USAGE_PATH, usage_body
 from kvfleet.gateway.proxy import REPLICA_HEADER, proxy
+from kvfleet.gateway.requests import count_prompts, read_request
 from kvfleet.gateway.routing.snapshot import RouteRequest
 from kvfleet.gateway.state import Gateway, GatewaySettings
-from kvfleet.gateway.tokenizer import GatewayTokenizer
 
-__all__ = ["REPLICA_HEADER", "GatewaySettings", "all_prompts", "create_gateway_app"]
+__all__ = ["REPLICA_HEADER", "GatewaySettings", "create_gateway_app"]
 
 logger = logging.getLogger(__name__)
-
-CHAT_DEFAULT_MAX_TOKENS = 512  # reserved when a chat request names no limit
-REQUEST_MODELS: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
-    "completions": CompletionRequest,
-    "chat/completions": ChatCompletionRequest,
-}
 
 
 def create_gateway_app(
@@ -194,7 +184,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
     labels.key = key_id
     raw = await request.body()
     counted_by = gateway.tokenizer
-    body, counted = await gateway.bodies.run(len(raw), read_request, raw, path)
+    body, counted, new_tokens = await gateway.bodies.run(len(raw), read_request, raw, path)
     model = body.get("model")
     labels.model = model if isinstance(model, str) else ""
     if not gateway.pool.snapshot().ready:
@@ -206,7 +196,7 @@ async def _handle(gateway: Gateway, request: Request, path: str, labels: _Labels
         counted = await gateway.bodies.run(len(raw), count_prompts, raw, path)  # exactly now
     prompt_ids, prompt_tokens, prompts = counted
     # every token the request can cause: all its prompts, and max_tokens for each of their n
-    max_tokens = _max_tokens(body, path) * prompts
+    max_tokens = new_tokens * prompts
     priority = _priority(gateway, request, key_id, body)
     reservation = _reserve(gateway, key_id, prompt_tokens + max_tokens)
     route_request = _route_request(gateway, request, body, prompt_ids, adapter)
@@ -330,87 +320,3 @@ def _adapter_named(gateway: Gateway, model: object) -> str | None:
             code="model_not_found",
         )
     return model if model in registry or cards[model].get("parent") else None
-
-
-def read_request(
-    tokenizer: GatewayTokenizer | None, raw: bytes, path: str
-) -> tuple[dict[str, Any], tuple[list[int], int, int]]:
-    """A body parsed and refused (400) as the engine would refuse it, and its prompts counted
-    (`count_prompts`); run by `BodyWork` (a thread, or a worker process for a large body).
-    The body comes back without its prompt or messages: the engine reads the raw bytes."""
-    body = _parse_body(raw, path)
-    counted = _counted(tokenizer, body, path)
-    return {k: v for k, v in body.items() if k not in ("prompt", "messages")}, counted
-
-
-def count_prompts(
-    tokenizer: GatewayTokenizer | None, raw: bytes, path: str
-) -> tuple[list[int], int, int]:
-    """(the first prompt's token ids, for routing; the tokens of all its prompts, for the
-    reservation; how many prompts). Without the engines' tokenizer yet, text counts as its
-    UTF-8 bytes (at least its tokens) and routing goes by load."""
-    return _counted(tokenizer, _parse_body(raw, path), path)
-
-
-def _counted(
-    tokenizer: GatewayTokenizer | None, body: dict[str, Any], path: str
-) -> tuple[list[int], int, int]:
-    try:
-        return _tokenize(tokenizer, body, path)
-    except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc)) from exc
-
-
-def _tokenize(
-    tokenizer: GatewayTokenizer | None, body: dict[str, Any], path: str
-) -> tuple[list[int], int, int]:
-    if path == "chat/completions":
-        messages = body["messages"]
-        if tokenizer is None:
-            return [], len(json.dumps(messages).encode()), 1
-        ids = tokenizer.chat_ids(messages, bool(body.get("add_generation_prompt", True)))
-        return ids, len(ids), 1
-    prompts = all_prompts(body["prompt"])
-    first: list[int] = []
-    total = 0
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, list):
-            ids = prompt
-        elif tokenizer is None:
-            total += len(prompt.encode())
-            continue
-        else:
-            ids = tokenizer.encode(prompt)
-        total += len(ids)
-        if index == 0:
-            first = ids
-    return first, total, max(1, len(prompts))
-
-
-def all_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
-    """Every prompt of a completions request (validated): a string, token ids, or a batch."""
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
-
-
-def _max_tokens(body: dict[str, Any], path: str) -> int:
-    default = (
-        CHAT_DEFAULT_MAX_TOKENS if path == "chat/completions" else COMPLETIONS_DEFAULT_MAX_TOKENS
-    )
-    value = body.get("max_completion_tokens") or body.get("max_tokens") or default
-    n = body.get("n") or 1
-    if not isinstance(value, int) or not isinstance(n, int) or value < 0 or n < 1:
-        return default  # the engine answers 400 with the details
-    return value * n
-
-
-def _parse_body(raw: bytes, path: str) -> dict[str, Any]:
-    """The body refused (400) here as the engine would refuse it, else its fields as the
-    engine reads them (validated: token ids sent as 5.0 are the integers the engine takes),
-    for routing and counting."""
-    try:
-        request = validate_request(parse_json_object(raw), REQUEST_MODELS[path])
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
-    return request.model_dump(exclude_unset=True, exclude_none=True)

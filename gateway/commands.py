@@ -175,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from kvfleet.engine.protocol.http import quiet_health_checks
     from kvfleet.gateway.app import create_gateway_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -185,5 +186,6 @@ def _run(args: argparse.Namespace) -> int:
     # which then cost what request objects cost (a large body's work is paused for anyway).
     gc.collect()
     gc.freeze()
+    quiet_health_checks()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

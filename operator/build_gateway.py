@@ -20,7 +20,7 @@ from kvfleet.operator.common import (
     container_security_context,
     pod_security_context,
 )
-from kvfleet.operator.spec import GROUP, PLURAL
+from kvfleet.operator.spec_base import GROUP, PLURAL
 
 CONFIG_DIR = "/etc/kvfleet/gateway"
 KEYS_DIR = "/etc/kvfleet/keys"

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.operator.spec import API_VERSION, KIND, LLMDeploymentSpec
+from kvfleet.operator.spec import LLMDeploymentSpec
+from kvfleet.operator.spec_base import API_VERSION, KIND
 
 MANAGED_BY = "kvfleet-operator"  # also the server-side apply field manager
 ENGINE, GATEWAY = "engine", "gateway"

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvfleet.operator.spec import CrdModel
+from kvfleet.operator.spec_base import CrdModel
 
 
 class Phase(enum.StrEnum):

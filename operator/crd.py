@@ -15,15 +15,8 @@ from typing import Any
 import yaml
 
 from kvfleet.operator.conditions import LLMDeploymentStatus
-from kvfleet.operator.spec import (
-    GROUP,
-    KIND,
-    MAX_NAME_LENGTH,
-    PLURAL,
-    SHORT_NAME,
-    VERSION,
-    LLMDeploymentSpec,
-)
+from kvfleet.operator.spec import LLMDeploymentSpec
+from kvfleet.operator.spec_base import GROUP, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, VERSION
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 _DROPPED = {"title", "additionalProperties"}  # handled below; structural schemas forbid some

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.operator.kube import KubeApi, KubeError
-from kvfleet.operator.spec import API_VERSION, KIND
+from kvfleet.operator.spec_base import API_VERSION, KIND
 
 logger = logging.getLogger(__name__)
 

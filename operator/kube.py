@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.operator.common import MANAGED_BY
-from kvfleet.operator.spec import GROUP, PLURAL, VERSION
+from kvfleet.operator.spec_base import GROUP, PLURAL, VERSION
 
 # kind -> (API path prefix, plural) for every kind the operator writes or reads
 RESOURCES: Mapping[str, tuple[str, str]] = {

@@ -17,7 +17,8 @@ import kopf
 from kvfleet.operator.common import MANAGED_BY, OperatorConfig
 from kvfleet.operator.kube import ClusterUnreachableError, KubeError, connect
 from kvfleet.operator.reconcile import ChildRejectedError, Reconciler, Resyncer, owner_reference
-from kvfleet.operator.spec import GROUP, PLURAL, VERSION, InvalidSpecError
+from kvfleet.operator.spec import InvalidSpecError
+from kvfleet.operator.spec_base import GROUP, PLURAL, VERSION
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from kvfleet.operator.common import ENGINE, GATEWAY, OperatorConfig, Owner
 from kvfleet.operator.conditions import ConditionType
 from kvfleet.operator.events import EventRecorder, EventType
 from kvfleet.operator.kube import KubeApi, KubeError
-from kvfleet.operator.spec import KIND, InvalidSpecError, parse_spec
+from kvfleet.operator.spec import InvalidSpecError, parse_spec
+from kvfleet.operator.spec_base import KIND
 from kvfleet.operator.status import build_status, invalid_spec_status
 
 logger = logging.getLogger(__name__)

@@ -210,6 +210,13 @@ class BlockPool:
         events, self.events = self.events, []
         return events
 
+    def cached(self) -> list[BlockStored]:
+        """Every block in the prefix cache, as the event that stored it (a snapshot)."""
+        return [
+            BlockStored(block_hash, b.parent_hash, b.token_ids, b.extra_keys)  # type: ignore[arg-type]
+            for block_hash, b in self.cached_blocks.items()
+        ]
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -97,3 +97,37 @@ class Request:
             del self.output_token_ids[count:]
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
             self.block_hashes = []  # (hashed again as needed)
+
+    def ends_with_pending(self, max_model_len: int) -> bool:
+        """Whether the request reaches max_tokens or max_model_len with its pending tokens."""
+        max_tokens = self.sampling_params.max_tokens
+        num_outputs = self.num_output_tokens + self.num_pending_tokens
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            self.num_tokens + self.num_pending_tokens >= max_model_len
+        )
+
+    def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """How the request ends with `token_id` just appended (None: it goes on)."""
+        params = self.sampling_params
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def drafts_that_fit(self, drafts: list[int], budget: int, max_model_len: int) -> list[int]:
+        """The leading drafts this step can verify: only for a request about to compute its
+        last token (decoding, none pending), with room for them and the token after them
+        within max_tokens, max_model_len and the budget."""
+        if self.num_pending_tokens or self.num_computed_tokens != self.num_tokens - 1:
+            return []
+        room = min(budget, max_model_len - self.num_tokens) - 1
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - self.num_output_tokens - 1)
+        return drafts[: max(room, 0)]

@@ -21,9 +21,9 @@ is scheduled.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from kvfleet.engine.core.isolation import FaultIsolation
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
@@ -35,22 +35,7 @@ from kvfleet.engine.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative decoding so far (vLLM's counters): requests' steps that carried drafts,
-    the drafts, and those accepted."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_rejections: int = 0  # drafted steps that had a draft rejected
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a drafted step emits on average (1 + accepted per drafted step; 0: none)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+from kvfleet.engine.core.stats import SchedulerStats, SpecDecodeStats
 
 
 class Scheduler:
@@ -105,6 +90,28 @@ class Scheduler:
         # The request `schedule` is at while it runs (None once it returns): a failure while
         # scheduling is that request's, most likely.
         self._scheduling: RequestId | None = None
+
+    def stats(self, with_adapters: bool = False, with_spec_decode: bool = False) -> SchedulerStats:
+        """A reading of the scheduler now (on the engine thread, for the others)."""
+        kv = self.kv_cache_manager
+
+        def adapters(requests: list[Request]) -> tuple[str, ...]:
+            if not with_adapters:
+                return ()
+            return tuple(sorted({r.lora_name for r in requests if r.lora_name}))
+
+        spec = dataclasses.replace(self.spec_decode_stats) if with_spec_decode else None
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            running_adapters=adapters(self.running),
+            waiting_adapters=adapters(self.waiting),
+            spec_decode=spec,
+        )
 
     @property
     def num_running(self) -> int:
@@ -179,7 +186,7 @@ class Scheduler:
             request = self.running[i]
             self._scheduling = request.request_id
             proposed = drafts.get(request.request_id) if drafts else None
-            spec = self._drafts_that_fit(request, proposed, budget) if proposed else []
+            spec = request.drafts_that_fit(proposed, budget, self.max_model_len) if proposed else []
             num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec))
             if num_new == 0:
                 i += 1
@@ -307,7 +314,7 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                status = self._stop_status(request, token_id)
+                status = request.stop_status(token_id, self.max_model_len)
                 if status is not None:
                     break
             if status is not None:
@@ -332,18 +339,6 @@ class Scheduler:
             return True
         return len(adapters) < self.max_loras
 
-    def _drafts_that_fit(self, request: Request, drafts: list[int], budget: int) -> list[int]:
-        """The leading drafts this step can verify: only for a request about to compute its
-        last token (decoding, none pending), with room for them and the token after them
-        within max_tokens, max_model_len and the budget."""
-        if request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1:
-            return []
-        room = min(budget, self.max_model_len - request.num_tokens) - 1
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        return drafts[: max(room, 0)]
-
     def _take_verdict(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A drafted step's outcome: the rejected drafts' tokens are to compute again."""
         request.num_computed_tokens -= num_drafts - num_accepted
@@ -356,21 +351,13 @@ class Scheduler:
     def _num_tokens_to_schedule(
         self, request: Request, budget: int, num_hit_tokens: int = 0, num_drafts: int = 0
     ) -> int:
-        if request.num_pending_tokens and self._ends_with_pending(request):
+        if request.num_pending_tokens and request.ends_with_pending(self.max_model_len):
             return 0  # its pending token is its last: nothing more to compute
         num_inputs = request.num_tokens + request.num_pending_tokens + num_drafts
         num_new = num_inputs - max(request.num_computed_tokens, num_hit_tokens)
         if num_new > budget and not self.enable_chunked_prefill:
             return 0
         return min(num_new, budget)
-
-    def _ends_with_pending(self, request: Request) -> bool:
-        """Whether the request reaches max_tokens or max_model_len with its pending tokens."""
-        max_tokens = request.sampling_params.max_tokens
-        num_outputs = request.num_output_tokens + request.num_pending_tokens
-        return (max_tokens is not None and num_outputs >= max_tokens) or (
-            request.num_tokens + request.num_pending_tokens >= self.max_model_len
-        )
 
     def _advance(self, request: Request, num_new: int, num_drafts: int = 0) -> None:
         """`num_new` tokens scheduled: a step that reaches the last input (the last draft, if
@@ -380,19 +367,6 @@ class Scheduler:
             num_drafts
         ):
             request.num_pending_tokens += 1
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

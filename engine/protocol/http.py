@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,18 @@ from starlette.requests import Request
 
 _T = TypeVar("_T")
 CLIENT_CLOSED = 499  # the status logged for a request whose client left (nginx's)
+
+
+class _NoHealthChecks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) > 2 and args[2] == "/health")
+
+
+def quiet_health_checks() -> None:
+    """Leave `/health` polls (kubelet probes, the gateway's health checks, a user waiting for
+    the model to load) out of uvicorn's access log; every other request stays in it."""
+    logging.getLogger("uvicorn.access").addFilter(_NoHealthChecks())
 
 
 class APIError(Exception):

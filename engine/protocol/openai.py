@@ -30,7 +30,8 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenIds = Annotated[list[TokenId], Field(min_length=0)]
 
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI's default for /v1/completions (and SamplingParams'); chat has none (to the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 Message = Mapping[str, Any]
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -76,6 +77,15 @@ class SamplingFields(OpenAIBaseModel):
     cache_salt: str | None = Field(default=None, max_length=1024)
     speculative: bool = True  # false: no speculative decoding for this request
 
+    def max_new_tokens(self) -> int | None:
+        """The most tokens a choice may generate; None: up to the context length. The one
+        place this rule is written (engine and gateway read it here)."""
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each sampled token reports; None: no logprobs."""
+        raise NotImplementedError
+
 
 class CompletionRequest(SamplingFields):
     prompt: (
@@ -86,6 +96,12 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(OpenAIBaseModel):
@@ -105,6 +121,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens  # (the first: OpenAI's newer name)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ModelCard(OpenAIBaseModel):

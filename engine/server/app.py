@@ -50,7 +50,8 @@ from kvfleet.engine.server.async_engine import (
     RequestFailedError,
 )
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
-from kvfleet.engine.server.serving import OpenAIServing, read_body, read_chat, read_completion
+from kvfleet.engine.server.requests import read_body, read_chat, read_completion
+from kvfleet.engine.server.serving import OpenAIServing
 from kvfleet.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,26 +93,24 @@ class _State:
         )
 
     def read_stats(self) -> EngineStats | None:
+        """For a scrape: the engine thread's last record, never its live objects."""
         if self.engine is None:
             return None
-        core = self.engine.engine
-        kv = core.kv_cache_manager
-        scheduler = core.scheduler
-        lora = None
-        if core.lora is not None:
-            # NOTE: read from another thread: copy the lists before iterating them.
-            running = {r.lora_name for r in list(scheduler.running) if r.lora_name}
-            waiting = {r.lora_name for r in list(scheduler.waiting) if r.lora_name}
-            lora = (sorted(running), sorted(waiting), core.lora.max_loras)
+        stats = self.engine.stats
+        lora = self.engine.engine.lora
         return EngineStats(
-            num_running=scheduler.num_running,
+            num_running=stats.num_running,
             num_waiting=self.engine.num_waiting,
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=scheduler.num_preemptions,
-            lora=lora,
-            spec_decode=scheduler.spec_decode_stats if core.speculator is not None else None,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+            lora=(
+                (list(stats.running_adapters), list(stats.waiting_adapters), lora.max_loras)
+                if lora is not None
+                else None
+            ),
+            spec_decode=stats.spec_decode,
             num_step_failures=self.engine.num_step_errors,
             num_requests_isolated=self.engine.num_isolated,
         )
@@ -308,8 +307,7 @@ def _add_tokenizer_route(app: FastAPI, state: _State) -> None:
         core = engine.engine
         if core.tokenizer is None:
             raise APIError(404, "this engine has no tokenizer", code="no_tokenizer")
-        block_size = core.kv_cache_manager.block_size
-        return core.tokenizer.info(state.settings.model_name, block_size).model_dump()
+        return core.tokenizer.info(state.settings.model_name, core.block_size).model_dump()
 
 
 def _ready_engine(state: _State) -> AsyncEngine:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.engine.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvfleet.engine.core.stats import SchedulerStats
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.protocol.kv import KVEvent, KVSnapshot, adapter_of
@@ -79,6 +80,8 @@ class AsyncEngine:
             engine.workers.on_death(lambda _: self._wake.set())
         self._lora_names: tuple[str, ...] = ()
         self._refresh_lora_names()
+        # The scheduler as of the engine thread's last step (other threads read only this).
+        self.stats: SchedulerStats = engine.stats()
 
     @property
     def is_running(self) -> bool:
@@ -96,7 +99,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests waiting: in the scheduler's queue, or not yet handed to it."""
-        return self.engine.scheduler.num_waiting + self._pending_adds
+        return self.stats.num_waiting + self._pending_adds
 
     def start(self) -> None:
         self._thread.start()
@@ -186,6 +189,7 @@ class AsyncEngine:
         logger.info("engine loop started")
         while not self._stop.is_set():
             self._handle_commands()
+            self.stats = self.engine.stats()
             if self.engine.fatal_error is not None:
                 logger.critical("the engine cannot go on: %s", self.engine.fatal_error)
                 self._fail_in_flight(RuntimeError(self.engine.fatal_error))
@@ -203,7 +207,8 @@ class AsyncEngine:
                 self._deliver(output)
             if any(o.finished for o in outputs):
                 self._refresh_lora_names()  # an unloaded adapter's last request may be done
-            self._publish_kv_events(self.engine.kv_cache_manager.block_pool.take_events())
+            self.stats = self.engine.stats()
+            self._publish_kv_events(self.engine.take_kv_events())
         self._stop.set()
         self._handle_commands()
         logger.info("engine loop stopped")
@@ -299,7 +304,7 @@ class AsyncEngine:
                     if stream is not None:
                         message = f"this request made the engine fail, and was stopped: {exc}"
                         stream.put(RequestFailedError(message))
-                self._publish_kv_events(self.engine.kv_cache_manager.block_pool.take_events())
+                self._publish_kv_events(self.engine.take_kv_events())
                 return
         self._fail_in_flight(exc)
         self._stop.set()
@@ -335,14 +340,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _kv_snapshot(self) -> KVSnapshot:
-        pool = self.engine.kv_cache_manager.block_pool
-        blocks = [
-            _kv_event(self._kv_seq, BlockStored(h, b.parent_hash, b.token_ids, b.extra_keys))  # type: ignore[arg-type]
-            for h, b in pool.cached_blocks.items()
-        ]
-        return KVSnapshot(
-            seq=self._kv_seq, block_size=self.engine.kv_cache_manager.block_size, blocks=blocks
-        )
+        blocks = [_kv_event(self._kv_seq, stored) for stored in self.engine.cached_blocks()]
+        return KVSnapshot(seq=self._kv_seq, block_size=self.engine.block_size, blocks=blocks)
 
     def _publish_kv_events(self, events: list[KVCacheEvent]) -> None:
         for event in events:

@@ -1,5 +1,6 @@
-"""`kvfleet engine` and `kvfleet serve`: argument parsing, then the server. Imports stay light here;
-torch and the server load only when a command runs."""
+"""`kvfleet engine`: argument parsing, then one engine's server (what a pod runs; `kvfleet serve`
+puts the gateway in front of N of them, kvfleet/cli/serve.py). Imports stay light here: torch
+and the server load only when the command runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
 ENGINE_HOST, ENGINE_PORT = "0.0.0.0", 8100
 
 
@@ -23,28 +23,11 @@ def add_commands(commands: Any) -> None:
     engine.add_argument(
         "--model", default="smollm2", help="alias, .gguf file, folder, hub id, or config"
     )
-    _add_server_arguments(engine, ENGINE_HOST, ENGINE_PORT)
+    add_server_arguments(engine, ENGINE_HOST, ENGINE_PORT)
     engine.set_defaults(run=_run_engine)
 
-    serve = commands.add_parser(
-        "serve",
-        help="run the local stack on http://127.0.0.1:8000",
-        description="Run kvfleet locally (today: the engine alone) and print how to call it.",
-    )
-    serve.add_argument(
-        "model", nargs="?", default="smollm2", help="what to serve (default smollm2)"
-    )
-    _add_server_arguments(serve, SERVE_HOST, SERVE_PORT)
-    serve.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="N > 1: N local engines on ports 8101.. behind the gateway on --port",
-    )
-    serve.set_defaults(run=_run_serve)
 
-
-def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+def add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int) -> None:
     parser.add_argument("--host", default=host)
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--served-model-name", help="the name clients send as `model`")
@@ -124,6 +107,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    # (`kvfleet serve` starts its engines so: the gateway in front says how to call it and
+    # logs each request once)
+    parser.add_argument("--behind-gateway", action="store_true", help=argparse.SUPPRESS)
 
 
 def _settings(args: argparse.Namespace, model: str) -> Any:
@@ -192,96 +178,30 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
     )
 
 
+def ready_message(name: str, url: str) -> str:
+    """What a user sees once the model answers: where, and a first request to try."""
+    return (
+        f"\nkvfleet is serving {name} at {url}/v1\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", '
+        '"content": "What is the capital of France?"}]}\'\n'
+    )
+
+
 def _run_engine(args: argparse.Namespace) -> int:
-    return _serve(_settings(args, args.model), args, announce=False)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    if args.replicas > 1:
-        return _serve_replicas(args)
-    return _serve(_settings(args, args.model), args, announce=True)
-
-
-def _serve_replicas(args: argparse.Namespace) -> int:
-    """N engine processes on loopback, the gateway in this one in front of them."""
-    import signal
-    import subprocess
-
     import uvicorn
 
-    from kvfleet.gateway.app import GatewaySettings, create_gateway_app
-
-    forwarded = _forwarded_engine_arguments(args)
-    ports = [ENGINE_PORT + 1 + i for i in range(args.replicas)]
-    replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
-    url = f"http://{args.host}:{args.port}"
-    engines: list[subprocess.Popen[bytes]] = []
-    # NOTE: a SIGTERM before uvicorn takes the signal over must still stop the engines.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
-        for port in ports:
-            command = [sys.executable, "-m", "kvfleet.cli.main", "engine", "--model", args.model]
-            command += ["--host", "127.0.0.1", "--port", str(port), *forwarded]
-            engines.append(subprocess.Popen(command))
-        print(
-            f"kvfleet: {len(engines)} engines of {args.model} starting behind {url}/v1", flush=True
-        )
-        app = create_gateway_app(GatewaySettings(replicas=replicas, prestart_body_worker=True))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        for engine in engines:
-            engine.terminate()
-        for engine in engines:
-            try:
-                engine.wait(timeout=args.shutdown_timeout + 20)
-            except subprocess.TimeoutExpired:
-                engine.kill()
-    return 0
-
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _forwarded_engine_arguments(args: argparse.Namespace) -> list[str]:
-    """The engine options given to `serve`, for each replica's `kvfleet engine`."""
-    forwarded = []
-    for name, value in vars(args).items():
-        if name in _NOT_FORWARDED or value is None or value is False:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            forwarded.append(flag)
-        elif isinstance(value, list):
-            if value:
-                forwarded += [flag, *map(str, value)]
-        else:
-            forwarded += [flag, str(value)]
-    return forwarded
-
-
-_NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served_model_name"}
-
-
-def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
-    import uvicorn
-
+    from kvfleet.engine.protocol.http import quiet_health_checks
     from kvfleet.engine.server.app import create_app
     from kvfleet.engine.worker.setup import freeze_startup_heap
 
+    settings = _settings(args, args.model)
     url = f"http://{args.host}:{args.port}"
 
     def on_ready() -> None:
         freeze_startup_heap()  # (this process serves this one engine)
-        name = settings.model_name
-        print(f"\nkvfleet is serving {name} at {url}/v1", flush=True)
-        if announce:
-            print(
-                f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-                f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", '
-                '"content": "What is the capital of France?"}]}\'\n',
-                flush=True,
-            )
+        if not args.behind_gateway:
+            print(ready_message(settings.model_name, url), flush=True)
 
     def on_fatal() -> None:
         server.should_exit = True  # then `kvfleet engine` exits with code 1 (below)
@@ -292,10 +212,12 @@ def _serve(settings: Any, args: argparse.Namespace, announce: bool) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        access_log=not args.behind_gateway,
         # NOTE: without this uvicorn waits forever for open streams on SIGTERM.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
     )
     server = uvicorn.Server(config)
+    quiet_health_checks()
     logger.info("starting on %s (the model loads in the background; /health says when ready)", url)
     server.run()
     state = app.state.kvfleet

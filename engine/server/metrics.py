@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfleet.engine.core.scheduler import SpecDecodeStats
+from kvfleet.engine.core.stats import SpecDecodeStats
 from kvfleet.engine.output.request_output import RequestOutput
 
 TTFT_BUCKETS = (

@@ -1,92 +1,31 @@
-"""OpenAI completions and chat over the AsyncEngine: validation, streams, response bodies."""
+"""OpenAI completions and chat over the AsyncEngine: a read request checked against the model
+(context length, adapters) and started, its outputs answered whole or streamed (server-sent
+events); the bodies are written in bodies.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from pydantic import BaseModel
+from typing import Any
 
 from kvfleet.engine.lora.adapter import LoRANotFoundError
-from kvfleet.engine.output.request_output import CompletionOutput, RequestOutput
+from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.protocol.http import APIError
 from kvfleet.engine.protocol.openai import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
-    parse_json_object,
     random_id,
-    validate_request,
 )
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.async_engine import AsyncEngine
+from kvfleet.engine.server.bodies import delta_choice, final_choice, usage_body
 from kvfleet.engine.server.metrics import EngineMetrics
+from kvfleet.engine.server.requests import PreparedRequest
 from kvfleet.engine.tokenizer import Tokenizer
-
-_Body = TypeVar("_Body", bound=BaseModel)
-
-
-def read_body(raw: bytes, model: type[_Body]) -> _Body:
-    """A request body parsed and validated as `model`; APIError 400 naming what is wrong."""
-    try:
-        return validate_request(parse_json_object(raw), model)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
-
-
-def read_completion(
-    tokenizer: Tokenizer | None, raw: bytes
-) -> tuple[CompletionRequest, list[list[int]]]:
-    """A completions body read and its prompts tokenized (`BodyWork`: in a thread or a worker
-    process); the request comes back without its prompt (the token ids carry it)."""
-    req = read_body(raw, CompletionRequest)
-    if req.echo:
-        raise APIError(400, "echo is not supported: the prompt is not repeated in the output")
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise APIError(400, "prompt is empty")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise APIError(400, "prompt is empty")
-            prompts.append(_require(tokenizer).encode(item))
-        else:
-            prompts.append(list(item))
-    return req.model_copy(update={"prompt": ""}), prompts
-
-
-def read_chat(
-    tokenizer: Tokenizer | None, raw: bytes
-) -> tuple[ChatCompletionRequest, list[list[int]]]:
-    """A chat body read, rendered by the chat template and tokenized (`BodyWork`); the
-    request comes back without its messages (the token ids carry them)."""
-    req = read_body(raw, ChatCompletionRequest)
-    tokenizer = _require(tokenizer)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
-    prompts = [tokenizer.encode(text, add_special_tokens=False)]
-    return req.model_copy(update={"messages": []}), prompts
-
-
-def _require(tokenizer: Tokenizer | None) -> Tokenizer:
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer: send prompts as token ids")
-    return tokenizer
 
 
 @dataclass
@@ -98,20 +37,6 @@ class _Choice:
     sent_tokens: int = 0
     last_time: float = field(default_factory=time.monotonic)
     finished: bool = False
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    kind: str  # "completion" or "chat"
-    request_id: str
-    prompts: list[list[int]]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    stream: bool
-    include_usage: bool
-    model: str  # as the client named it: the base model or an adapter
-    lora_name: str | None = None
 
 
 class OpenAIServing:
@@ -136,17 +61,13 @@ class OpenAIServing:
     ) -> PreparedRequest:
         """A completions request read by `read_completion`, ready to start."""
         self._lora_for(req.model)  # 404 before the sampling checks
-        params = self._sampling_params(
-            req, prompts, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs
-        )
+        params = self._sampling_params(req, prompts)
         return self._prepared("completion", "cmpl", req, prompts, params)
 
     def prepare_chat(self, req: ChatCompletionRequest, prompts: list[list[int]]) -> PreparedRequest:
         """A chat request read by `read_chat`, ready to start."""
         self._lora_for(req.model)  # 404 before the sampling checks
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self._sampling_params(req, prompts, max_tokens, logprobs)
+        params = self._sampling_params(req, prompts)
         return self._prepared("chat", "chatcmpl", req, prompts, params)
 
     def _prepared(
@@ -186,13 +107,8 @@ class OpenAIServing:
             code="model_not_found",
         )
 
-    def _sampling_params(
-        self,
-        req: SamplingFields,
-        prompts: list[list[int]],
-        max_tokens: int | None,
-        logprobs: int | None,
-    ) -> SamplingParams:
+    def _sampling_params(self, req: SamplingFields, prompts: list[list[int]]) -> SamplingParams:
+        max_tokens = req.max_new_tokens()
         longest = max(len(p) for p in prompts)
         if longest == 0:
             raise APIError(400, "prompt is empty")
@@ -228,7 +144,7 @@ class OpenAIServing:
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
+                logprobs=req.num_logprobs(),
                 speculative=req.speculative,
             )
         except ValueError as exc:
@@ -279,14 +195,14 @@ class OpenAIServing:
         for prompt_index in range(len(prepared.prompts)):
             for completion in finals[prompt_index].outputs:
                 index = prompt_index * n + completion.index
-                choices.append(self._final_choice(prepared, index, completion))
+                choices.append(final_choice(prepared, index, completion, self._token_text))
         body: dict[str, Any] = {
             "id": prepared.request_id,
             "object": "text_completion" if prepared.kind == "completion" else "chat.completion",
             "created": created,
             "model": prepared.model,
             "choices": choices,
-            "usage": _usage(prepared, finals.values()),
+            "usage": usage_body(prepared, finals.values()),
         }
         return body
 
@@ -351,13 +267,19 @@ class OpenAIServing:
                 state.finished = finish is not None
                 yield chunk(
                     [
-                        self._delta_choice(
-                            prepared, state.index, delta_text, new_tokens, new_logprobs, finish
+                        delta_choice(
+                            prepared,
+                            state.index,
+                            delta_text,
+                            new_tokens,
+                            new_logprobs,
+                            finish,
+                            self._token_text,
                         )
                     ]
                 )
         if prepared.include_usage:
-            yield chunk([], _usage(prepared, finals.values()))
+            yield chunk([], usage_body(prepared, finals.values()))
         yield "data: [DONE]\n\n"
 
     def _observe_tokens(
@@ -380,86 +302,10 @@ class OpenAIServing:
 
     # --- bodies ------------------------------------------------------------------------
 
-    def _final_choice(
-        self, prepared: PreparedRequest, index: int, completion: CompletionOutput
-    ) -> dict[str, Any]:
-        logprobs = self._logprobs(prepared, completion.token_ids, completion.logprobs)
-        if prepared.kind == "completion":
-            return {
-                "index": index,
-                "text": completion.text,
-                "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": completion.text},
-            "logprobs": logprobs,
-            "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        }
-
-    def _delta_choice(
-        self,
-        prepared: PreparedRequest,
-        index: int,
-        text: str,
-        token_ids: Sequence[int],
-        logprobs: Sequence[Any] | None,
-        finish: str | None,
-    ) -> dict[str, Any]:
-        lp = self._logprobs(prepared, token_ids, logprobs)
-        if prepared.kind == "completion":
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-        delta = {"content": text} if text or not finish else {}
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-
-    def _logprobs(
-        self, prepared: PreparedRequest, token_ids: Sequence[int], logprobs: Sequence[Any] | None
-    ) -> dict[str, Any] | None:
-        if logprobs is None or prepared.params.logprobs is None:
-            return None
-        token = self._token_text
-        if prepared.kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": token(lp.token_id),
-                        "logprob": lp.logprob,
-                        "bytes": list(token(lp.token_id).encode()),
-                        "top_logprobs": [
-                            {"token": token(t), "logprob": v, "bytes": list(token(t).encode())}
-                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                        ],
-                    }
-                    for lp in logprobs
-                ]
-            }
-        return {
-            "tokens": [token(lp.token_id) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [
-                {token(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-                for lp in logprobs
-            ],
-        }
-
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _usage(prepared: PreparedRequest, finals: Any) -> dict[str, int]:
-    outputs = list(finals)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    prompt_tokens = sum(len(p) for p in prepared.prompts)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 async def _merge(

@@ -22,7 +22,8 @@ import yaml
 from kvfleet.engine.server.commands import ENGINE_PORT
 from kvfleet.operator.build_monitoring import rule_groups
 from kvfleet.operator.common import Owner
-from kvfleet.operator.dashboards import DASHBOARDS, EMPTY, expand, render
+from kvfleet.operator.dashboards import DASHBOARDS, EMPTY
+from kvfleet.operator.grafana import expand, render
 from kvfleet.operator.spec import parse_spec
 
 from .conftest import MODEL, Server, engine_options, free_port, launch

@@ -14,7 +14,7 @@ import pytest
 from kvfleet.engine.protocol import body_work as body_limit
 from kvfleet.engine.protocol.body_work import LARGE_BODY_BYTES, BodyWork
 from kvfleet.engine.protocol.http import APIError
-from kvfleet.engine.server.serving import read_completion
+from kvfleet.engine.server.requests import read_completion
 
 
 def test_small_bodies_run_here_and_large_ones_in_the_worker() -> None:

@@ -3,7 +3,7 @@ routing goes by the first)."""
 
 from __future__ import annotations
 
-from kvfleet.gateway.app import all_prompts
+from kvfleet.gateway.requests import all_prompts
 
 
 def test_all_prompts_of_each_completions_form() -> None:

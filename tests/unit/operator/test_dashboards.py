@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from kvfleet.operator.dashboards import DASHBOARDS, SCHEMA_VERSION, expand, render, render_json
+from kvfleet.operator.dashboards import DASHBOARDS
+from kvfleet.operator.grafana import SCHEMA_VERSION, expand, render, render_json
 
 from .test_slo_rules import check_rules
 

@@ -1,0 +1,120 @@
+"""`kvfleet serve`: the product on one machine. N engine processes on loopback (ports 8101..),
+the gateway in this process in front of them on --port (default 8000), as in a cluster: the
+same queuing, rate limits, prefix-aware routing, `kvfleet:gateway_*` metrics and
+`x-kvfleet-replica` header, with one replica as with many."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from kvfleet.engine.server import commands as engine_commands
+
+SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
+_READY_POLL_S = 0.5
+
+
+def add_command(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run the local stack (gateway and engines) on http://127.0.0.1:8000",
+        description="Run kvfleet on this machine: engines behind the gateway, as in a cluster.",
+    )
+    serve.add_argument(
+        "model", nargs="?", default="smollm2", help="what to serve (default smollm2)"
+    )
+    engine_commands.add_server_arguments(serve, SERVE_HOST, SERVE_PORT)
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engines behind the gateway (ports 8101..; default 1)",
+    )
+    serve.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """N engine processes on loopback, the gateway in this one in front of them."""
+    import uvicorn
+
+    from kvfleet.engine.protocol.http import quiet_health_checks
+    from kvfleet.gateway.app import GatewaySettings, create_gateway_app
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    forwarded = _forwarded_engine_arguments(args)
+    ports = [engine_commands.ENGINE_PORT + 1 + i for i in range(args.replicas)]
+    replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
+    url = f"http://{args.host}:{args.port}"
+    engines: list[subprocess.Popen[bytes]] = []
+    # NOTE: a SIGTERM before uvicorn takes the signal over must still stop the engines.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        for port in ports:
+            command = [sys.executable, "-m", "kvfleet.cli.main", "engine", "--model", args.model]
+            command += ["--host", "127.0.0.1", "--port", str(port), "--behind-gateway", *forwarded]
+            engines.append(subprocess.Popen(command))
+        name = args.served_model_name or args.model
+        count = f"{len(engines)} engine{'s' if len(engines) > 1 else ''}"
+        print(f"kvfleet: {count} of {name} starting behind the gateway on {url}", flush=True)
+        threading.Thread(
+            target=_announce_when_ready, args=(replicas, url, name), daemon=True
+        ).start()
+        app = create_gateway_app(GatewaySettings(replicas=replicas, prestart_body_worker=True))
+        quiet_health_checks()
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per health poll)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        for engine in engines:
+            engine.terminate()
+        for engine in engines:
+            try:
+                engine.wait(timeout=args.shutdown_timeout + 20)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+    return 0
+
+
+def _announce_when_ready(replicas: tuple[str, ...], url: str, name: str) -> None:
+    """Say how to call the stack once an engine answers /health (the model is loaded)."""
+    import httpx
+
+    while True:
+        for replica in replicas:
+            try:
+                if httpx.get(f"{replica}/health", timeout=2).status_code == 200:
+                    print(engine_commands.ready_message(name, url), flush=True)
+                    return
+            except httpx.TransportError:
+                pass
+        time.sleep(_READY_POLL_S)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _forwarded_engine_arguments(args: argparse.Namespace) -> list[str]:
+    """The engine options given to `serve`, for each replica's `kvfleet engine`."""
+    forwarded = []
+    for name, value in vars(args).items():
+        if name in _NOT_FORWARDED or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            forwarded.append(flag)
+        elif isinstance(value, list):
+            if value:
+                forwarded += [flag, *map(str, value)]
+        else:
+            forwarded += [flag, str(value)]
+    return forwarded
+
+
+_NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served_model_name"}

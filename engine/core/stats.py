@@ -1,0 +1,38 @@
+"""Readings of the scheduler's state, made on the engine thread with each step and handed to
+other threads as immutable records (no other thread reads the scheduler or the block pool)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding so far (vLLM's counters): requests' steps that carried drafts,
+    the drafts, and those accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_rejections: int = 0  # drafted steps that had a draft rejected
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafted step emits on average (1 + accepted per drafted step; 0: none)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler after a step: for metrics, admission and the autoscaler's signals."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up in the prefix cache so far
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    # adapters of running and of waiting requests (empty without LoRA)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    spec_decode: SpecDecodeStats | None = None  # a copy; None: speculative decoding is off

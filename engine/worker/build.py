@@ -1,0 +1,80 @@
+"""The device side of an engine, built in order: the tensor-parallel workers and their group,
+the model, the LoRA slots, the runner, the draft model, the KV cache (sized from what is left),
+the decode graphs and the speculator. What each rank sets up alike is in setup.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.lora.manager import LoRAManager
+from kvfleet.engine.parallel.group import TPGroup
+from kvfleet.engine.parallel.partition import TPPlan
+from kvfleet.engine.spec_decode.speculator import Speculator
+from kvfleet.engine.worker.model_runner import ModelRunner
+from kvfleet.engine.worker.process import WorkerPool, free_port
+from kvfleet.engine.worker.setup import (
+    RankSetup,
+    build_speculator,
+    enable_peer_all_reduce,
+    graph_query_len,
+    join_group,
+    load_draft,
+    load_rank_model,
+    num_kv_blocks,
+    uses_graphs,
+)
+
+
+@dataclass
+class DeviceSide:
+    runner: ModelRunner
+    num_blocks: int  # KV cache blocks (every rank holds as many)
+    lora: LoRAManager | None
+    speculator: Speculator | None
+    tp: TPGroup | None  # rank 0's group, with tensor parallelism
+    workers: WorkerPool | None  # the other ranks' processes
+
+
+def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
+    workers: WorkerPool | None = None
+    tp: TPGroup | None = None
+    size = config.tensor_parallel_size
+    if size > 1:
+        TPPlan.build(setup.model_config, 0, size)  # fail before spawning
+        port = free_port()
+        workers = WorkerPool(config, size, port)
+        workers.start()
+        tp = workers.run_while_alive(lambda: join_group(setup, 0, size, port))
+    model = load_rank_model(config, setup, tp)
+    if tp is not None and workers is not None:
+        group = tp
+        workers.run_while_alive(lambda: enable_peer_all_reduce(config, setup, group))
+    lora = None
+    if config.lora.enable_lora:
+        # NOTE: before the KV cache is sized, so the slots count as weights.
+        settings = config.lora
+        lora = LoRAManager(
+            model,
+            settings.max_loras,
+            settings.max_cpu_loras or settings.max_loras,
+            settings.max_lora_rank,
+            use_triton=setup.attention_backend == "triton",
+        )
+        for name, path in settings.lora_modules:
+            lora.add(name, path)
+    runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device, lora)
+    # NOTE: the draft model before the KV cache is sized: its weights and its own cache (as
+    # many blocks as the target's) count.
+    draft = load_draft(config, setup) if config.speculative else None
+    num_blocks = num_kv_blocks(config, runner, setup, draft)
+    if tp is not None and workers is not None:
+        group, own = tp, num_blocks  # every rank holds the same blocks
+        num_blocks = workers.run_while_alive(lambda: group.min_int(own))
+    runner.allocate_kv_cache(num_blocks)
+    if uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
+        runner.enable_decode_graphs(
+            config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)
+        )
+    speculator = build_speculator(config, setup, model, draft, num_blocks, setup.max_model_len)
+    return DeviceSide(runner, num_blocks, lora, speculator, tp, workers)
