@@ -101,20 +101,18 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def _forwarded_engine_arguments(args: argparse.Namespace) -> list[str]:
-    """The engine options given to `serve`, for each replica's `kvfleet engine`."""
-    forwarded = []
-    for name, value in vars(args).items():
-        if name in _NOT_FORWARDED or value is None or value is False:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            forwarded.append(flag)
-        elif isinstance(value, list):
-            if value:
-                forwarded += [flag, *map(str, value)]
-        else:
-            forwarded += [flag, str(value)]
+    """The engine options given to `serve`, for each replica's `kvfleet engine`: its settings
+    (from the settings table), then the server's."""
+    from kvfleet.engine.config import engine_settings
+    from kvfleet.engine.config.settings import flags_for, from_namespace
+
+    settings = engine_settings()
+    forwarded = flags_for(settings, from_namespace(settings, args))
+    for name in _SERVER_OPTIONS:
+        value = getattr(args, name)
+        if value is not None:
+            forwarded.append(f"--{name.replace('_', '-')}={value}")
     return forwarded
 
 
-_NOT_FORWARDED = {"model", "host", "port", "replicas", "run", "command", "served_model_name"}
+_SERVER_OPTIONS = ("max_body_bytes", "shutdown_timeout", "metrics_compat", "log_level")

@@ -6,13 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfleet.engine.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.protocol.openai import Message
@@ -20,51 +14,18 @@ from kvfleet.engine.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 
-_CACHE_ARGS = {
-    "block_size",
-    "num_blocks",
-    "gpu_memory_utilization",
-    "cpu_kv_cache_gib",
-    "enable_prefix_caching",
-}
-_SCHEDULER_ARGS = {
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_prefill_seqs",
-    "enable_chunked_prefill",
-    "async_scheduling",
-}
-_LORA_ARGS = {"enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules"}
-
 
 class LLM:
     """`LLM(model="smollm2", dtype="float32", max_num_batched_tokens=64, ...)`.
 
-    Keyword arguments are EngineConfig fields, or CacheConfig and SchedulerConfig fields given
-    flat (block_size, num_blocks, enable_prefix_caching, max_num_batched_tokens, ...), and
-    `speculative_config` (a dict or its JSON, as `--speculative-config` takes it).
+    Keyword arguments are the engine settings, flat (`engine_settings()`, the same table the
+    `kvfleet engine` flags come from): dtype, block_size, num_blocks, enable_prefix_caching,
+    max_num_batched_tokens, enable_lora, lora_modules ({name: folder}), speculative_config (a
+    SpeculativeConfig, or a dict or JSON as `--speculative-config` takes it), ...
     """
 
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
-        cache = {k: engine_args.pop(k) for k in list(engine_args) if k in _CACHE_ARGS}
-        scheduler = {k: engine_args.pop(k) for k in list(engine_args) if k in _SCHEDULER_ARGS}
-        lora = {k: engine_args.pop(k) for k in list(engine_args) if k in _LORA_ARGS}
-        if "lora_modules" in lora:  # {name: folder} or pairs
-            modules = lora["lora_modules"]
-            lora["lora_modules"] = tuple(
-                (str(n), str(p))
-                for n, p in (modules.items() if isinstance(modules, Mapping) else modules)
-            )
-        speculative = engine_args.pop("speculative_config", None)
-        if speculative is not None:
-            engine_args["speculative"] = SpeculativeConfig.parse(speculative)
-        config = EngineConfig(
-            model=model,
-            cache=CacheConfig(**cache),
-            scheduler=SchedulerConfig(**scheduler),
-            lora=LoRAConfig(**lora),
-            **engine_args,
-        )
+        config = EngineConfig.from_kwargs(model, engine_args)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -7,11 +7,12 @@ into the model cache volume by the engine itself; a URL is downloaded by an init
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from kvfleet.engine.config import SpeculativeConfig, engine_settings
+from kvfleet.engine.config.settings import flags_for
 from kvfleet.operator.common import (
     ENGINE,
     ENGINE_PORT,
@@ -70,43 +71,44 @@ def engine_model_argument(spec: LLMDeploymentSpec, mounts: Mounts) -> str:
 
 
 def engine_args(spec: LLMDeploymentSpec, mounts: Mounts) -> list[str]:
-    """`kvfleet engine` arguments for one replica."""
+    """`kvfleet engine` arguments for one replica: the engine settings the spec gives, as the
+    engine's settings table names them (`flags_for`), then the server's."""
     engine = spec.engine
-    args = [
+    settings: dict[str, Any] = {
+        "load_format": spec.model.load_format,
+        "dtype": engine.dtype,
+        "device": "cuda" if spec.gpus > 0 else "cpu",
+        "block_size": engine.block_size,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "max_model_len": engine.max_model_len,
+        "enable_prefix_caching": engine.prefix_caching,
+        "tokenizer": mounts.path(spec.model.tokenizer) if spec.model.tokenizer else None,
+    }
+    if spec.lora is not None:
+        settings |= {
+            "enable_lora": True,
+            "max_loras": spec.lora.max_loras,
+            "max_lora_rank": spec.lora.max_lora_rank,
+            "max_cpu_loras": spec.lora.max_cpu_loras,
+        }
+    if engine.speculative is not None:
+        settings["speculative_config"] = SpeculativeConfig.parse(engine.speculative.engine_config())
+    return [
         "engine",
         f"--model={engine_model_argument(spec, mounts)}",
         "--host=0.0.0.0",
         f"--port={ENGINE_PORT}",
         f"--served-model-name={spec.served_model_name}",
-        f"--load-format={spec.model.load_format}",
-        f"--dtype={engine.dtype}",
-        f"--device={'cuda' if spec.gpus > 0 else 'cpu'}",
-        f"--block-size={engine.block_size}",
-        f"--max-num-seqs={engine.max_num_seqs}",
-        f"--max-num-batched-tokens={engine.max_num_batched_tokens}",
-        f"--gpu-memory-utilization={engine.gpu_memory_utilization}",
+        *flags_for(engine_settings(), settings),
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
         # the model-server metric names the Gateway API Inference Extension and llm-d's endpoint
         # picker read, beside kvfleet's own: engines work behind those gateways unchanged
         "--metrics-compat=vllm",
+        *engine.extra_args,
     ]
-    if engine.tensor_parallel_size > 1:
-        args.append(f"--tensor-parallel-size={engine.tensor_parallel_size}")
-    if engine.max_model_len is not None:
-        args.append(f"--max-model-len={engine.max_model_len}")
-    if not engine.prefix_caching:
-        args.append("--no-prefix-caching")
-    if spec.model.tokenizer:
-        args.append(f"--tokenizer={mounts.path(spec.model.tokenizer)}")
-    if spec.lora is not None:
-        args += ["--enable-lora", f"--max-loras={spec.lora.max_loras}"]
-        args.append(f"--max-lora-rank={spec.lora.max_lora_rank}")
-        if spec.lora.max_cpu_loras is not None:
-            args.append(f"--max-cpu-loras={spec.lora.max_cpu_loras}")
-    if engine.speculative is not None:
-        config = json.dumps(engine.speculative.engine_config(), separators=(",", ":"))
-        args.append(f"--speculative-config={config}")
-    return [*args, *engine.extra_args]
 
 
 def _env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
