@@ -5,6 +5,6 @@
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 mkdir -p /tmp/src/kvfleet
-for c in engine gateway operator bench; do ln -sfn "$PWD/$c" /tmp/src/kvfleet/$c; done
+for c in cli engine gateway operator bench; do ln -sfn "$PWD/$c" /tmp/src/kvfleet/$c; done
 export PYTHONPATH=/tmp/src:/tmp/site KVFLEET_HOME=$HOME/kvhome PYTHONUNBUFFERED=1
 "$@"

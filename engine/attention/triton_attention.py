@@ -221,7 +221,8 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
-        # 64 x 32 tiles: 13% faster than 64 x 64 on an 8k prompt on the H100 (sweep in RESULTS)
+        # 64 x 32 tiles beat 64 x 64 on long prompts (the sweep: bench/RESULTS.md, "Figures
+        # moved out of code comments")
         BLOCK_N=32 if block_m == 64 else 64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )

@@ -18,8 +18,8 @@ def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.
     tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
     if device.type != "cuda":
         return tensor.to(device)
-    # (not `tensor.pin_memory()`: its check of whether the source is pinned took ~0.1 ms a call
-    # on the device's hosts)
+    # (not `tensor.pin_memory()`: its check of whether the source is pinned costs more than
+    # the copy, bench/RESULTS.md)
     pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return pinned.copy_(tensor).to(device, non_blocking=True)
 

@@ -25,8 +25,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# From this size on, the two-shot algorithm: on 2 x H200 in a CUDA graph, 2 MiB takes 19.3 us
-# against one-shot's 21.5; 1 MiB 16.3 against 14.8 (bench/allreduce.py).
+# From this size on, the two-shot algorithm: where it overtakes one-shot on 2 x H200
+# (bench/allreduce.py; bench/RESULTS.md).
 TWO_SHOT_MIN_BYTES = 2 << 20
 _MAX_RANKS = 8  # (room for the fused kernel's flags)
 

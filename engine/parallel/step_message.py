@@ -23,7 +23,7 @@ HEADER_LEN = 6
 
 # The host message: the header, then the query and sequence lengths of up to this many
 # sequences (a second message carries the rest): one gloo round trip per step, in which rank 0
-# waits for every worker to be ready to receive (seen on 2 x H200 at 0.2-0.5 ms).
+# waits for every worker to be ready to receive (its cost: bench/RESULTS.md, tensor parallelism).
 INLINE_SEQS = 256
 
 
@@ -49,8 +49,8 @@ class StepInputs:
 
 # Each part of the packed buffers starts at a multiple of this many bytes, whatever the step's
 # sizes: Triton specializes a kernel on whether each pointer is 16-byte aligned, and parts at
-# offsets that follow the token count would compile a kernel variant (0.2-0.6 s on an H100)
-# the first time a step of the other parity comes, mid-serving.
+# offsets that follow the token count would compile a kernel variant (a fraction of a second,
+# bench/RESULTS.md) the first time a step of the other parity comes, mid-serving.
 ALIGN_BYTES = 16
 
 

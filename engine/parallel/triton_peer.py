@@ -42,14 +42,12 @@ import triton.language as tl
 
 from kvfleet.engine.layers.triton_layers import NORM_WARPS, rms_normalize
 
-# Programs per launch of each lane. On 2 x H200 in a CUDA graph (bench/allreduce.py), against
-# the peer all-reduce then the norm: hidden 8,192, 1 row 6.1 us against 9.0, 16 rows 7.0
-# against 11.8; hidden 4,096, 64 rows 6.8 against 12.9 (64 programs; 128: 7.6, 256: 8.2), 256
-# rows 12.1 against 21.7 (128 programs; 64: 13.3, 256: 12.4).
+# Programs per launch of each lane, the fastest of a sweep (bench/allreduce.py; figures in
+# bench/RESULTS.md, "Figures moved out of code comments").
 LANES = (16, 64, 128)
 # Programs of the two-shot kernel (prefill steps): two per SM of an H100 / H200, all resident at
-# once (program p of each rank waits on program p of the others). 8,192 x 4,096 bf16 rows on 2
-# x H200: 238 us against 321 for NCCL's all-reduce then the norm (528 programs: 239).
+# once (program p of each rank waits on program p of the others); more bring nothing
+# (bench/RESULTS.md, "Figures moved out of code comments").
 TWO_SHOT_PROGRAMS = 264
 # A peer that never signals (it died mid-step) stops the kernel with a trap after this many
 # polls of its flag (tens of seconds), so the process fails instead of hanging.

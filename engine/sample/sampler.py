@@ -1,5 +1,7 @@
 """The one way into sampling: `sample(logits, batch)`, whatever path the step's plan chose
-(sample/batch.py). The model runner calls nothing else here but the planner."""
+(sample/batch.py). The model runner calls nothing else here but the planner. What changes the
+logits for every path (a logit bias, a grammar's token mask) belongs at the top of `sample`,
+planned with the rest of the batch."""
 
 from __future__ import annotations
 
@@ -8,8 +10,6 @@ import torch
 from kvfleet.engine.sample.batch import ArgmaxBatch, DraftBatch, RaceBatch, SamplingBatch
 from kvfleet.engine.sample.rejection import sample_with_drafts
 from kvfleet.engine.sample.torch_sampler import Sampler, SamplerOutput
-
-_torch_sampler = Sampler()
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -28,7 +28,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return SamplerOutput(logits.argmax(dim=-1))
     if isinstance(batch, DraftBatch):
         return sample_with_drafts(logits, batch.metadata, batch.drafts)
-    return _torch_sampler(logits, batch)
+    return Sampler()(logits, batch)
 
 
 def needs_gathered_logits(batch: SamplingBatch | None) -> bool:

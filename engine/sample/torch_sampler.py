@@ -174,8 +174,8 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 
 def keyed_exponential_race(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
     """Sample row i of `probs` with the draw of key keys[i] (`position_seed`), the same on every
-    path a step may take. On CUDA that is the vocabulary race's keyed noise (engine/
-    triton_sampler.py) over log p: where a plain step races the logits instead (no row of its
+    path a step may take. On CUDA that is the vocabulary race's keyed noise
+    (sample/gumbel_race.py) over log p: where a plain step races the logits instead (no row of its
     batch needs the distribution), the same token. Elsewhere: argmax(p / E), E drawn by a
     generator seeded with the key."""
     if _draws_by_race(probs.device):

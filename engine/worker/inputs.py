@@ -118,9 +118,8 @@ def prepare_inputs(
     starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
     ends = starts + num_tokens
     # Longest sequences first: attention programs start in row order, so the short ones
-    # fill in behind the long ones instead of leaving a tail (decode attention over 256
-    # sequences of 192-1,280 tokens, 16 query / 4 KV heads, on an H200: 111 us against 119
-    # in arrival order).
+    # fill in behind the long ones instead of leaving a tail (measured: bench/RESULTS.md,
+    # "longest first").
     order = np.argsort(-ends, kind="stable")
     states = [states[row] for row in order]
     num_tokens, starts, ends = num_tokens[order], starts[order], ends[order]

@@ -215,7 +215,8 @@ def test_cuda_graph_decode_equals_eager(hf_model_dir: Callable[[str], tuple[Any,
 def test_fused_rope_and_silu_round_like_the_torch_path_in_bf16() -> None:
     """Not just close: RoPE and SiLU·mul round where the torch chain rounds, so at most a few
     elements differ, each by one bf16 step (exp and sin/cos are computed differently)."""
-    from kvfleet.engine.models import layers, triton_layers
+    from kvfleet.engine.layers import torch_layers as layers
+    from kvfleet.engine.layers import triton_layers
 
     gen = torch.Generator().manual_seed(6)
     rotary = layers.RotaryEmbedding(128, 8192, 500000.0)

@@ -75,3 +75,14 @@ def test_lock_files_pin_every_package(repo_root: Path, component: str) -> None:
     assert not names & {"kvfleet", "torch", "triton"}
     if component != "engine":
         assert not names & {"numpy", "sympy", "transformers"}, "no engine weight in " + component
+
+
+@pytest.mark.parametrize("path", sorted(DOCKERFILES))
+def test_dockerfile_copies_every_folder_the_package_maps(repo_root: Path, path: str) -> None:
+    # (an image whose `kvfleet` command cannot import kvfleet.cli would not start)
+    import tomllib
+
+    project = tomllib.loads((repo_root / "pyproject.toml").read_text())
+    folders = set(project["tool"]["setuptools"]["package-dir"].values())
+    copied = set(re.findall(r"^COPY (\w+) /src/\1$", (repo_root / path).read_text(), re.M))
+    assert folders <= copied, f"{path} does not copy {sorted(folders - copied)}"
