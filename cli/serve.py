@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfleet.engine.protocol.http import quiet_health_checks
+    from kvfleet.engine.protocol.openai import LoadLoRAAdapterRequest
     from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
     if args.replicas < 1:
@@ -63,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or args.model
         count = f"{len(engines)} engine{'s' if len(engines) > 1 else ''}"
         print(f"kvfleet: {count} of {name} starting behind the gateway on {url}", flush=True)
-        threading.Thread(
-            target=_announce_when_ready, args=(replicas, url, name), daemon=True
-        ).start()
-        app = create_gateway_app(GatewaySettings(replicas=replicas, prestart_body_worker=True))
+        threading.Thread(target=_announce_when_ready, args=(url, name), daemon=True).start()
+        # (the adapters the engines load at start, reloaded by the gateway on one that restarts)
+        adapters = tuple(LoadLoRAAdapterRequest.parse_flag(args.lora_modules, "--lora-modules"))
+        settings = GatewaySettings(replicas=replicas, adapters=adapters, prestart_body_worker=True)
+        app = create_gateway_app(settings)
         quiet_health_checks()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per health poll)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -81,18 +83,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce_when_ready(replicas: tuple[str, ...], url: str, name: str) -> None:
-    """Say how to call the stack once an engine answers /health (the model is loaded)."""
+def _announce_when_ready(url: str, name: str) -> None:
+    """Say how to call the stack once the gateway answers /health (an engine has loaded the
+    model and the gateway has seen it ready)."""
     import httpx
 
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    local = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     while True:
-        for replica in replicas:
-            try:
-                if httpx.get(f"{replica}/health", timeout=2).status_code == 200:
-                    print(engine_commands.ready_message(name, url), flush=True)
-                    return
-            except httpx.TransportError:
-                pass
+        try:
+            if httpx.get(f"http://{local}:{port}/health", timeout=2).status_code == 200:
+                print(engine_commands.ready_message(name, url), flush=True)
+                return
+        except httpx.TransportError:
+            pass
         time.sleep(_READY_POLL_S)
 
 
@@ -115,4 +119,10 @@ def _forwarded_engine_arguments(args: argparse.Namespace) -> list[str]:
     return forwarded
 
 
-_SERVER_OPTIONS = ("max_body_bytes", "shutdown_timeout", "metrics_compat", "log_level")
+_SERVER_OPTIONS = (
+    "served_model_name",
+    "max_body_bytes",
+    "shutdown_timeout",
+    "metrics_compat",
+    "log_level",
+)

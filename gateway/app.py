@@ -37,6 +37,7 @@ from kvfleet.engine.protocol.openai import (
     CompletionRequest,
     openapi_body,
 )
+from kvfleet.gateway.adapters import add_adapter_routes
 from kvfleet.gateway.admission.limiter import QueueFull, QueueTimeout
 from kvfleet.gateway.admission.rate_limit import KeyId, Refusal, Reservation
 from kvfleet.gateway.cluster import ClusterLoops
@@ -103,10 +104,12 @@ def create_gateway_app(
                 "root": path,
                 "parent": bases[0] if bases else None,
             }
-            for name, path in settings.adapters
+            for name, path in gateway.adapters.items()
             if name not in listed
         ]
         return {"object": "list", "data": cards}
+
+    add_adapter_routes(app, state)
 
     @app.get(USAGE_PATH)
     async def usage() -> dict[str, Any]:
@@ -312,7 +315,7 @@ async def _take_slot(
 def _adapter_named(gateway: Gateway, model: object) -> str | None:
     """The LoRA adapter a request's `model` names (None: a base model); 404 if nothing is."""
     cards = {str(c.get("id")): c for c in gateway.pool.model_cards()}
-    registry = dict(gateway.settings.adapters)
+    registry = gateway.adapters
     if not isinstance(model, str) or (model not in cards and model not in registry):
         raise APIError(
             404,

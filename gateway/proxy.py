@@ -113,7 +113,7 @@ def _choose(
 
 async def _load_adapter(gateway: Gateway, replica_id: ReplicaId, adapter: str) -> None:
     """Load a registered adapter onto the replica chosen for it (no replica holds it yet)."""
-    path = dict(gateway.settings.adapters).get(adapter)
+    path = gateway.adapters.get(adapter)
     if path is None:
         raise APIError(404, f"the adapter {adapter!r} is loaded nowhere", code="model_not_found")
     url = f"{gateway.pool.url_of(replica_id)}/v1/load_lora_adapter"

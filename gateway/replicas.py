@@ -137,6 +137,12 @@ class ReplicaPool:
         replica = self.replicas[replica_id]
         replica.state = replace(replica.state, adapters=replica.state.adapters | {adapter})
 
+    def forget_adapter(self, adapter: str) -> None:
+        """The adapter was unloaded everywhere (until the next poll says otherwise)."""
+        for replica in self.replicas.values():
+            replica.state = replace(replica.state, adapters=replica.state.adapters - {adapter})
+            replica.models = [c for c in replica.models if c.get("id") != adapter]
+
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of the ready replicas' models, first seen first."""
         seen: dict[str, dict[str, Any]] = {}

@@ -74,6 +74,9 @@ class Gateway:
         self, settings: GatewaySettings, client: httpx.AsyncClient, session: aiohttp.ClientSession
     ) -> None:
         self.settings = settings
+        # LoRA adapters the gateway may load onto a replica: the configured ones, and those
+        # loaded at runtime (/v1/load_lora_adapter)
+        self.adapters: dict[str, str] = dict(settings.adapters)
         self.client = client  # polling, events, the tokenizer
         self.session = session  # the proxied requests: aiohttp costs a third of httpx per hop
         self.index = PrefixIndex()

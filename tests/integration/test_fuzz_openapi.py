@@ -136,10 +136,10 @@ def test_fuzzing_the_engine_gives_no_5xx(fuzz_engine: Server) -> None:
 def test_fuzzing_the_gateway_gives_no_5xx_and_keeps_its_replica(fuzz_gateway: str) -> None:
     # /health answers 503 as soon as no replica is in rotation
     examples = _fuzz(fuzz_gateway, f"{fuzz_gateway}/health")
-    assert len(examples) == 7  # (GET and HEAD /health among them)
+    assert len(examples) == 9  # (GET and HEAD /health, the LoRA adapter routes among them)
     posts = {label: s for label, s in examples.items() if label.startswith("POST")}
-    assert len(posts) == 2
+    assert len(posts) == 4
     assert min(len(s) for s in posts.values()) >= 50, examples
-    for statuses in posts.values():  # forwarded and generated, and refused
-        assert 200 in statuses, statuses
-        assert any(400 <= s < 500 for s in statuses), statuses
+    for path in ("POST /v1/completions", "POST /v1/chat/completions"):
+        assert 200 in posts[path], posts[path]  # forwarded and generated, and refused
+        assert any(400 <= s < 500 for s in posts[path]), posts[path]

@@ -211,3 +211,43 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(
         f"{url}/completions", json={"model": "sql", "prompt": "Hi", "max_tokens": 2}, timeout=60
     )
     assert response.status_code == 200
+
+
+def test_adapters_load_and_unload_through_the_gateway(
+    lora_server: Server, adapters: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
+    """As `kvfleet serve` users call them: the gateway loads an adapter on its replicas, routes
+    requests naming it, refuses a bad one with the engine's reason, and unloads it."""
+    from .test_gateway import start_gateway, stop_gateway
+
+    gateway = start_gateway(tmp_path, [lora_server])
+    try:
+        url = gateway.base_url
+        body = {"lora_name": "verse", "lora_path": str(adapters["poet"][0])}
+        response = httpx.post(f"{url}/load_lora_adapter", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        again = httpx.post(f"{url}/load_lora_adapter", json=body, timeout=120)
+        assert again.status_code == 400
+        assert "already loaded" in again.json()["error"]["message"]
+        bad = {"lora_name": "big", "lora_path": str(adapters["big"][0])}
+        refused = httpx.post(f"{url}/load_lora_adapter", json=bad, timeout=120)
+        assert refused.status_code == 400
+        assert "above this engine's max_lora_rank 16" in refused.json()["error"]["message"]
+        listed = [m["id"] for m in httpx.get(f"{url}/models", timeout=10).json()["data"]]
+        assert "verse" in listed
+        assert "big" not in listed
+
+        completion = {"model": "verse", "prompt": "Rain is", "max_tokens": 6, "temperature": 0}
+        through = httpx.post(f"{url}/completions", json=completion, timeout=120)
+        direct = httpx.post(f"{lora_server.base_url}/completions", json=completion, timeout=120)
+        assert through.status_code == direct.status_code == 200, through.text
+        assert through.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+
+        gone = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "verse"}, timeout=60)
+        assert gone.status_code == 200, gone.text
+        response = httpx.post(f"{lora_server.base_url}/completions", json=completion, timeout=60)
+        assert response.status_code == 404  # (unloaded on the engine too)
+        response = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "verse"}, timeout=60)
+        assert response.status_code == 404
+    finally:
+        stop_gateway(gateway)
