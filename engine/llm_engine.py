@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.block_pool import BlockStored, KVCacheEvent
@@ -78,6 +78,9 @@ class LLMEngine:
         self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter
         # What the last step scheduled (metrics and tests read it).
         self.last_scheduler_output: SchedulerOutput | None = None
+        # Called on the engine thread once each step is scheduled, before it runs (the async
+        # engine publishes its stats there: requests are then running, no longer waiting).
+        self.on_scheduled: Callable[[], None] | None = None
         logger.info(
             "engine ready: %s (%s) on %s in %s, %s attention; %d KV blocks of %d tokens; "
             "max_model_len %d",
@@ -309,6 +312,8 @@ class LLMEngine:
                 self.speculator.shadow(self.scheduler.running)
             scheduler_output = self.scheduler.schedule(drafts)
             self.last_scheduler_output = scheduler_output
+            if self.on_scheduled is not None:
+                self.on_scheduled()
             now = time.monotonic()
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)

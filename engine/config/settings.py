@@ -82,7 +82,7 @@ def settings_of(config: type, sections: Iterable[str] = ()) -> list[Setting]:
     for item in dataclasses.fields(config):
         if item.name in sections:
             nested = hints[item.name]
-            found += [dataclasses.replace(s, section=item.name) for s in settings_of(nested) if s]
+            found += [dataclasses.replace(s, section=item.name) for s in settings_of(nested)]
             continue
         meta = item.metadata.get(_KEY)
         if meta is None:

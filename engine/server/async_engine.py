@@ -80,8 +80,10 @@ class AsyncEngine:
             engine.workers.on_death(lambda _: self._wake.set())
         self._lora_names: tuple[str, ...] = ()
         self._refresh_lora_names()
-        # The scheduler as of the engine thread's last step (other threads read only this).
+        # The scheduler as the engine thread last saw it: after handing it requests and once
+        # each step is scheduled (other threads read only this).
         self.stats: SchedulerStats = engine.stats()
+        engine.on_scheduled = self._publish_stats
 
     @property
     def is_running(self) -> bool:
@@ -189,7 +191,7 @@ class AsyncEngine:
         logger.info("engine loop started")
         while not self._stop.is_set():
             self._handle_commands()
-            self.stats = self.engine.stats()
+            self._publish_stats()
             if self.engine.fatal_error is not None:
                 logger.critical("the engine cannot go on: %s", self.engine.fatal_error)
                 self._fail_in_flight(RuntimeError(self.engine.fatal_error))
@@ -207,7 +209,7 @@ class AsyncEngine:
                 self._deliver(output)
             if any(o.finished for o in outputs):
                 self._refresh_lora_names()  # an unloaded adapter's last request may be done
-            self.stats = self.engine.stats()
+            self._publish_stats()
             self._publish_kv_events(self.engine.take_kv_events())
         self._stop.set()
         self._handle_commands()
@@ -270,6 +272,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_fail, accepted, exc)
             return
         loop.call_soon_threadsafe(_resolve, accepted, None)
+
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
 
     def _refresh_lora_names(self) -> None:
         lora = self.engine.lora
