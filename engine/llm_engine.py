@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,8 +31,6 @@ from kvfleet.engine.worker.setup import resolve_setup
 
 logger = logging.getLogger(__name__)
 
-_CLOSE_TIMEOUT_S = 10.0
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -53,7 +50,7 @@ class LLMEngine:
         )
         lora = config.lora
         block_size = config.cache.block_size
-        device_side = build_device_side(config, setup)
+        self._device = device_side = build_device_side(config, setup)
         self.runner, num_blocks = device_side.runner, device_side.num_blocks
         self.lora, self.speculator = device_side.lora, device_side.speculator
         self.tp, self.workers = device_side.tp, device_side.workers
@@ -269,25 +266,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
-        if self.workers is None or self.tp is None:
-            return
-        logger.info("stopping %d tensor-parallel workers", len(self.workers.processes))
-        tp, self.tp = self.tp, None
-        if self.workers.dead is None:
-            try:
-                self.runner.release_graphs()
-                self.workers.expect_exit()  # (they exit on the stop signal, before stop())
-                tp.broadcast_stop()
-                # NOTE: a guard only: the workers leave the group at the same time
-                closing = threading.Thread(target=tp.close, name="kvfleet-tp-close", daemon=True)
-                closing.start()
-                closing.join(_CLOSE_TIMEOUT_S)
-                if closing.is_alive():
-                    logger.warning("the tensor-parallel group did not close; leaving it")
-            except RuntimeError:
-                logger.warning("a tensor-parallel worker did not take the stop signal")
-        self.workers.stop()
-        logger.info("tensor-parallel workers stopped")
+        self._device.close()
+        self.tp = self._device.tp
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step; the requests it advanced (only those it finished if `final_only`).

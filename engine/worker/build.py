@@ -4,6 +4,8 @@ the decode graphs and the speculator. What each rank sets up alike is in setup.p
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 from kvfleet.engine.config import EngineConfig
@@ -25,6 +27,10 @@ from kvfleet.engine.worker.setup import (
     uses_graphs,
 )
 
+logger = logging.getLogger(__name__)
+
+_CLOSE_TIMEOUT_S = 10.0
+
 
 @dataclass
 class DeviceSide:
@@ -34,6 +40,29 @@ class DeviceSide:
     speculator: Speculator | None
     tp: TPGroup | None  # rank 0's group, with tensor parallelism
     workers: WorkerPool | None  # the other ranks' processes
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, every rank leaving the group together (nothing to
+        do without them). Idempotent."""
+        if self.workers is None or self.tp is None:
+            return
+        logger.info("stopping %d tensor-parallel workers", len(self.workers.processes))
+        tp, self.tp = self.tp, None
+        if self.workers.dead is None:
+            try:
+                self.runner.release_graphs()
+                self.workers.expect_exit()  # (they exit on the stop signal, before stop())
+                tp.broadcast_stop()
+                # NOTE: a guard only: the workers leave the group at the same time
+                closing = threading.Thread(target=tp.close, name="kvfleet-tp-close", daemon=True)
+                closing.start()
+                closing.join(_CLOSE_TIMEOUT_S)
+                if closing.is_alive():
+                    logger.warning("the tensor-parallel group did not close; leaving it")
+            except RuntimeError:
+                logger.warning("a tensor-parallel worker did not take the stop signal")
+        self.workers.stop()
+        logger.info("tensor-parallel workers stopped")
 
 
 def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
