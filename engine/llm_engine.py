@@ -135,6 +135,12 @@ class LLMEngine:
             if value is not None and not _is_unicode(value):
                 raise ValueError(f"{name} must be Unicode text (a lone surrogate is not)")
         text, token_ids = self._tokenize(prompt)
+        vocab_size = self.model_config.vocab_size
+        biased = [t for t in params.logit_bias or () if t >= vocab_size]
+        if biased:
+            raise ValueError(
+                f"logit_bias: token id {biased[0]} is out of range for a vocabulary of {vocab_size}"
+            )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stop_token_ids = (*params.stop_token_ids, *self._extra_eos_ids(params))
         child_ids = [

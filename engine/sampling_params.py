@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet.engine.protocol.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    LOGIT_BIAS_RANGE,
     MAX_INT32,
     MAX_INT64,
     MAX_LOGPROBS,
@@ -45,6 +46,8 @@ class SamplingParams:
     # With speculative decoding on: False keeps this request out of it (no drafts, one token
     # per step). Requests with penalties or logprobs are never drafted for.
     speculative: bool = True
+    # token id -> a bias added to its logit before sampling (clamped to [-100, 100])
+    logit_bias: Mapping[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -56,6 +59,7 @@ class SamplingParams:
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
         self.stop_token_ids = tuple(self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
         _check(_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}")
         _check(
             _is_number(self.temperature) and 0 <= self.temperature < math.inf,
@@ -105,7 +109,12 @@ class SamplingParams:
     def may_speculate(self) -> bool:
         """Whether drafts may be verified for this request (penalties read every output token
         and logprobs are given per sampled token: those requests decode one token a step)."""
-        return self.speculative and not self.has_penalties and self.logprobs is None
+        return (
+            self.speculative
+            and not self.has_penalties
+            and self.logprobs is None
+            and not self.logit_bias
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -126,6 +135,7 @@ class SamplingParams:
             or self.min_p > 0
             or self.has_penalties
             or self.logprobs is not None
+            or bool(self.logit_bias)
         )
 
     @property
@@ -135,6 +145,16 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping) or not all(
+        _is_int(k) and 0 <= k <= MAX_INT32 and _is_number(v) for k, v in bias.items()
+    ):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    return {k: max(-LOGIT_BIAS_RANGE, min(LOGIT_BIAS_RANGE, float(v))) for k, v in bias.items()}
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:

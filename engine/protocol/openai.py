@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -37,10 +37,29 @@ Message = Mapping[str, Any]
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
+# Request fields that change nothing kvfleet computes (OpenAI's bookkeeping): accepted and
+# ignored. Every other field kvfleet does not implement is refused with 400 naming it, so a
+# caller never gets prose where it asked for something else. (README: "Request fields".)
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+MAX_LOGIT_BIAS = 1024  # token biases in one request
+LOGIT_BIAS_RANGE = 100.0  # each clamped to [-100, 100], as OpenAI's
+
+
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI's API does; floats must be finite
-    # (Python's JSON reader takes NaN and Infinity).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Floats must be finite (Python's JSON reader takes NaN and Infinity). A field sent as null
+    # is absent (clients echo back the nulls of the messages they were answered with).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_absent_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if key in cls.model_fields or (value is not None and key not in IGNORED_FIELDS)
+        }
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -76,6 +95,22 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = Field(default=0, ge=-MAX_INT32 - 1, le=MAX_INT32)
     cache_salt: str | None = Field(default=None, max_length=1024)
     speculative: bool = True  # false: no speculative decoding for this request
+    # token id (as a string, OpenAI's form) -> a bias added to its logit, clamped to [-100, 100]
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        for key in value:
+            if not key.isdigit() or int(key) > MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return {key: max(-LOGIT_BIAS_RANGE, min(LOGIT_BIAS_RANGE, v)) for key, v in value.items()}
+
+    def token_biases(self) -> dict[int, float] | None:
+        """`logit_bias` by token id."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     def max_new_tokens(self) -> int | None:
         """The most tokens a choice may generate; None: up to the context length. The one
@@ -249,6 +284,11 @@ def validate_request(data: Mapping[str, Any], model: type[_Body]) -> _Body:
 def _first_error(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in (*prefix, *first["loc"])) or "body"
+    if first["type"] == "extra_forbidden":
+        return (
+            f"{where}: kvfleet does not support this field (it refuses rather than ignore it; "
+            f"fields it ignores: {', '.join(sorted(IGNORED_FIELDS))})"
+        )
     return f"{where}: {first['msg']}"
 
 

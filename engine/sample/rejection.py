@@ -28,6 +28,7 @@ import torch
 from kvfleet.engine.sample.torch_sampler import (
     SamplerOutput,
     SamplingMetadata,
+    apply_logit_bias,
     apply_penalties,
     exponential_race,
     filtered_probs,
@@ -56,6 +57,7 @@ def sample_with_drafts(
     without drafts samples exactly as `Sampler` would (the same draw from the same generator);
     logprobs, asked only by requests without drafts, are those of each request's last row."""
     raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+    logits = apply_logit_bias(logits, meta)
     if meta.presence_penalty is not None:
         logits = apply_penalties(logits, meta)
     argmax = logits.argmax(dim=-1)

@@ -34,6 +34,8 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None  # [B, max_output] int64, padded with vocab_size
     generators: dict[int, torch.Generator]  # row -> the request's own generator
     max_num_logprobs: int | None  # None: no row asked for logprobs
+    # (rows [n] int64, token ids [n] int64, biases [n] float32) over every row's logit_bias
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -73,6 +75,7 @@ class SamplingMetadata:
             output_token_ids=_pad(output_token_ids, vocab_size, device) if has_penalties else None,
             generators=generators,
             max_num_logprobs=max(logprobs) if logprobs else None,
+            logit_bias=_logit_bias(params, device),
         )
 
 
@@ -92,6 +95,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, vocab] float32 -> one token per row."""
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        logits = apply_logit_bias(logits, meta)
         if meta.presence_penalty is not None:
             logits = apply_penalties(logits, meta)
         greedy_tokens = logits.argmax(dim=-1)
@@ -105,6 +109,28 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(sampled)
         return gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits (a new tensor; logprobs stay the model's)."""
+    if meta.logit_bias is None:
+        return logits
+    rows, token_ids, biases = meta.logit_bias
+    return logits.index_put((rows, token_ids), biases, accumulate=True)
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, token_ids, biases = zip(*entries, strict=True)
+    return (
+        host_column(rows, torch.int64, device),
+        host_column(token_ids, torch.int64, device),
+        host_column(biases, torch.float32, device),
+    )
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -145,6 +145,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs(),
+                logit_bias=req.token_biases(),
                 speculative=req.speculative,
             )
         except ValueError as exc:

@@ -54,6 +54,16 @@ LONG_TEXT = "lighthouse keeper " * 1100  # ~2,200 tokens, over the 2,048 context
         ("completions", {**COMPLETION, "stop": 5}, 400, "stop"),
         ("completions", {**COMPLETION, "prompt": ""}, 400, "prompt is empty"),
         ("completions", {**COMPLETION, "prompt": [999999]}, 400, "out of range"),
+        # a field kvfleet does not implement is refused, never ignored (issue 29)
+        (
+            "chat/completions",
+            {**CHAT, "response_format": {"type": "json_object"}},
+            400,
+            "response_format: kvfleet does not support this field",
+        ),
+        ("completions", {**COMPLETION, "suffix": "!"}, 400, "suffix: kvfleet does not support"),
+        ("completions", {**COMPLETION, "logit_bias": {"a": 1}}, 400, "keys must be token ids"),
+        ("completions", {**COMPLETION, "logit_bias": {"999999": 5}}, 400, "out of range"),
         (
             "completions",
             b'{"model": "smollm2", "prompt": "' + b"x" * (10 << 20) + b'"}',

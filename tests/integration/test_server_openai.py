@@ -221,3 +221,35 @@ def test_kv_events_stream_and_snapshot(server: Server, client: OpenAI) -> None:
         later = http.get(f"{server.url}/kv/snapshot").json()
         assert later["seq"] >= stored[-1]["seq"]
         assert {e["block_hash"] for e in stored} <= {b["block_hash"] for b in later["blocks"]}
+
+
+def test_logit_bias_and_fields_that_change_nothing(client: OpenAI) -> None:
+    """`logit_bias` steers sampling (+100 makes a token certain); OpenAI's bookkeeping fields
+    (`user`, `metadata`, `store`) and fields sent as null are accepted and change nothing."""
+    from kvfleet.engine.loader.source import resolve_model_source
+    from kvfleet.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model_source(MODEL))
+    target = tokenizer.encode(" lighthouse", add_special_tokens=False)[0]
+    biased = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0.8,
+        logit_bias={str(target): 100},
+    )
+    assert biased.choices[0].text == tokenizer.decode([target] * 4)
+    plain = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    same = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        user="someone",
+        metadata={"team": "a"},
+        store=False,
+        extra_body={"response_format": None, "tools": None},
+    )
+    assert same.choices[0].text == plain.choices[0].text

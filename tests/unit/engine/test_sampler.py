@@ -122,3 +122,21 @@ def test_logprobs_and_ranks() -> None:
     assert out.logprobs[0].tolist() == pytest.approx(reference[[0, 0, 1, 2]].tolist())
     assert out.sampled_ranks is not None
     assert out.sampled_ranks.tolist() == [1, 1]
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows() -> None:
+    logits = LOGITS.repeat(3, 1)
+    rows = [
+        SamplingParams(temperature=0, logit_bias={0: -100}),  # the argmax is excluded
+        SamplingParams(temperature=0, logit_bias={6: 4.5}),  # -1.0 + 4.5 beats 2.0
+        SamplingParams(temperature=1.0, logit_bias={7: 100}),  # certain
+    ]
+    out = Sampler()(logits, meta(rows))
+    assert out.sampled_token_ids.tolist() == [1, 6, 7]
+    # bounded as OpenAI bounds it, and checked where it is given
+    assert SamplingParams(logit_bias={3: 1e6}).logit_bias == {3: 100.0}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"3": 1.0})  # type: ignore[dict-item]
+    # (the race cannot apply it, and drafts are not verified under it)
+    assert SamplingParams(logit_bias={3: 1.0}).needs_distribution
+    assert not SamplingParams(logit_bias={3: 1.0}).may_speculate
