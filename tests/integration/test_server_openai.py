@@ -248,8 +248,6 @@ def test_logit_bias_and_fields_that_change_nothing(client: OpenAI) -> None:
         max_tokens=4,
         temperature=0,
         user="someone",
-        metadata={"team": "a"},
-        store=False,
-        extra_body={"response_format": None, "tools": None},
+        extra_body={"metadata": {"team": "a"}, "store": False, "response_format": None},
     )
     assert same.choices[0].text == plain.choices[0].text
