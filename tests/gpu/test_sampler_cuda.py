@@ -74,3 +74,24 @@ def test_seeded_rows_draw_the_same_token_by_the_race_or_by_the_torch_sampler() -
         torch.device("cuda"),
     )
     assert torch.equal(Sampler()(logits, meta).sampled_token_ids, raced)
+
+
+def test_logit_bias_on_the_device_at_llama3_vocabulary() -> None:
+    """`logit_bias` on CUDA tensors (the torch path: the race cannot apply it): a +100 bias
+    makes a token certain in a sampled row, -100 removes a greedy row's argmax, and a row
+    without one keeps its own argmax."""
+    vocab, rows = 128_256, 3
+    logits = torch.randn(
+        rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
+    top = int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=1.0, logit_bias={vocab - 1: 100}),
+        SamplingParams(temperature=0, logit_bias={top: -100}),
+        SamplingParams(temperature=0),
+    ]
+    meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, {}, vocab, torch.device("cuda"))
+    out = Sampler()(logits, meta).sampled_token_ids.tolist()
+    second = logits[1].clone()
+    second[top] -= 100
+    assert out == [vocab - 1, int(second.argmax()), int(logits[2].argmax())]
