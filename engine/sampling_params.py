@@ -121,6 +121,17 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy, and its token is the logits' argmax as they come (no penalties or logit
+        bias) with nothing else to return (no logprobs): an argmax alone serves it."""
+        return (
+            self.is_greedy
+            and not self.has_penalties
+            and not self.logit_bias
+            and self.logprobs is None
+        )
+
+    @property
     def effective_temperature(self) -> float:
         """The temperature the samplers divide by, 0.0 for greedy: the one encoding of greedy
         every sampling path reads (`engine/sample/`)."""

@@ -51,7 +51,6 @@ class Setting:
     section: str | None  # the EngineConfig field holding it (cache, scheduler, lora), or None
     kwarg: str  # its name in LLM(**kwargs) and, with dashes, on the command line
     kind: type  # bool, int, float, str, or another type (parsed from text by `parse`)
-    optional: bool  # None is a value (unset)
     default: Any
     help: str
     choices: tuple[str, ...] | None
@@ -87,7 +86,7 @@ def settings_of(config: type, sections: Iterable[str] = ()) -> list[Setting]:
         meta = item.metadata.get(_KEY)
         if meta is None:
             continue
-        kind, optional = _kind(hints[item.name])
+        kind = _kind(hints[item.name])
         default = item.default if item.default is not dataclasses.MISSING else None
         found.append(
             Setting(
@@ -95,7 +94,6 @@ def settings_of(config: type, sections: Iterable[str] = ()) -> list[Setting]:
                 section=None,
                 kwarg=meta["kwarg"] or item.name,
                 kind=kind,
-                optional=optional,
                 default=default,
                 help=meta["help"],
                 choices=meta["choices"],
@@ -193,10 +191,10 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str)
 
 
-def _kind(hint: Any) -> tuple[type, bool]:
-    """(the type, whether None is allowed) of a field annotation such as `int | None`."""
+def _kind(hint: Any) -> type:
+    """The type of a field annotation such as `int | None` (int)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         members = [m for m in typing.get_args(hint) if m is not type(None)]
-        return _kind(members[0])[0], True
+        return _kind(members[0])
     origin = typing.get_origin(hint)
-    return (origin or hint), False
+    return origin or hint  # type: ignore[no-any-return]

@@ -6,8 +6,9 @@ The paths, one per step:
   distribution (no top-k/p, min-p, penalties or logprobs). Its rows ride in the step message
   (every tensor-parallel rank races its own vocabulary shard), so `plan` returns them as host
   arrays to pack and `RaceBatch` is made from the packed step's device views.
-- `ArgmaxBatch`: a speculative step whose requests all decode greedily, with no penalties or
-  logprobs: each row's argmax comes back and the drafts are judged on the host.
+- `ArgmaxBatch`: a speculative step whose requests all decode greedily with nothing to apply
+  or return (`SamplingParams.is_plain_greedy`): each row's argmax comes back and the drafts are
+  judged on the host.
 - `DraftBatch`: other speculative steps: rejection sampling (rejection.py).
 - `SamplingMetadata`: the torch sampler (torch_sampler.py).
 
@@ -115,9 +116,8 @@ class SamplingPlanner:
     ) -> RaceRows | SamplingBatch:
         """The step's sampling. `positions`: per request, the position of the (first) token it
         samples; `drafts`: per request, the drafts it verifies (a speculative step)."""
-        params = [r.sampling_params for r in requests]
         if drafts is not None:
-            if all(p.is_greedy and not p.has_penalties and p.logprobs is None for p in params):
+            if all(r.sampling_params.is_plain_greedy for r in requests):
                 return ArgmaxBatch()
             return self._draft_batch(requests, drafts, positions)
         race = self._race_rows(requests, positions)
@@ -125,7 +125,7 @@ class SamplingPlanner:
             return race
         meta = self._metadata(requests)
         for row, generator in meta.generators.items():
-            seed = params[row].seed
+            seed = requests[row].sampling_params.seed
             assert seed is not None  # (only seeded requests have a generator)
             generator.manual_seed(position_seed(seed, positions[row]))
         return meta

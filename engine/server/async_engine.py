@@ -80,8 +80,9 @@ class AsyncEngine:
             engine.workers.on_death(lambda _: self._wake.set())
         self._lora_names: tuple[str, ...] = ()
         self._refresh_lora_names()
-        # The scheduler as the engine thread last saw it: after handing it requests and once
-        # each step is scheduled (other threads read only this).
+        # The scheduler as the engine thread last saw it: each turn of the loop, after handing
+        # it requests (and so right after a step's outputs), and once each step is scheduled
+        # (other threads read only this).
         self.stats: SchedulerStats = engine.stats()
         engine.on_scheduled = self._publish_stats
 
@@ -209,7 +210,6 @@ class AsyncEngine:
                 self._deliver(output)
             if any(o.finished for o in outputs):
                 self._refresh_lora_names()  # an unloaded adapter's last request may be done
-            self._publish_stats()
             self._publish_kv_events(self.engine.take_kv_events())
         self._stop.set()
         self._handle_commands()

@@ -140,3 +140,32 @@ def test_logit_bias_steers_greedy_and_sampled_rows() -> None:
     # (the race cannot apply it, and drafts are not verified under it)
     assert SamplingParams(logit_bias={3: 1.0}).needs_distribution
     assert not SamplingParams(logit_bias={3: 1.0}).may_speculate
+
+
+def test_a_speculative_step_applies_a_greedy_requests_logit_bias() -> None:
+    """A step with drafts takes each row's argmax alone only when nothing changes it: a greedy
+    request with a logit bias beside a drafting one is verified with its bias applied."""
+    from dataclasses import dataclass
+
+    from kvfleet.engine.sample.batch import ArgmaxBatch, DraftBatch, SamplingPlanner
+    from kvfleet.engine.sample.sampler import sample
+
+    @dataclass
+    class Row:
+        req_id: str
+        sampling_params: SamplingParams
+        token_ids: list[int]
+        num_prompt_tokens: int = 2
+        generator: torch.Generator | None = None
+
+    planner = SamplingPlanner(VOCAB, torch.device("cpu"))
+    plain = Row("a", SamplingParams(temperature=0), [1, 2, 3])
+    other = Row("b", SamplingParams(temperature=0), [1, 2, 3])
+    assert isinstance(planner.plan([plain, other], [3, 3], [[0, 0], []]), ArgmaxBatch)
+    biased = Row("b", SamplingParams(temperature=0, logit_bias={5: 100}), [1, 2, 3])
+    batch = planner.plan([plain, biased], [3, 3], [[0, 0], []])
+    assert isinstance(batch, DraftBatch)
+    out = sample(LOGITS.repeat(4, 1), batch)  # 3 rows for the drafting request, 1 for the other
+    assert out.sampled_token_ids.tolist() == [0, 5]  # (its drafts, both 0, were all kept)
+    assert out.num_accepted is not None
+    assert out.num_accepted.tolist() == [2, 0]
