@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -97,11 +97,23 @@ def test_same_answers_as_an_engine_directly(gateway: Server, engines: list[Serve
     assert listed == [MODEL]
 
 
-def test_requests_sharing_a_prefix_follow_the_replica_holding_it(gateway: Server) -> None:
-    groups = {
-        name: f"Document {name}: " + " ".join(f"{name}{i}" for i in range(300))
-        for name in ("alpha", "beta", "gamma", "delta")
-    }
+def test_requests_sharing_a_prefix_follow_the_replica_holding_it(
+    gateway: Server, engines: list[Server]
+) -> None:
+    # A new document goes to the replica its first block hashes to (rendezvous hashing over
+    # the replicas' URLs, which take free ports): the groups are chosen so that two land on
+    # each replica, which the gateway's first choices must then match exactly.
+    first_replica = _rendezvous_choices(engines)
+    groups: dict[str, str] = {}
+    wanted = {engine.url: 2 for engine in engines}
+    for name in (f"doc{i}" for i in range(64)):
+        document = f"Document {name}: " + " ".join(f"{name}w{i}" for i in range(300))
+        target = first_replica(f"{document}\nQ0:")
+        if wanted[target]:
+            wanted[target] -= 1
+            groups[name] = document
+        if len(groups) == 4:
+            break
     served: dict[str, list[str]] = {name: [] for name in groups}
     with httpx.Client(timeout=120) as client:
         for round_ in range(4):
@@ -115,7 +127,32 @@ def test_requests_sharing_a_prefix_follow_the_replica_holding_it(gateway: Server
                 time.sleep(0.3)  # let the engine's KV events reach the gateway
     followed = sum(r == s[0] for s in served.values() for r in s[1:])
     assert followed >= 0.9 * sum(len(s) - 1 for s in served.values()), served
-    assert len({s[0] for s in served.values()}) == 2  # the groups spread over both replicas
+    assert {name: s[0] for name, s in served.items()} == {
+        name: first_replica(f"{document}\nQ0:") for name, document in groups.items()
+    }  # (so the groups spread over both replicas)
+
+
+def _rendezvous_choices(engines: list[Server]) -> Callable[[str], str]:
+    """The replica an idle gateway picks for a prompt no replica holds yet."""
+    import hashlib
+
+    from kvfleet.engine.protocol.kv import extra_keys_for, hash_full_blocks
+    from kvfleet.gateway.tokenizer import GatewayTokenizer
+
+    info = httpx.get(f"{engines[0].url}/tokenizer", timeout=30).json()
+    tokenizer = GatewayTokenizer(
+        info["tokenizer"], info.get("chat_template"), info["special_tokens"], info["block_size"]
+    )
+
+    def choice(prompt: str) -> str:
+        ids = tokenizer.encode(prompt)
+        first = next(iter(hash_full_blocks(ids, info["block_size"], extra_keys_for(None, None))))
+        return max(
+            (engine.url for engine in engines),
+            key=lambda url: hashlib.sha256(f"{first.hex()}\x00{url}".encode()).digest(),
+        )
+
+    return choice
 
 
 def test_keys_and_bad_input(tmp_path: Path, engines: list[Server]) -> None:
