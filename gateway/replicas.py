@@ -112,7 +112,7 @@ class ReplicaPool:
 
     def add_in_flight(self, replica_id: ReplicaId, delta: int) -> None:
         replica = self.replicas[replica_id]
-        count = max(0, replica.state.num_in_flight + delta)
+        count = replica.state.num_in_flight + delta
         replica.state = replace(replica.state, num_in_flight=count)
 
     def drain(self, replica_id: ReplicaId, reason: str) -> None:
@@ -173,7 +173,8 @@ class ReplicaPool:
             logger.debug("replica %s: poll failed: %s", replica.url, exc)
             ready, load = False, {}
         adapters = frozenset(str(c["id"]) for c in replica.models if c.get("parent"))
-        # NOTE: the in-flight count restarts with each reading, which already counts them.
+        # NOTE: the in-flight count restarts with each reading, which already counts the
+        # requests then in flight; those that end later count -1 each until the next reading.
         replica.state = ReplicaState(
             replica.replica_id,
             ready=ready,

@@ -26,7 +26,9 @@ class ReplicaState:
     kv_cache_usage: float = 0.0  # 0..1
     num_running: int = 0
     num_waiting: int = 0
-    # Requests this gateway sent since the replica's last metrics reading (not yet counted).
+    # Requests this gateway sent (+1) and saw finish (-1) since the replica's last metrics
+    # reading: a request counted as running in that reading leaves the queue when it ends,
+    # not at the next reading. Negative when more finished than started.
     num_in_flight: int = 0
     num_finished: float = 0.0  # requests the replica finished since it started (a counter)
     adapters: frozenset[str] = frozenset()  # LoRA adapters loaded there
@@ -34,7 +36,8 @@ class ReplicaState:
     @property
     def load(self) -> float:
         """Queue depth, in requests, plus the KV cache's fill as a tie-breaker below one."""
-        return self.num_running + self.num_waiting + self.num_in_flight + self.kv_cache_usage
+        queued = self.num_running + self.num_waiting + self.num_in_flight
+        return max(0, queued) + self.kv_cache_usage
 
 
 @dataclass(frozen=True)

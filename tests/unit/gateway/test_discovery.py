@@ -51,3 +51,27 @@ async def test_pool_follows_added_and_removed_replicas() -> None:
         await asyncio.sleep(0.05)
         assert all(not r.ready for r in pool.snapshot().replicas)  # 503 health: not ready
         await pool.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_request_counted_running_leaves_the_load_when_it_ends() -> None:
+    # The replica's reading shows the gateway's one request running; when that request ends,
+    # the replica is idle again at once, not at its next reading (which would send the next
+    # new document elsewhere for no reason).
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="kvfleet:num_requests_running 1\n")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": []})
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        pool = ReplicaPool(["http://a:1"], client, PrefixIndex())
+        replica = pool.replicas[ReplicaId("http://a:1")]
+        pool.add_in_flight(replica.replica_id, 1)
+        await pool._poll(replica)  # the reading counts the request as running
+        assert replica.state.load == 1
+        pool.add_in_flight(replica.replica_id, -1)  # it ends
+        assert replica.state.load == 0
+        pool.add_in_flight(replica.replica_id, -1)  # (one more than counted: never below 0)
+        assert replica.state.load == 0
