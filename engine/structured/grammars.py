@@ -1,0 +1,113 @@
+"""Grammars for constrained decoding, compiled by xgrammar (the library vLLM and SGLang use):
+a JSON schema, any JSON object, a regex, a choice among strings, or an EBNF grammar, each
+compiled once against the model's tokenizer and cached by its text. Compiling runs on a worker
+thread, off the engine's step loop: a request waits in the scheduler until its grammar is ready
+while the others keep stepping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+MAX_CACHED_GRAMMARS = 512
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match: `text` is the JSON schema (as JSON), the regex,
+    the EBNF grammar, or the choices (a JSON list of strings); empty for any JSON object."""
+
+    kind: GrammarKind
+    text: str = ""
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> GrammarSpec:
+        if not options or not all(isinstance(o, str) for o in options):
+            raise ValueError("choice needs a non-empty list of strings")
+        return cls("choice", json.dumps(list(options)))
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled (HTTP 400 with the reason)."""
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer on a worker thread; the same text compiles
+    once (its future is shared, success or failure, up to MAX_CACHED_GRAMMARS of them)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, threads: int = 2) -> None:
+        import xgrammar as xgr
+
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size
+        )
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-grammar")
+        self._futures: dict[GrammarSpec, Future[Any]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer_info.vocab_size)
+
+    def submit(self, spec: GrammarSpec) -> Future[Any]:
+        """The compiled grammar (xgrammar's CompiledGrammar), when ready; its exception is a
+        GrammarError saying what is wrong."""
+        with self._lock:
+            future = self._futures.get(spec)
+            if future is None:
+                if len(self._futures) >= MAX_CACHED_GRAMMARS:
+                    self._futures.pop(next(iter(self._futures)))  # the oldest
+                future = self._futures[spec] = self._pool.submit(self._compile, spec)
+            return future
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """`submit`, waiting for the result (offline use and tests)."""
+        return self.submit(spec).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        compiler = self._compiler
+        try:
+            if spec.kind == "json_object":  # (an object: not any JSON value)
+                return compiler.compile_json_schema('{"type": "object"}')
+            if spec.kind == "json":
+                return compiler.compile_json_schema(_schema_text(spec.text))
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "choice":
+                options = json.loads(spec.text)
+                return compiler.compile_grammar(_choice_grammar(options))
+            return compiler.compile_grammar(spec.text)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            # (xgrammar's messages start with a timestamp and a C++ source location)
+            reason = str(exc).strip().split(": ", 1)[-1]
+            raise GrammarError(f"the {spec.kind} cannot be compiled: {reason}") from None
+
+
+def _schema_text(text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise GrammarError("a JSON schema must be an object (or a boolean)")
+    return text
+
+
+def _choice_grammar(options: Sequence[str]) -> str:
+    """EBNF accepting exactly one of `options`."""
+    return "root ::= " + " | ".join(json.dumps(o) for o in options)
