@@ -12,28 +12,13 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from kvfleet.engine.protocol.structured import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 MAX_CACHED_GRAMMARS = 512
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request's output must match: `text` is the JSON schema (as JSON), the regex,
-    the EBNF grammar, or the choices (a JSON list of strings); empty for any JSON object."""
-
-    kind: GrammarKind
-    text: str = ""
-
-    @classmethod
-    def choice(cls, options: Sequence[str]) -> GrammarSpec:
-        if not options or not all(isinstance(o, str) for o in options):
-            raise ValueError("choice needs a non-empty list of strings")
-        return cls("choice", json.dumps(list(options)))
 
 
 class GrammarError(ValueError):

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvfleet.engine.loader.source import resolve_model_source
-from kvfleet.engine.structured.grammars import GrammarCompiler, GrammarError, GrammarSpec
+from kvfleet.engine.protocol.structured import GrammarFields, GrammarSpec
+from kvfleet.engine.structured.grammars import GrammarCompiler, GrammarError
 from kvfleet.engine.tokenizer import Tokenizer
 
 xgr = pytest.importorskip("xgrammar")
@@ -31,7 +32,7 @@ def accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, spec: GrammarSpec, 
     return all(matcher.accept_token(i) for i in ids) and matcher.is_completed()
 
 
-SCHEMA = {
+SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
     "required": ["name", "age"],
@@ -76,3 +77,45 @@ def test_bad_grammars_say_why(compiler: GrammarCompiler, spec: GrammarSpec, reas
         compiler.compile(spec)
     with pytest.raises(ValueError, match="choice needs"):
         GrammarSpec.choice([])
+
+
+SCHEMA_ = {"schema": SCHEMA}
+
+
+@pytest.mark.parametrize(
+    ("fields", "spec"),
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": SCHEMA},
+                }
+            },
+            GrammarSpec("json", json.dumps(SCHEMA)),
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+")),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, GrammarSpec.choice(["x", "y"])),
+        ({"guided_json": json.dumps(SCHEMA)}, GrammarSpec("json", json.dumps(SCHEMA))),
+        ({"guided_grammar": 'root ::= "a"'}, GrammarSpec("grammar", 'root ::= "a"')),
+    ],
+)
+def test_the_request_names_one_constraint(fields: dict[str, Any], spec: GrammarSpec | None) -> None:
+    assert GrammarFields.model_validate(fields).grammar_spec() == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "one output constraint at a time"),
+        ({"response_format": {"type": "json_schema"}}, "needs its json_schema object"),
+        ({"guided_json": "{bad"}, "guided_json: the JSON schema is not valid JSON"),
+        ({"guided_choice": []}, "guided_choice: choice needs"),
+    ],
+)
+def test_bad_constraints_are_refused(fields: dict[str, Any], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        GrammarFields.model_validate(fields).grammar_spec()
