@@ -29,6 +29,11 @@ def add_commands(commands: Any) -> None:
     )
     _add_serve_arguments(serve)
     serve.set_defaults(run=_run_serve)
+    structured = kinds.add_parser(
+        "structured", help="decode step time under a JSON schema against none; compile times"
+    )
+    _add_structured_arguments(structured)
+    structured.set_defaults(run=_run_structured)
 
 
 def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +122,25 @@ def _run_throughput(args: argparse.Namespace) -> int:
     from kvfleet.bench import throughput
 
     return throughput.run(args)
+
+
+def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer folder (HF)")
+    parser.add_argument("--vocab-size", type=int, help="grow the tokenizer to this many tokens")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the result to this file")
+
+
+def _run_structured(args: argparse.Namespace) -> int:
+    from kvfleet.bench import structured
+
+    return structured.run(args)
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -99,6 +99,14 @@ class LLM:
         adapters: list[str | None],
     ) -> list[RequestOutput]:
         engine = self.engine
+        compiling = {
+            i: engine.compile_grammar(p.grammar) for i, p in enumerate(params) if p.grammar
+        }
+        for i, future in compiling.items():  # (all compile at once; a bad one fails first)
+            try:
+                future.result()
+            except ValueError as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from exc
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for i, (prompt, p, adapter) in enumerate(zip(prompts, params, adapters, strict=True)):
             try:

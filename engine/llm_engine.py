@@ -7,15 +7,16 @@ added); `step` schedules, runs the model once, and returns the requests that pro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.block_pool import BlockStored, KVCacheEvent
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
-from kvfleet.engine.core.request import Request, RequestId, RequestStatus
+from kvfleet.engine.core.request import Request, RequestId, RequestStatus, choices_of
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.core.scheduler_output import SchedulerOutput
 from kvfleet.engine.core.stats import SchedulerStats
@@ -23,8 +24,11 @@ from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.output.processor import OutputProcessor
 from kvfleet.engine.output.request_output import RequestOutput
 from kvfleet.engine.protocol.kv import lora_key
+from kvfleet.engine.protocol.structured import GrammarSpec
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.engine.structured.grammars import GrammarCompiler
+from kvfleet.engine.structured.matchers import ConstrainedRequests
+from kvfleet.engine.tokenizer import Tokenizer, tokenize_prompt
 from kvfleet.engine.worker.build import build_device_side
 from kvfleet.engine.worker.model_runner import LaunchedStep
 from kvfleet.engine.worker.setup import resolve_setup
@@ -68,6 +72,12 @@ class LLMEngine:
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Output constraints: grammars compiled off the step loop, the requests' matchers.
+        self.grammars: ConstrainedRequests | None = None
+        if self.tokenizer is not None:
+            stops = [self.eos_token_id, *self.model_config.eos_token_ids]  # (where complete)
+            compiler = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, stops)
+            self.grammars = ConstrainedRequests(compiler, self.runner.device)
         self._in_flight: LaunchedStep | None = None  # launched, its outputs not taken yet
         self._broken: str | None = None
         self._penalized: set[str] = set()  # requests whose sampling reads all their outputs
@@ -78,18 +88,7 @@ class LLMEngine:
         # Called on the engine thread once each step is scheduled, before it runs (the async
         # engine publishes its stats there: requests are then running, no longer waiting).
         self.on_scheduled: Callable[[], None] | None = None
-        logger.info(
-            "engine ready: %s (%s) on %s in %s, %s attention; %d KV blocks of %d tokens; "
-            "max_model_len %d",
-            self.source.name,
-            self.source.format,
-            self.device,
-            self.dtype,
-            self.attention_backend,
-            num_blocks,
-            block_size,
-            self.max_model_len,
-        )
+        logger.info("engine ready: %s", setup.describe(num_blocks, block_size))
 
     @property
     def block_size(self) -> int:
@@ -134,61 +133,74 @@ class LLMEngine:
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
             if value is not None and not _is_unicode(value):
                 raise ValueError(f"{name} must be Unicode text (a lone surrogate is not)")
-        text, token_ids = self._tokenize(prompt)
-        vocab_size = self.model_config.vocab_size
-        biased = [t for t in params.logit_bias or () if t >= vocab_size]
-        if biased:
-            raise ValueError(
-                f"logit_bias: token id {biased[0]} is out of range for a vocabulary of {vocab_size}"
-            )
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+        params.check_token_ids(self.model_config.vocab_size)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        stop_token_ids = (*params.stop_token_ids, *self._extra_eos_ids(params))
-        child_ids = [
-            RequestId(request_id if params.n == 1 else f"{request_id}#{i}") for i in range(params.n)
-        ]
-        children = []
-        for i, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1 or stop_token_ids != params.stop_token_ids:
-                child_params = dataclasses.replace(
-                    params,
-                    n=1,
-                    seed=None if params.seed is None else params.seed + i,
-                    stop_token_ids=stop_token_ids,
-                )
-            children.append(
-                Request(
-                    child_id,
-                    token_ids,
-                    child_params,
-                    self.eos_token_id,
-                    arrival,
-                    priority=priority,
-                    lora_name=lora_name,
-                    cache_salt=cache_salt,
-                )
-            )
-        added: list[Request] = []
+        children = choices_of(
+            RequestId(request_id),
+            token_ids,
+            params,
+            self.eos_token_id,
+            self.model_config.eos_token_ids,
+            arrival,
+            priority,
+            lora_name,
+            cache_salt,
+        )
+        child_ids = [c.request_id for c in children]
+        added: list[RequestId] = []
         try:
+            if params.grammar is not None:
+                self._constrain(children, params.grammar)
             for child in children:
                 self.scheduler.add_request(child)
-                added.append(child)
-        except ValueError:
-            self.scheduler.finish_requests(
-                [c.request_id for c in added], RequestStatus.FINISHED_ABORTED
-            )
-            raise
-        if lora_name is not None and self.lora is not None:
-            try:
+                added.append(child.request_id)
+            if lora_name is not None and self.lora is not None:
                 self.lora.acquire(lora_name)
-            except ValueError:
-                self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-                raise
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            if self.grammars is not None:
+                self.grammars.remove(*child_ids)
+            raise
+        if lora_name is not None:
             self._adapter_of[request_id] = lora_name
         self._children[request_id] = child_ids
         if params.has_penalties:
             self._penalized.add(request_id)
         self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
+
+    def compile_grammar(self, spec: GrammarSpec) -> Future[Any]:
+        """Start compiling an output constraint (any thread; the same text compiles once):
+        a server waits for it before adding its request, to answer a bad one with 400."""
+        if self.grammars is None:
+            raise ValueError(
+                "an output constraint needs the model's tokenizer, and this engine has none"
+            )
+        return self.grammars.compiler.submit(spec)
+
+    def _constrain(self, children: list[Request], spec: GrammarSpec) -> None:
+        """The children sample under `spec`, waiting in the scheduler until it is compiled."""
+        self.compile_grammar(spec)  # (ValueError without a tokenizer)
+        assert self.grammars is not None
+        ready = self.grammars.add([c.request_id for c in children], spec)
+        for child in children:
+            child.waits_for_grammar = child.request_id not in ready
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is now compiled may be scheduled; those whose grammar
+        cannot compile are aborted (a server checks first: `compile_grammar`)."""
+        if self.grammars is None:
+            return []
+        scheduler = self.scheduler
+        idle = not scheduler.running and all(r.waits_for_grammar for r in scheduler.waiting)
+        return self._fail_children(self.grammars.admit(scheduler.requests, idle))
+
+    def _fail_children(self, reasons: dict[str, str]) -> list[RequestOutput]:
+        """Abort the requests of these children, logging why."""
+        for child_id, reason in reasons.items():
+            logger.error("request %s aborted: %s", child_id, reason)
+        parents = [p for p, children in self._children.items() if set(children) & set(reasons)]
+        return self.abort_request(parents) if parents else []
 
     def add_lora(self, name: str, path: str) -> None:
         """Load a PEFT adapter; LoRAError (400) with the reason if it cannot serve here."""
@@ -211,6 +223,8 @@ class LLMEngine:
         if self.speculator is not None and children:
             self.speculator.forget(children)
         self._penalized.discard(request_id)
+        if self.grammars is not None:
+            self.grammars.remove(*(children or []))
         adapter = self._adapter_of.pop(request_id, None)
         if adapter is not None and self.lora is not None and self.lora.release(adapter):
             self._forget_cached_blocks(adapter)
@@ -246,6 +260,8 @@ class LLMEngine:
                 done.append(child_id)
             else:
                 request.keep_outputs(delivered)
+                if self.grammars is not None:
+                    self.grammars.keep(child_id, delivered)
         scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
         culprit = scheduler.recover_from_failed_step()
         if culprit is None:
@@ -286,6 +302,7 @@ class LLMEngine:
         began = time.monotonic()  # (of what the step costs the engine, for the speculator)
         timed: tuple[int, bool] | None = None  # the timed step: its tokens, whether drafted
         try:
+            outputs += self._admit_compiled()
             num_drafts = self._num_drafts()
             if self._in_flight is not None and (num_drafts or not self._may_overlap()):
                 outputs += self._finish_step(final_only)  # (drafts follow the latest tokens)
@@ -303,10 +320,16 @@ class LLMEngine:
             now = time.monotonic()
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)
-            launched = self.runner.launch(scheduler_output)
+            masked = self.grammars is not None and self.grammars.any_in(
+                list(scheduler_output.num_scheduled_tokens)
+            )
+            launched = self.runner.launch(scheduler_output, hold_sampling=masked)
             if self._in_flight is not None:  # the step before, overlapped with this call
                 timed = (self._in_flight.scheduler_output.total_num_scheduled_tokens, False)
                 outputs += self._finish_step(final_only)
+            if masked:  # (its forward runs while the masks are filled from the latest tokens)
+                assert self.grammars is not None
+                self.runner.sample(launched, self.grammars.bitmask(launched.logits_rows))
             self._in_flight = None if scheduler_output.is_empty else launched
             if self._in_flight is not None and (num_drafts or not self._may_overlap()):
                 # (a step drafts were asked for is timed alone, with or without drafts)
@@ -336,6 +359,17 @@ class LLMEngine:
         assert launched is not None
         runner_output = self.runner.collect(launched)
         scheduler_output = launched.scheduler_output
+        failed = (
+            self._fail_children(
+                self.grammars.advance(
+                    runner_output.req_ids,
+                    runner_output.sampled_token_ids,
+                    self.scheduler.requests,
+                )
+            )
+            if self.grammars is not None
+            else []
+        )
         stats = self.scheduler.spec_decode_stats
         accepted, rejections = stats.num_accepted_tokens, stats.num_rejections
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -350,34 +384,7 @@ class LLMEngine:
         for output in outputs:
             if output.finished:
                 self._request_done(output.request_id)
-        return outputs
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: send token ids")
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        items: list[object] = list(prompt) if isinstance(prompt, Sequence) else [None]
-        token_ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
-        if len(token_ids) != len(items):
-            raise ValueError("a prompt must be a string or a list of token ids (integers)")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
-        return None, token_ids
-
-    def _extra_eos_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """End-of-sequence ids besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
-        if params.ignore_eos:
-            return ()
-        return tuple(
-            t
-            for t in self.model_config.eos_token_ids
-            if t != self.eos_token_id and t not in params.stop_token_ids
-        )
+        return failed + outputs
 
 
 def _is_unicode(text: str) -> bool:

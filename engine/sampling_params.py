@@ -13,6 +13,7 @@ from kvfleet.engine.protocol.openai import (
     MAX_INT64,
     MAX_LOGPROBS,
 )
+from kvfleet.engine.protocol.structured import GrammarSpec
 
 # Below this, a temperature means greedy (argmax): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -48,6 +49,10 @@ class SamplingParams:
     speculative: bool = True
     # token id -> a bias added to its logit before sampling (clamped to [-100, 100])
     logit_bias: Mapping[int, float] | None = None
+    # What the output must match (a JSON schema, any JSON object, a regex, a choice, an EBNF
+    # grammar): each token is sampled from those the grammar allows, and the end of sequence
+    # only where the grammar is complete (engine/structured/).
+    grammar: GrammarSpec | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -100,20 +105,39 @@ class SamplingParams:
             f"speculative must be true or false, got {self.speculative!r}",
         )
         _check(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            f"grammar must be a GrammarSpec, got {self.grammar!r}",
+        )
+        _check(
+            self.grammar is None or not self.ignore_eos,
+            "ignore_eos cannot be combined with an output constraint (the grammar decides where "
+            "the output ends)",
+        )
+        _check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError for a `logit_bias` token id outside the model's vocabulary."""
+        biased = [t for t in self.logit_bias or () if t >= vocab_size]
+        if biased:
+            raise ValueError(
+                f"logit_bias: token id {biased[0]} is out of range for a vocabulary of {vocab_size}"
+            )
+
     @property
     def may_speculate(self) -> bool:
-        """Whether drafts may be verified for this request (penalties read every output token
-        and logprobs are given per sampled token: those requests decode one token a step)."""
+        """Whether drafts may be verified for this request (penalties read every output token,
+        logprobs are given per sampled token, a grammar masks each token from the one before:
+        those requests decode one token a step)."""
         return (
             self.speculative
             and not self.has_penalties
             and self.logprobs is None
             and not self.logit_bias
+            and self.grammar is None
         )
 
     @property
@@ -122,12 +146,13 @@ class SamplingParams:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Greedy, and its token is the logits' argmax as they come (no penalties or logit
-        bias) with nothing else to return (no logprobs): an argmax alone serves it."""
+        """Greedy, and its token is the logits' argmax as they come (no penalties, logit
+        bias or grammar) with nothing else to return (no logprobs): an argmax alone serves it."""
         return (
             self.is_greedy
             and not self.has_penalties
             and not self.logit_bias
+            and self.grammar is None
             and self.logprobs is None
         )
 
@@ -139,9 +164,12 @@ class SamplingParams:
 
     @property
     def needs_distribution(self) -> bool:
-        """Whether sampling needs the whole (filtered) distribution, not just a race."""
+        """Whether sampling needs the whole (filtered) distribution, not just a race (a
+        grammar's mask covers the whole vocabulary: with tensor parallelism a race sees a
+        shard)."""
         return (
-            self.top_k is not None
+            self.grammar is not None
+            or self.top_k is not None
             or self.top_p < 1
             or self.min_p > 0
             or self.has_penalties

@@ -82,3 +82,24 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     except OSError as exc:  # a read-only home only costs the conversion next time
         logger.warning("could not keep the converted tokenizer in %s: %s", cached, exc)
     return tokenizer
+
+
+def tokenize_prompt(
+    tokenizer: Tokenizer | None, prompt: str | Sequence[int], vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as ids) and token ids; ValueError saying what is
+    wrong: empty, no tokenizer for text, ids that are not integers or out of the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: send token ids")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt, tokenizer.encode(prompt)
+    items: list[object] = list(prompt) if isinstance(prompt, Sequence) else [None]
+    token_ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+    if len(token_ids) != len(items):
+        raise ValueError("a prompt must be a string or a list of token ids (integers)")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
+    return None, token_ids

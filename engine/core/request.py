@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -64,6 +66,8 @@ class Request:
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache when first scheduled.
     num_cached_tokens: int | None = None
+    # Its output constraint is still compiling: it waits, others pass it (engine/structured/).
+    waits_for_grammar: bool = False
     # Hashes of the request's full blocks, in order; extended as tokens arrive.
     block_hashes: list[BlockHash] = field(default_factory=list)
 
@@ -131,3 +135,49 @@ class Request:
         if max_tokens is not None:
             room = min(room, max_tokens - self.num_output_tokens - 1)
         return drafts[: max(room, 0)]
+
+
+def choices_of(
+    request_id: RequestId,
+    token_ids: list[int],
+    params: SamplingParams,
+    eos_token_id: int | None,
+    eos_token_ids: Sequence[int],
+    arrival_time: float,
+    priority: int = 0,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> list[Request]:
+    """The sequences one request generates: `params.n` of them (ids `id#i`, sample i seeded
+    with seed + i), each stopping at the model's end-of-sequence ids besides the tokenizer's
+    (e.g. Llama 3's <|eot_id|>) too, unless it ignores them."""
+    extra_eos_ids = (
+        ()
+        if params.ignore_eos
+        else tuple(t for t in eos_token_ids if t != eos_token_id and t not in params.stop_token_ids)
+    )
+    stop_token_ids = (*params.stop_token_ids, *extra_eos_ids)
+    children = []
+    for i in range(params.n):
+        child_params = params
+        if params.n > 1 or stop_token_ids != params.stop_token_ids:
+            child_params = dataclasses.replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + i,
+                stop_token_ids=stop_token_ids,
+            )
+        child_id = RequestId(request_id if params.n == 1 else f"{request_id}#{i}")
+        children.append(
+            Request(
+                child_id,
+                token_ids,
+                child_params,
+                eos_token_id,
+                arrival_time,
+                priority=priority,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+            )
+        )
+    return children

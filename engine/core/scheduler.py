@@ -253,6 +253,7 @@ class Scheduler:
             # NOTE: a request preempted while its last step ran waits for that step's token.
             if (
                 request.num_pending_tokens
+                or request.waits_for_grammar
                 or not self._adapter_fits(request, adapters)
                 or not self.isolation.may_start(request.request_id)
             ):

@@ -12,7 +12,7 @@ import struct
 from collections.abc import Sequence
 from typing import Literal, NewType
 
-from kvfleet.engine.protocol.openai import OpenAIBaseModel
+from kvfleet.engine.protocol.base import OpenAIBaseModel
 
 BlockHash = NewType("BlockHash", bytes)
 

@@ -11,7 +11,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from kvfleet.engine.protocol.base import IGNORED_FIELDS, OpenAIBaseModel
+from kvfleet.engine.protocol.structured import GrammarFields
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -37,37 +40,17 @@ Message = Mapping[str, Any]
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
-# Request fields that change nothing kvfleet computes (OpenAI's bookkeeping): accepted and
-# ignored. Every other field kvfleet does not implement is refused with 400 naming it, so a
-# caller never gets prose where it asked for something else. (README: "Request fields".)
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
 MAX_LOGIT_BIAS = 1024  # token biases in one request
 LOGIT_BIAS_RANGE = 100.0  # each clamped to [-100, 100], as OpenAI's
-
-
-class OpenAIBaseModel(BaseModel):
-    # Floats must be finite (Python's JSON reader takes NaN and Infinity). A field sent as null
-    # is absent (clients echo back the nulls of the messages they were answered with).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_absent_fields(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return {
-            key: value
-            for key, value in data.items()
-            if key in cls.model_fields or (value is not None and key not in IGNORED_FIELDS)
-        }
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+class SamplingFields(GrammarFields):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras; the
+    output constraints in protocol/structured.py)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvfleet.engine.protocol.openai import OpenAIBaseModel
+from kvfleet.engine.protocol.base import OpenAIBaseModel
 
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 

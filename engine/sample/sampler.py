@@ -9,13 +9,29 @@ import torch
 
 from kvfleet.engine.sample.batch import ArgmaxBatch, DraftBatch, RaceBatch, SamplingBatch
 from kvfleet.engine.sample.rejection import sample_with_drafts
-from kvfleet.engine.sample.torch_sampler import Sampler, SamplerOutput
+from kvfleet.engine.sample.torch_sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    apply_token_mask,
+)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, token_mask: torch.Tensor | None = None
+) -> SamplerOutput:
     """One step's tokens from its logits rows [rows, vocab] float32: the whole vocabulary's,
     or this rank's shard for a race (`needs_gathered_logits`). Queued on the device; nothing
-    here waits for it."""
+    here waits for it. `token_mask`: the grammars' bitmask, a row per logits row
+    (engine/structured/; its rows never race: `SamplingParams.needs_distribution`); logprobs
+    stay the model's."""
+    if token_mask is not None:
+        assert not isinstance(batch, RaceBatch | ArgmaxBatch), (
+            "a grammar's rows take the torch path"
+        )
+        if isinstance(batch, SamplingMetadata):
+            return Sampler()(logits, batch, token_mask)
+        apply_token_mask(logits, token_mask)
     if isinstance(batch, RaceBatch):
         from kvfleet.engine.sample.gumbel_race import race, winners
 

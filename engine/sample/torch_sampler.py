@@ -92,10 +92,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits [B, vocab] float32 -> one token per row."""
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, token_mask: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """logits [B, vocab] float32 -> one token per row; `token_mask`: the grammars' bitmask
+        (engine/structured/), applied after the logprobs are taken and the bias added."""
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         logits = apply_logit_bias(logits, meta)
+        if token_mask is not None:
+            apply_token_mask(logits, token_mask)
         if meta.presence_penalty is not None:
             logits = apply_penalties(logits, meta)
         greedy_tokens = logits.argmax(dim=-1)
@@ -117,6 +122,14 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         return logits
     rows, token_ids, biases = meta.logit_bias
     return logits.index_put((rows, token_ids), biases, accumulate=True)
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Tokens a grammar forbids (a 0 bit in the row's int32 bitmask, engine/structured/) to
+    -inf, in place, by xgrammar's kernel."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
 def _logit_bias(

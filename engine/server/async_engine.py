@@ -116,11 +116,14 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request; ValueError (raised here, before any output) for bad input,
-        LoRANotFoundError for an adapter that is not loaded.
+        """Queue a request; ValueError (raised here, before any output) for bad input (a
+        grammar that does not compile among it), LoRANotFoundError for an adapter that is not
+        loaded.
         Leaving the returned iterator early aborts the request."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
+        if params.grammar is not None:  # (compiled off the loop; a bad one raises here)
+            await asyncio.wrap_future(self.engine.compile_grammar(params.grammar))
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         accepted: asyncio.Future[None] = loop.create_future()

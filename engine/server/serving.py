@@ -131,6 +131,7 @@ class OpenAIServing:
             )
         try:
             return SamplingParams(
+                grammar=req.grammar_spec(),
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,

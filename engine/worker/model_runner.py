@@ -43,14 +43,17 @@ class LaunchedStep:
     """A step queued on the device. Its sampled tokens (and logprobs) travel back to the host
     asynchronously; until they arrive, the next step reads the tokens it feeds from
     `results.sampled_token_ids` on the device (never after a step with drafts: how many of
-    them are kept decides what comes next)."""
+    them are kept decides what comes next).
+
+    A step launched with its sampling held (`ModelRunner.launch(..., hold_sampling=True)`)
+    has its forward queued and waits for `ModelRunner.sample(step, token_mask)`: the host
+    fills the grammars' masks meanwhile."""
 
     def __init__(
         self,
         scheduler_output: SchedulerOutput,
         sampled_req_ids: list[RequestId],
         num_logprobs: list[int | None],
-        results: SamplerOutput | None,
         drafts: list[list[int]] | None = None,
         judge_on_host: bool = False,
     ) -> None:
@@ -59,25 +62,40 @@ class LaunchedStep:
         self.scheduler_output = scheduler_output
         self.sampled_req_ids = sampled_req_ids
         self.num_logprobs = num_logprobs
-        self.results = results
+        self.results: SamplerOutput | None = None
         self.drafts = drafts
         self.judge_on_host = judge_on_host
         self.ready: torch.cuda.Event | None = None
         self._host: list[torch.Tensor] = []
-        if results is not None:
-            on_device = [results.sampled_token_ids]
-            if drafts is not None and not judge_on_host:
-                assert results.num_accepted is not None
-                on_device.append(results.num_accepted)
-            if results.logprobs is not None:
-                assert results.logprob_token_ids is not None
-                assert results.sampled_ranks is not None
-                on_device += [results.logprob_token_ids, results.logprobs, results.sampled_ranks]
-            # NOTE: into pinned memory, without waiting; `ready` marks the copies done.
-            self._host = [t.to("cpu", non_blocking=True) for t in on_device]
-            if results.sampled_token_ids.is_cuda:
-                self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                self.ready.record()
+        self.held: tuple[torch.Tensor, SamplingBatch] | None = None  # logits and plan to sample
+
+    @property
+    def logits_rows(self) -> list[RequestId]:
+        """The request of each logits row (k + 1 rows for a request verifying k drafts)."""
+        if self.drafts is None:
+            return self.sampled_req_ids
+        return [
+            r
+            for r, d in zip(self.sampled_req_ids, self.drafts, strict=True)
+            for _ in range(len(d) + 1)
+        ]
+
+    def sampled(self, results: SamplerOutput) -> None:
+        """The step's sampling is queued: start copying its results to the host."""
+        self.results, self.held = results, None
+        on_device = [results.sampled_token_ids]
+        if self.drafts is not None and not self.judge_on_host:
+            assert results.num_accepted is not None
+            on_device.append(results.num_accepted)
+        if results.logprobs is not None:
+            assert results.logprob_token_ids is not None
+            assert results.sampled_ranks is not None
+            on_device += [results.logprob_token_ids, results.logprobs, results.sampled_ranks]
+        # NOTE: into pinned memory, without waiting; `ready` marks the copies done.
+        self._host = [t.to("cpu", non_blocking=True) for t in on_device]
+        if results.sampled_token_ids.is_cuda:
+            self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.ready.record()
 
     def host_results(self) -> tuple[list[list[int]], dict[RequestId, list[TokenLogprobs]]]:
         """Each sampled row's tokens (one, or its kept drafts and one), and the logprobs of the
@@ -234,12 +252,15 @@ class ModelRunner:
         return self.collect(self.launch(scheduler_output))
 
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(
+        self, scheduler_output: SchedulerOutput, hold_sampling: bool = False
+    ) -> LaunchedStep:
         """Queue one step's forward and sampling on the device, and the copy of its results
-        back; returns without waiting for them (`collect` does)."""
+        back; returns without waiting for them (`collect` does). `hold_sampling`: queue the
+        forward only; `sample` queues the rest."""
         update_states(scheduler_output, self.requests, self.sampling, self.device)
         if scheduler_output.is_empty:
-            return LaunchedStep(scheduler_output, [], [], None)
+            return LaunchedStep(scheduler_output, [], [])
         # (its sampling planned, the sampling tensors queued: the last thing that can fail on
         # this rank alone comes before the broadcast; a step that fails after it leaves the
         # other ranks in its collectives)
@@ -257,23 +278,35 @@ class ModelRunner:
             self.ranks_in_step = True
         plan = inputs.sampling
         batch = self._race_batch(inputs.step) if isinstance(plan, RaceRows) else plan
-        sampled = self._forward(inputs.step, inputs.lora, batch)
-        self.ranks_in_step = False
-        assert sampled is not None
+        logits = self._forward(inputs.step, inputs.lora, needs_gathered_logits(batch))
+        # (the other ranks wait in a race's collectives until it is sampled)
+        self.ranks_in_step = self.model.tp is not None and isinstance(batch, RaceBatch)
         step = LaunchedStep(
             scheduler_output,
             inputs.sampled_req_ids,
             [self.requests[r].sampling_params.logprobs for r in inputs.sampled_req_ids],
-            sampled,
             inputs.drafts,
             judge_on_host=isinstance(batch, ArgmaxBatch),
         )
-        self._in_flight = step.in_flight()
+        step.held = (logits, batch)
+        if not hold_sampling:
+            self.sample(step)
         return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, token_mask: torch.Tensor | None = None) -> None:
+        """Queue a launched step's sampling (`token_mask`: the grammars' bitmask, a row per
+        logits row) and the copy of its results back."""
+        assert step.held is not None, "the step was sampled already"
+        logits, batch = step.held
+        step.sampled(sample(logits, batch, token_mask))
+        self.ranks_in_step = False
+        self._in_flight = step.in_flight()
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's results; the requests still here take their tokens."""
         req_ids = list(step.scheduler_output.num_scheduled_tokens)
+        assert step.held is None, "a step is collected after it is sampled"
         if step.results is None:
             return ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
         if step.ready is not None:
@@ -295,14 +328,17 @@ class ModelRunner:
         """Ranks > 0: run every step rank 0 broadcasts (forward and logits, for their
         collectives; rank 0 samples, or all race their vocabulary shards) until it stops."""
         while (step := tp.receive_step()) is not None:
-            self._forward(step, batch=self._race_batch(step) if step.race is not None else None)
+            race = self._race_batch(step) if step.race is not None else None
+            logits = self._forward(step, gather=race is None)
+            if race is not None:
+                sample(logits, race)
 
     def _forward(
-        self, step: StepInputs, lora: LoRABatch | None = None, batch: SamplingBatch | None = None
-    ) -> SamplerOutput | None:
-        """The forward (a graph replay for decode-only steps), then the sampled rows' tokens
-        (None without `batch`: a tensor-parallel worker that only joins the collectives).
-        Every rank makes the same choices from the same inputs, so their collectives match."""
+        self, step: StepInputs, lora: LoRABatch | None = None, gather: bool = True
+    ) -> torch.Tensor:
+        """The forward (a graph replay for decode-only steps), then the sampled rows' logits
+        (this rank's vocabulary shard unless `gather`). Every rank makes the same choices from
+        the same inputs, so their collectives match."""
         graphs = self.decode_graphs
         try:
             if graphs is not None and graphs.can_run(step.metadata):
@@ -313,8 +349,7 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.clear_step()
         rows = hidden[step.logits_indices]
-        logits = self.model.compute_logits(rows, gather=needs_gathered_logits(batch))
-        return None if batch is None else sample(logits, batch)
+        return self.model.compute_logits(rows, gather=gather)
 
     def _race_batch(self, step: StepInputs) -> RaceBatch:
         """The race over this rank's vocabulary shard, from the step message's rows."""

@@ -46,6 +46,13 @@ class RankSetup:
     max_model_len: int
     attention_backend: str
 
+    def describe(self, num_blocks: int, block_size: int) -> str:
+        return (
+            f"{self.source.name} ({self.source.format}) on {self.device} in {self.dtype}, "
+            f"{self.attention_backend} attention; {num_blocks} KV blocks of {block_size} tokens; "
+            f"max_model_len {self.max_model_len}"
+        )
+
 
 def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
     device = _pick_device(config.device)

@@ -57,9 +57,15 @@ LONG_TEXT = "lighthouse keeper " * 1100  # ~2,200 tokens, over the 2,048 context
         # a field kvfleet does not implement is refused, never ignored (issue 29)
         (
             "chat/completions",
-            {**CHAT, "response_format": {"type": "json_object"}},
+            {**CHAT, "functions": [{"name": "f"}]},
             400,
-            "response_format: kvfleet does not support this field",
+            "functions: kvfleet does not support this field",
+        ),
+        (
+            "chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema"}},
+            400,
+            "response_format: json_schema needs its json_schema object",
         ),
         ("completions", {**COMPLETION, "suffix": "!"}, 400, "suffix: kvfleet does not support"),
         ("completions", {**COMPLETION, "logit_bias": {"a": 1}}, 400, "keys must be token ids"),

@@ -11,8 +11,9 @@ import torch
 
 from kvfleet.engine.loader.source import resolve_model_source
 from kvfleet.engine.protocol.structured import GrammarSpec
+from kvfleet.engine.sample.torch_sampler import apply_token_mask
 from kvfleet.engine.structured.grammars import GrammarCompiler, GrammarError
-from kvfleet.engine.structured.matchers import ConstrainedRequests, apply_bitmask
+from kvfleet.engine.structured.matchers import ConstrainedRequests
 from kvfleet.engine.tokenizer import Tokenizer
 
 pytest.importorskip("xgrammar")
@@ -33,7 +34,7 @@ def ready(requests: ConstrainedRequests, req_id: str) -> None:
 
 def test_masks_keep_a_constrained_row_in_its_grammar(tokenizer: Tokenizer) -> None:
     requests = ConstrainedRequests(GrammarCompiler(tokenizer.hf, VOCAB))
-    requests.add("digits", GrammarSpec("regex", "[0-9]{3}"))
+    requests.add(["digits"], GrammarSpec("regex", "[0-9]{3}"))
     ready(requests, "digits")
     generator = torch.Generator().manual_seed(0)
     text = ""
@@ -43,7 +44,7 @@ def test_masks_keep_a_constrained_row_in_its_grammar(tokenizer: Tokenizer) -> No
         bitmask = requests.bitmask(["digits", "free"])
         assert bitmask is not None
         step = logits.clone()
-        apply_bitmask(step, bitmask)
+        apply_token_mask(step, bitmask)
         assert step[1].argmax().item() == free  # the free row is untouched
         token = int(step[0].argmax())
         requests.accept("digits", [token])
@@ -58,10 +59,23 @@ def test_masks_keep_a_constrained_row_in_its_grammar(tokenizer: Tokenizer) -> No
 
 def test_a_grammar_that_cannot_compile_fails_its_request(tokenizer: Tokenizer) -> None:
     requests = ConstrainedRequests(GrammarCompiler(tokenizer.hf, VOCAB))
-    requests.add("bad", GrammarSpec("regex", "([a"))
-    with pytest.raises(GrammarError, match="Unclosed"):
+    with pytest.raises(GrammarError, match="Unclosed"):  # (when added, or once compiled)
+        requests.add(["bad"], GrammarSpec("regex", "([a"))
         ready(requests, "bad")
-    requests.add("ok", GrammarSpec("regex", "a"))
+    assert "bad" not in requests or requests.waiting() == ["bad"]
+    requests.add(["ok"], GrammarSpec("regex", "a"))
     ready(requests, "ok")
     with pytest.raises(GrammarError, match="does not follow"):
         requests.accept("ok", tokenizer.encode("b", add_special_tokens=False))
+
+
+def test_a_matcher_rolls_back_to_the_tokens_a_request_keeps(tokenizer: Tokenizer) -> None:
+    requests = ConstrainedRequests(GrammarCompiler(tokenizer.hf, VOCAB))
+    requests.add(["r"], GrammarSpec("regex", "ab|ac"))
+    ready(requests, "r")
+    a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
+    requests.accept("r", [a, b])
+    requests.keep("r", 1)  # ("b" was never delivered)
+    requests.accept("r", [c])  # refused before the roll back: "abc" is not in the grammar
+    with pytest.raises(GrammarError):
+        requests.accept("r", [b])
