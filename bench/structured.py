@@ -80,6 +80,22 @@ def grown_tokenizer(folder: str, vocab_size: int | None, scratch: Path) -> str:
     return str(scratch)
 
 
+def _record_durations(owner: Any, method: str) -> list[float]:
+    """Wrap `owner.method` to record how long each call takes (host seconds)."""
+    durations: list[float] = []
+    wrapped = getattr(owner, method)
+
+    def timed_call(*args: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return wrapped(*args)
+        finally:
+            durations.append(time.perf_counter() - began)
+
+    setattr(owner, method, timed_call)
+    return durations
+
+
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvfleet-tokenizer-") as scratch:
         return _run(args, grown_tokenizer(args.tokenizer, args.vocab_size, Path(scratch)))
@@ -116,8 +132,6 @@ def _run(args: argparse.Namespace, tokenizer: str) -> int:
             return SamplingParams(temperature=0, max_tokens=max_tokens, grammar=spec)
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
-    fills: list[float] = []
-
     def timed(max_tokens: int, constrained: bool) -> float:
         sync(engine.device)
         began = time.perf_counter()
@@ -129,18 +143,9 @@ def _run(args: argparse.Namespace, tokenizer: str) -> int:
 
     for constrained in (False, True):  # warm up
         timed(4, constrained)
-    constrained_requests = engine.grammars
-    assert constrained_requests is not None
-    bitmask = constrained_requests.bitmask
-
-    def timed_bitmask(row_ids: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return bitmask(row_ids)
-        finally:
-            fills.append(time.perf_counter() - began)
-
-    constrained_requests.bitmask = timed_bitmask  # type: ignore[method-assign]
+    assert engine.grammars is not None
+    fills = _record_durations(engine.grammars, "bitmask")
+    advances = _record_durations(engine.grammars, "advance")
     decode: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.repeats):
         for constrained in (False, True):
@@ -161,6 +166,7 @@ def _run(args: argparse.Namespace, tokenizer: str) -> int:
         "json_schema_ms_per_step": round(masked_s * 1e3, 3),
         "ratio": round(masked_s / free_s, 3),
         "fill_ms_per_step_median": round(statistics.median(fills) * 1e3, 3),
+        "accept_ms_per_step_median": round(statistics.median(advances) * 1e3, 3),
         "compile_small_s": round(compile_s["small"], 4),
         "compile_large_s": round(compile_s["large"], 3),
     }

@@ -59,9 +59,13 @@ def test_masks_keep_a_constrained_row_in_its_grammar(tokenizer: Tokenizer) -> No
 
 def test_a_grammar_that_cannot_compile_fails_its_request(tokenizer: Tokenizer) -> None:
     requests = ConstrainedRequests(GrammarCompiler(tokenizer.hf, VOCAB))
-    with pytest.raises(GrammarError, match="Unclosed"):  # (when added, or once compiled)
+
+    def add_and_compile() -> None:  # (refused when added, or once compiled)
         requests.add(["bad"], GrammarSpec("regex", "([a"))
         ready(requests, "bad")
+
+    with pytest.raises(GrammarError, match="Unclosed"):
+        add_and_compile()
     assert "bad" not in requests or requests.waiting() == ["bad"]
     requests.add(["ok"], GrammarSpec("regex", "a"))
     ready(requests, "ok")

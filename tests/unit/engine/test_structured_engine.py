@@ -100,7 +100,8 @@ def test_an_allowed_greedy_path_is_left_as_it_is(llm: LLM) -> None:
 def test_a_request_waits_for_its_grammar_while_others_step(llm: LLM) -> None:
     engine = llm.engine
     assert engine.grammars is not None
-    real = engine.grammars.submit
+    compiler = engine.grammars.compiler
+    real = compiler.submit
     spec = GrammarSpec("regex", "slow+")
     held: Future[Any] = Future()
     release = threading.Event()
@@ -118,7 +119,7 @@ def test_a_request_waits_for_its_grammar_while_others_step(llm: LLM) -> None:
             finishing.start()
         return held
 
-    engine.grammars.submit = slow_submit  # type: ignore[method-assign]
+    compiler.submit = slow_submit  # type: ignore[method-assign]
     try:
         engine.add_request(
             "slow", "Say it:", SamplingParams(temperature=0, max_tokens=6, grammar=spec)
@@ -135,7 +136,7 @@ def test_a_request_waits_for_its_grammar_while_others_step(llm: LLM) -> None:
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         assert re.fullmatch("slow+", text(finished["slow"]))
     finally:
-        engine.grammars.submit = real  # type: ignore[method-assign]
+        compiler.submit = real  # type: ignore[method-assign]
         release.set()
 
 
