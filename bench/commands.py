@@ -130,6 +130,7 @@ def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokenizer", required=True, help="a tokenizer folder (HF)")
     parser.add_argument("--vocab-size", type=int, help="grow the tokenizer to this many tokens")
+    parser.add_argument("--bounded", action="store_true", help="bounded strings and integers")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

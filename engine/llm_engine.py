@@ -320,16 +320,16 @@ class LLMEngine:
             now = time.monotonic()
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)
-            masked = self.grammars is not None and self.grammars.any_in(
-                list(scheduler_output.num_scheduled_tokens)
-            )
-            launched = self.runner.launch(scheduler_output, hold_sampling=masked)
+            scheduled = list(scheduler_output.num_scheduled_tokens)
+            masks = self.grammars if self.grammars and self.grammars.any_in(scheduled) else None
+            launched = self.runner.launch(scheduler_output, hold_sampling=masks is not None)
+            if masks is not None:  # (filled once the step before has given its tokens)
+                masks.expect(launched.logits_rows)
             if self._in_flight is not None:  # the step before, overlapped with this call
                 timed = (self._in_flight.scheduler_output.total_num_scheduled_tokens, False)
                 outputs += self._finish_step(final_only)
-            if masked:  # (its forward runs while the masks are filled from the latest tokens)
-                assert self.grammars is not None
-                self.runner.sample(launched, self.grammars.bitmask(launched.logits_rows))
+            if masks is not None:  # (its forward runs while the masks are filled)
+                self.runner.sample(launched, masks.bitmask(launched.logits_rows))
             self._in_flight = None if scheduler_output.is_empty else launched
             if self._in_flight is not None and (num_drafts or not self._may_overlap()):
                 # (a step drafts were asked for is timed alone, with or without drafts)

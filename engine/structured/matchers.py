@@ -7,7 +7,7 @@ row per logits row; all ones where a row is free) and applied to the logits in `
 from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -29,6 +29,9 @@ class ConstrainedRequests:
         self._host: torch.Tensor | None = None  # the masks' host buffer, reused step to step
         self._copied: torch.cuda.Event | None = None  # its last copy to the device done
         self._batch: Any = None  # xgrammar's threaded mask filling
+        self._expected: tuple[str, ...] | None = None  # the next mask's rows, if known
+        self._pending: tuple[tuple[str, ...], Future[torch.Tensor | None]] | None = None
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-masks")
 
     @property
     def _xgr(self) -> Any:
@@ -73,6 +76,7 @@ class ConstrainedRequests:
         """Each constrained request still `live` takes its new tokens (one that ended while
         the step ran takes none); those its grammar refuses, with the reason (a mask was not
         applied: a bug, to fail that request alone)."""
+        self.settle()
         refused = {}
         for req_id, new in zip(req_ids, tokens, strict=True):
             if new and req_id in self._matchers and req_id in live:
@@ -80,6 +84,9 @@ class ConstrainedRequests:
                     self.accept(req_id, new)
                 except GrammarError as exc:
                     refused[req_id] = str(exc)
+        expected, self._expected = self._expected, None
+        if expected is not None:
+            self._pending = (expected, self._filler.submit(self._fill, expected))
         return refused
 
     def __contains__(self, req_id: str) -> bool:
@@ -109,10 +116,37 @@ class ConstrainedRequests:
         matchers = self._matchers
         return bool(matchers) and any(r in matchers for r in req_ids)
 
+    def expect(self, row_ids: Sequence[str]) -> None:
+        """The next `bitmask` is for these rows: `advance` starts filling it on a worker
+        thread once the matchers have their latest tokens, while the engine thread goes on
+        with the step's outputs (xgrammar releases the GIL)."""
+        self._expected = tuple(row_ids)
+
     def bitmask(self, row_ids: Sequence[str]) -> torch.Tensor | None:
         """The step's masks on the device, one row per logits row (`row_ids`: the request of
         each; None: no row constrained): int32 [rows, ceil(vocab / 32)], a bit per token
         allowed. The copy is queued without waiting."""
+        pending, self._pending, self._expected = self._pending, None, None
+        if pending is not None and pending[0] == tuple(row_ids):
+            host = pending[1].result()
+        else:
+            self.settle()
+            host = self._fill(tuple(row_ids))
+        if host is None:
+            return None
+        on_device = host.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copied.record()
+        return on_device
+
+    def settle(self) -> None:
+        """Wait for a fill in flight (before the matchers change outside a step)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].result()
+
+    def _fill(self, row_ids: tuple[str, ...]) -> torch.Tensor | None:
         rows = [
             (row, matcher)
             for row, req_id in enumerate(row_ids)
@@ -130,11 +164,7 @@ class ConstrainedRequests:
         self._batch.batch_fill_next_token_bitmask(
             [m for _, m in rows], host, indices=[row for row, _ in rows]
         )
-        on_device = host.to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._copied.record()
-        return on_device
+        return host
 
     def accept(self, req_id: str, token_ids: Sequence[int]) -> None:
         """The request keeps these tokens; GrammarError if its grammar refuses one (its mask
@@ -150,6 +180,7 @@ class ConstrainedRequests:
     def keep(self, req_id: str, num_tokens: int) -> None:
         """The request goes on from its first `num_tokens` outputs (after a failed step): the
         matcher forgets the tokens after them."""
+        self.settle()
         matcher = self._matchers.get(req_id)
         extra = self._num_accepted.get(req_id, 0) - num_tokens
         if matcher is not None and extra > 0:
