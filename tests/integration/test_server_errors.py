@@ -238,7 +238,7 @@ def test_a_request_that_fails_its_steps_fails_alone(
                 raise RuntimeError("injected transient failure")
             return real_step()
 
-        def launch(scheduler_output: Any) -> Any:
+        def launch(scheduler_output: Any, **options: Any) -> Any:
             go.wait(60)  # after scheduling: the scheduled request is running, not waiting
             requests = engine.scheduler.requests
             if any(
@@ -247,7 +247,7 @@ def test_a_request_that_fails_its_steps_fails_alone(
                 if r in requests
             ):
                 raise RuntimeError("injected failure")
-            return real_launch(scheduler_output)
+            return real_launch(scheduler_output, **options)
 
         engine.step = step  # type: ignore[method-assign]
         engine.runner.launch = launch  # type: ignore[method-assign]
@@ -302,9 +302,9 @@ def test_overload_is_503(hf_model_dir: Callable[[str], tuple[Any, Path]]) -> Non
         engine = LLMEngine(config)
         real_launch = engine.runner.launch
 
-        def launch(scheduler_output: Any) -> Any:
+        def launch(scheduler_output: Any, **options: Any) -> Any:
             go.wait(60)  # after scheduling: the scheduled request is running, not waiting
-            return real_launch(scheduler_output)
+            return real_launch(scheduler_output, **options)
 
         engine.runner.launch = launch  # type: ignore[method-assign]
         return engine
