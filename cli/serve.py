@@ -1,7 +1,7 @@
-"""`kvfleet serve`: the product on one machine. N engine processes on loopback (ports 8101..),
-the gateway in this process in front of them on --port (default 8000), as in a cluster: the
-same queuing, rate limits, prefix-aware routing, `kvfleet:gateway_*` metrics and
-`x-kvfleet-replica` header, with one replica as with many."""
+"""`kvfleet serve`: the product on one machine. N engine processes on loopback (ports 8101..,
+or from --first-engine-port), the gateway in this process in front of them on --port (default
+8000), as in a cluster: the same queuing, rate limits, prefix-aware routing,
+`kvfleet:gateway_*` metrics and `x-kvfleet-replica` header, with one replica as with many."""
 
 from __future__ import annotations
 
@@ -34,7 +34,13 @@ def add_command(commands: Any) -> None:
         "--replicas",
         type=int,
         default=1,
-        help="engines behind the gateway (ports 8101..; default 1)",
+        help="engines behind the gateway (ports from --first-engine-port; default 1)",
+    )
+    serve.add_argument(
+        "--first-engine-port",
+        type=int,
+        default=engine_commands.ENGINE_PORT + 1,
+        help="the first engine's port on loopback, the next ones after it (default 8101)",
     )
     serve.set_defaults(run=run)
 
@@ -50,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     forwarded = _forwarded_engine_arguments(args)
-    ports = [engine_commands.ENGINE_PORT + 1 + i for i in range(args.replicas)]
+    ports = [args.first_engine_port + i for i in range(args.replicas)]
     replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
     url = f"http://{args.host}:{args.port}"
     engines: list[subprocess.Popen[bytes]] = []
@@ -125,4 +131,6 @@ _SERVER_OPTIONS = (
     "shutdown_timeout",
     "metrics_compat",
     "log_level",
+    "tool_call_parser",
+    "reasoning_parser",
 )

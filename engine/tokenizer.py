@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +55,23 @@ class Tokenizer:
         )
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The conversation rendered as text by the model's chat template."""
+        """The conversation rendered as text by the model's chat template, with the tools
+        offered and the request's `chat_template_kwargs` (e.g. `enable_thinking`)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
         normalized = [normalize_message(m) for m in messages]
         text: str = self.hf.apply_chat_template(
-            normalized, add_generation_prompt=add_generation_prompt, tokenize=False
+            normalized,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **dict(template_kwargs or {}),
         )
         return text
 

@@ -15,6 +15,7 @@ from kvfleet.engine.protocol.openai import (
     parse_json_object,
     validate_request,
 )
+from kvfleet.engine.protocol.tools import ToolFields
 from kvfleet.gateway.tokenizer import GatewayTokenizer
 
 REQUEST_MODELS: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
@@ -66,7 +67,15 @@ def _tokenize(
         messages = body["messages"]
         if tokenizer is None:
             return [], len(json.dumps(messages).encode()), 1
-        ids = tokenizer.chat_ids(messages, bool(body.get("add_generation_prompt", True)))
+        tools = ToolFields.model_validate(
+            {k: body[k] for k in ToolFields.model_fields if k in body}
+        )
+        ids = tokenizer.chat_ids(
+            messages,
+            bool(body.get("add_generation_prompt", True)),
+            tools.template_tools(),
+            tools.chat_template_kwargs,
+        )
         return ids, len(ids), 1
     prompts = all_prompts(body["prompt"])
     first: list[int] = []

@@ -49,15 +49,24 @@ class GatewayTokenizer:
         return ids
 
     def chat_ids(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """The conversation's prompt tokens, as the engine's chat endpoint builds them."""
+        """The conversation's prompt tokens, as the engine's chat endpoint builds them (with
+        the tools offered and the request's `chat_template_kwargs`)."""
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
         text = self._template.render(
-            messages=[normalize_message(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
+            **{
+                **self.special_tokens,
+                **dict(template_kwargs or {}),
+                "messages": [normalize_message(m) for m in messages],
+                "tools": tools,
+                "add_generation_prompt": add_generation_prompt,
+            }
         )
         return self.encode(text, add_special_tokens=False)
 

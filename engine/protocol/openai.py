@@ -5,6 +5,7 @@ Pure pydantic, no torch: the gateway imports this module too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -15,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from kvfleet.engine.protocol.base import IGNORED_FIELDS, OpenAIBaseModel
 from kvfleet.engine.protocol.structured import GrammarFields
+from kvfleet.engine.protocol.tools import MAX_TOOLS, MessageToolCall, ToolFields
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -131,9 +133,12 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None  # (a tool message: the call it answers)
+    reasoning_content: str | None = None  # (an assistant message's thinking, echoed back)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool = False
@@ -302,8 +307,10 @@ def _check_text(text: str) -> None:
         ) from None
 
 
-def normalize_message(message: Message) -> dict[str, str]:
-    """{"role", "content"} with content as a string (OpenAI text parts are joined)."""
+def normalize_message(message: Message) -> dict[str, Any]:
+    """A message as chat templates read it: role and content (OpenAI text parts joined), and
+    where present the name, the tool calls (their arguments as objects, as templates expect),
+    the id of the call a tool message answers, an assistant's reasoning."""
     if not isinstance(message, Mapping) or "role" not in message:
         raise ValueError(f"a chat message must be an object with a role, got {message!r}")
     role, content = message["role"], message.get("content", "")
@@ -320,4 +327,20 @@ def normalize_message(message: Message) -> dict[str, str]:
         content = "".join(parts)
     if not isinstance(content, str):
         raise ValueError(f"message content must be a string or text parts, got {content!r}")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    normalized: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    normalized["content"] = content
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if message.get(key) is not None:
+            normalized[key] = message[key]
+    if message.get("tool_calls"):
+        normalized["tool_calls"] = [_template_call(c) for c in message["tool_calls"]]
+    return normalized
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    function = dict(call.get("function") or {}) if isinstance(call, Mapping) else {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # (else shown as written)
+            function["arguments"] = json.loads(arguments)
+    return {"id": call.get("id"), "type": "function", "function": function}

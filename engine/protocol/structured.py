@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field
 
 from kvfleet.engine.protocol.base import OpenAIBaseModel
 
-GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 
 MAX_GRAMMAR_TEXT = 1 << 20  # characters of a schema, regex or grammar
@@ -22,7 +22,8 @@ MAX_GRAMMAR_TEXT = 1 << 20  # characters of a schema, regex or grammar
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match: `text` is the JSON schema (as JSON), the regex,
-    the EBNF grammar, or the choices (a JSON list of strings); empty for any JSON object.
+    the EBNF grammar, the choices (a JSON list of strings), or an xgrammar structural tag
+    (JSON: a tool call's format); empty for any JSON object.
     Compiled by the engine (engine/structured/)."""
 
     kind: GrammarKind

@@ -49,6 +49,7 @@ from kvfleet.engine.server.async_engine import (
     EngineStepError,
     RequestFailedError,
 )
+from kvfleet.engine.server.chat_output import OutputParsers
 from kvfleet.engine.server.metrics import EngineMetrics, EngineStats
 from kvfleet.engine.server.requests import read_body, read_chat, read_completion
 from kvfleet.engine.server.serving import OpenAIServing
@@ -69,6 +70,8 @@ class ServerSettings:
     max_waiting_requests: int = 4096  # beyond this the server answers 503 (overloaded)
     metrics_compat: str | None = None  # "vllm" adds the vllm: metric names
     shutdown_timeout_s: float = 10.0
+    tool_call_parser: str = "auto"  # hermes, llama3_json, mistral; auto: from the chat template
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1
     # Start the process that reads large request bodies with the engine, not on first need
     # (a server process does; tests leave it to the first large body).
     prestart_body_worker: bool = False
@@ -162,7 +165,14 @@ def create_app(
         state.bodies = BodyWork(core.tokenizer, load_tokenizer, settings.prestart_body_worker)
         state.engine = engine
         state.serving = OpenAIServing(
-            engine, settings.model_name, core.max_model_len, core.tokenizer, state.metrics
+            engine,
+            settings.model_name,
+            core.max_model_len,
+            core.tokenizer,
+            state.metrics,
+            OutputParsers.configure(
+                core.tokenizer, settings.tool_call_parser, settings.reasoning_parser
+            ),
         )
         logger.info("ready: serving %s", settings.model_name)
         if on_ready is not None:

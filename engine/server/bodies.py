@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvfleet.engine.output.request_output import CompletionOutput, RequestOutput
+from kvfleet.engine.server.chat_output import chat_message
 from kvfleet.engine.server.requests import PreparedRequest
 
 TokenText = Callable[[int], str]  # a token id as text
@@ -16,6 +17,15 @@ def final_choice(
     prepared: PreparedRequest, index: int, completion: CompletionOutput, token_text: TokenText
 ) -> dict[str, Any]:
     logprobs = logprobs_body(prepared, completion.token_ids, completion.logprobs, token_text)
+    if prepared.kind == "chat" and prepared.parsers is not None:
+        message, finish = chat_message(completion.text, completion.finish_reason, prepared.parsers)
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": completion.stop_reason,
+        }
     if prepared.kind == "completion":
         return {
             "index": index,
@@ -41,11 +51,13 @@ def delta_choice(
     logprobs: Sequence[Any] | None,
     finish: str | None,
     token_text: TokenText,
+    parsed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`parsed`: a chat delta read for reasoning and tool calls (ChatStream), else the text."""
     lp = logprobs_body(prepared, token_ids, logprobs, token_text)
     if prepared.kind == "completion":
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-    delta = {"content": text} if text or not finish else {}
+    delta = parsed if parsed is not None else {"content": text} if text or not finish else {}
     return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
 

@@ -46,6 +46,17 @@ def add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int) 
     )
     parser.add_argument("--metrics-compat", choices=["vllm"], help="also expose vllm: metric names")
     parser.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        default="auto",
+        help="how the model writes tool calls (auto: from its chat template)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek_r1"],
+        help="return <think>...</think> as reasoning_content",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     # (`kvfleet serve` starts its engines so: the gateway in front says how to call it and
@@ -71,6 +82,8 @@ def _settings(args: argparse.Namespace, model: str) -> Any:
         max_body_bytes=args.max_body_bytes,
         metrics_compat=args.metrics_compat,
         shutdown_timeout_s=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         prestart_body_worker=True,
     )
 

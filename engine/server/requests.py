@@ -17,6 +17,7 @@ from kvfleet.engine.protocol.openai import (
     validate_request,
 )
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.server.chat_output import OutputParsers
 from kvfleet.engine.tokenizer import Tokenizer
 
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -67,9 +68,11 @@ def read_chat(
     tokenizer = _require(tokenizer)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        text = tokenizer.apply_chat_template(
+            messages, req.add_generation_prompt, req.template_tools(), req.chat_template_kwargs
+        )
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"the chat template cannot render this request: {exc}") from exc
     prompts = [tokenizer.encode(text, add_special_tokens=False)]
     return req.model_copy(update={"messages": []}), prompts
 
@@ -92,3 +95,5 @@ class PreparedRequest:
     include_usage: bool
     model: str  # as the client named it: the base model or an adapter
     lora_name: str | None = None
+    # chat: how replies are read (reasoning, tool calls; server/chat_output.py), None: as is
+    parsers: OutputParsers | None = None

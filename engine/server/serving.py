@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvfleet.engine.lora.adapter import LoRANotFoundError
@@ -20,9 +20,11 @@ from kvfleet.engine.protocol.openai import (
     SamplingFields,
     random_id,
 )
+from kvfleet.engine.protocol.structured import GrammarSpec
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.async_engine import AsyncEngine
 from kvfleet.engine.server.bodies import delta_choice, final_choice, usage_body
+from kvfleet.engine.server.chat_output import ChatStream, OutputParsers, chat_setup
 from kvfleet.engine.server.metrics import EngineMetrics
 from kvfleet.engine.server.requests import PreparedRequest
 from kvfleet.engine.tokenizer import Tokenizer
@@ -37,6 +39,7 @@ class _Choice:
     sent_tokens: int = 0
     last_time: float = field(default_factory=time.monotonic)
     finished: bool = False
+    parsed: ChatStream | None = None  # a chat reply read for reasoning and tool calls
 
 
 class OpenAIServing:
@@ -47,8 +50,10 @@ class OpenAIServing:
         max_model_len: int,
         tokenizer: Tokenizer | None,
         metrics: EngineMetrics,
+        parsers: OutputParsers | None = None,
     ) -> None:
         self.engine = engine
+        self.parsers = parsers or OutputParsers()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -65,10 +70,15 @@ class OpenAIServing:
         return self._prepared("completion", "cmpl", req, prompts, params)
 
     def prepare_chat(self, req: ChatCompletionRequest, prompts: list[list[int]]) -> PreparedRequest:
-        """A chat request read by `read_chat`, ready to start."""
+        """A chat request read by `read_chat`, ready to start: with tools, a parser for the
+        model's calls, and a grammar when a call is required."""
         self._lora_for(req.model)  # 404 before the sampling checks
-        params = self._sampling_params(req, prompts)
-        return self._prepared("chat", "chatcmpl", req, prompts, params)
+        try:
+            parsers, grammar = chat_setup(self.parsers, req)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        params = self._sampling_params(req, prompts, grammar)
+        return replace(self._prepared("chat", "chatcmpl", req, prompts, params), parsers=parsers)
 
     def _prepared(
         self,
@@ -107,7 +117,9 @@ class OpenAIServing:
             code="model_not_found",
         )
 
-    def _sampling_params(self, req: SamplingFields, prompts: list[list[int]]) -> SamplingParams:
+    def _sampling_params(
+        self, req: SamplingFields, prompts: list[list[int]], grammar: GrammarSpec | None = None
+    ) -> SamplingParams:
         max_tokens = req.max_new_tokens()
         longest = max(len(p) for p in prompts)
         if longest == 0:
@@ -131,7 +143,7 @@ class OpenAIServing:
             )
         try:
             return SamplingParams(
-                grammar=req.grammar_spec(),
+                grammar=grammar or req.grammar_spec(),
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -267,6 +279,13 @@ class OpenAIServing:
                     continue
                 state.sent_text, state.sent_tokens = len(completion.text), len(completion.token_ids)
                 state.finished = finish is not None
+                parsed = None
+                if prepared.parsers is not None:
+                    state.parsed = state.parsed or ChatStream(prepared.parsers)
+                    parsed = state.parsed.delta(completion.text, finish)
+                    finish = parsed[1]
+                    if not parsed[0] and not finish and new_logprobs is None:
+                        continue  # (held back: it may be a tool call's start)
                 yield chunk(
                     [
                         delta_choice(
@@ -277,6 +296,7 @@ class OpenAIServing:
                             new_logprobs,
                             finish,
                             self._token_text,
+                            parsed[0] if parsed else None,
                         )
                     ]
                 )

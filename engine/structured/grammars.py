@@ -84,6 +84,8 @@ class GrammarCompiler:
                 )
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.text)
             if spec.kind == "choice":
                 options = json.loads(spec.text)
                 return compiler.compile_grammar(_choice_grammar(options))

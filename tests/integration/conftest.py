@@ -124,3 +124,36 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running = start_server(tmp_path_factory.mktemp("engine"))
     yield running
     stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`kvfleet serve` (the gateway in front of one engine) reading Hermes tool calls and
+    Qwen3-style reasoning: the structured-output and tool-call tests share it."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvfleet.cli.main", "serve", MODEL, "--port", str(port)]
+    command += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "2048"]
+    command += [
+        "--first-engine-port",
+        str(free_port()),
+        "--max-num-seqs",
+        "64",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+    ]
+    server = launch(
+        tmp_path_factory.mktemp("serve"),
+        "serve",
+        port,
+        command,
+        300,
+        lambda s: "kvfleet is serving" in s.log.read_text(),
+    )
+    yield server
+    server.process.terminate()
+    try:
+        server.process.wait(60)
+    except subprocess.TimeoutExpired:
+        server.process.kill()

@@ -1,7 +1,8 @@
 """Structured output with the official `openai` client against `kvfleet serve` (the gateway in
 front of a SmolLM2 engine): `.parse()` with a pydantic model, 50 generated JSON schemas whose
 outputs validate with `jsonschema`, regex and choice, streaming, bad constraints refused with
-400, and a slow grammar that stalls nobody else."""
+400, and a slow grammar that stalls nobody else. Tool calls (Hermes format) and reasoning
+(`<think>`) in tests/integration/test_tool_calls.py, on the same server."""
 
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ import asyncio
 import json
 import random
 import re
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,32 +19,10 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
-from .conftest import MAX_MODEL_LEN, MODEL, Server, free_port, launch
+from .conftest import MODEL, Server
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    command = [sys.executable, "-m", "kvfleet.cli.main", "serve", MODEL, "--port", str(port)]
-    command += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "2048"]
-    command += ["--max-num-seqs", "64"]
-    server = launch(
-        tmp_path_factory.mktemp("serve"),
-        "serve",
-        port,
-        command,
-        300,
-        lambda s: "kvfleet is serving" in s.log.read_text(),
-    )
-    yield server
-    server.process.terminate()
-    try:
-        server.process.wait(60)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
 
 
 @pytest.fixture(scope="module")
