@@ -57,3 +57,44 @@ def test_unknown_role_is_refused(pair: tuple[Tokenizer, GatewayTokenizer]) -> No
     _, gateway = pair
     with pytest.raises(ValueError, match="unknown chat role"):
         gateway.chat_ids([{"role": "robot", "content": "hi"}])
+
+
+# A Qwen-style template: the tools offered, the calls in the history with their arguments as
+# objects, the tool results, and a template switch (`chat_template_kwargs`).
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}:"
+    "{{ t.function.parameters | tojson }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n{% endif %}{% endif %}"
+)
+
+
+def test_tools_and_call_history_render_the_same() -> None:
+    engine = Tokenizer.load(resolve_model_source("smollm2"))
+    engine.hf.chat_template = TOOL_TEMPLATE
+    info = engine.info("smollm2", block_size=16).model_dump()
+    gateway = GatewayTokenizer.from_info(info)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = [
+        {"role": "user", "content": "Call f."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    kwargs = {"enable_thinking": False}
+    text = engine.apply_chat_template(chat, True, tools, kwargs)
+    assert 'f:{"type": "object"};' in text
+    assert '<tool_call>f{"a": 1}</tool_call>' in text  # (arguments as an object)
+    assert "[c1]" in text
+    assert text.endswith("<think>\n\n</think>\n")
+    expected = engine.encode(text, add_special_tokens=False)
+    assert gateway.chat_ids(chat, True, tools, kwargs) == expected
