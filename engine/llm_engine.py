@@ -320,7 +320,7 @@ class LLMEngine:
             now = time.monotonic()
             for new in scheduler_output.scheduled_new_reqs:
                 self.output_processor.mark_scheduled(new.req_id, now)
-            scheduled = list(scheduler_output.num_scheduled_tokens)
+            scheduled = scheduler_output.num_scheduled_tokens
             masks = self.grammars if self.grammars and self.grammars.any_in(scheduled) else None
             launched = self.runner.launch(scheduler_output, hold_sampling=masks is not None)
             if masks is not None:  # (filled once the step before has given its tokens)

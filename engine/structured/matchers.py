@@ -6,7 +6,7 @@ row per logits row; all ones where a row is free) and applied to the logits in `
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -111,7 +111,7 @@ class ConstrainedRequests:
         self._num_accepted[req_id] = 0
         return True
 
-    def any_in(self, req_ids: Sequence[str]) -> bool:
+    def any_in(self, req_ids: Iterable[str]) -> bool:
         """Whether any of these requests samples under a grammar."""
         matchers = self._matchers
         return bool(matchers) and any(r in matchers for r in req_ids)
