@@ -189,7 +189,7 @@ class LLMEngine:
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is now compiled may be scheduled; those whose grammar
         cannot compile are aborted (a server checks first: `compile_grammar`)."""
-        if self.grammars is None:
+        if not self.grammars:  # (none, or no constrained request)
             return []
         scheduler = self.scheduler
         idle = not scheduler.running and all(r.waits_for_grammar for r in scheduler.waiting)
@@ -287,7 +287,9 @@ class LLMEngine:
         self._broken = reason
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
+        """Stop the tensor-parallel workers and the grammar threads. Idempotent."""
+        if self.grammars is not None:
+            self.grammars.close()
         self._device.close()
         self.tp = self._device.tp
 

@@ -192,6 +192,11 @@ class ConstrainedRequests:
         matcher = self._matchers.get(req_id)
         return bool(matcher is not None and matcher.is_terminated())
 
+    def close(self) -> None:
+        """Stop the compile and mask-filling threads (idempotent)."""
+        self.compiler.close()
+        self._filler.shutdown(wait=False, cancel_futures=True)
+
     def remove(self, *req_ids: str) -> None:
         for req_id in req_ids:
             self._grammars.pop(req_id, None)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfleet.engine.structured.tool_calls import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -63,7 +65,7 @@ class StreamedReasoning:
         """(reasoning delta, content delta), `text` being the whole output so far; `final`:
         it is complete (nothing held back)."""
         if not final:
-            text = text[: len(text) - _partial_tag(text)]
+            text = text[: len(text) - partial_suffix(text, (OPEN, CLOSE))]
         reasoning, content = self.parser.split(text)
         reasoning, content = reasoning or "", content or ""
         deltas = (_after(reasoning, self._reasoning), _after(content, self._content))
@@ -73,12 +75,3 @@ class StreamedReasoning:
 
 def _after(now: str, sent: str) -> str:
     return now[len(sent) :] if now.startswith(sent) else ""
-
-
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of `text` could begin a tag (or the space after one)."""
-    for size in range(min(len(CLOSE) - 1, len(text)), 0, -1):
-        tail = text[-size:]
-        if OPEN.startswith(tail) or CLOSE.startswith(tail):
-            return size
-    return 0

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+_LEADING_SPACE = re.compile(r"\s*")
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -261,8 +263,8 @@ class StreamedToolCalls:
         start = self._call_start(text)
         if start is not None:
             self._held = True
-        upto = len(text) - _partial_marker(text, self.parser.start) if start is None else start
-        if not text[:upto].strip():  # (whitespace alone may turn out to be no content at all)
+        upto = len(text) - partial_suffix(text, (self.parser.start,)) if start is None else start
+        if not self._sent and not text[:upto].strip():  # (whitespace alone may be no content)
             return ""
         delta, self._sent = text[self._sent : upto], max(self._sent, upto)
         return delta
@@ -279,18 +281,20 @@ class StreamedToolCalls:
 
     def _call_start(self, text: str) -> int | None:
         if isinstance(self.parser, Llama3JsonParser):
-            stripped = text.lstrip()
-            if stripped.startswith("{"):
-                return len(text) - len(stripped)
+            lead = _LEADING_SPACE.match(text).end()  # type: ignore[union-attr]
+            if text.startswith("{", lead):
+                return lead
             tag = text.find("<|python_tag|>")
             return tag if tag >= 0 else None
         found = text.find(self.parser.start)
         return found if found >= 0 else None
 
 
-def _partial_marker(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could begin `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
+def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` could begin one of `markers` (held back while
+    streaming, until the next text says whether the marker comes)."""
+    longest = max(len(m) for m in markers) - 1
+    for size in range(min(longest, len(text)), 0, -1):
+        if any(m.startswith(text[-size:]) for m in markers):
             return size
     return 0

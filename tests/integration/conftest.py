@@ -104,6 +104,15 @@ def start_server(tmp_path: Path, *extra: str) -> Server:
     )
 
 
+def end_process(server: Server, timeout_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s` (no check of how)."""
+    server.process.terminate()
+    try:
+        server.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
 def stop_server(server: Server) -> None:
     """SIGTERM, and check the shutdown was graceful. NOTE: uvicorn re-raises the signal once it
     has shut down cleanly, so the exit status is -SIGTERM, not 0."""
@@ -152,8 +161,4 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         lambda s: "kvfleet is serving" in s.log.read_text(),
     )
     yield server
-    server.process.terminate()
-    try:
-        server.process.wait(60)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
+    end_process(server)

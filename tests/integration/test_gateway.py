@@ -8,7 +8,6 @@ get OpenAI error bodies.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ import pytest
 
 from kvfleet.gateway.admission.keys import hash_key
 
-from .conftest import MODEL, Server, free_port, launch, start_server, stop_server
+from .conftest import MODEL, Server, end_process, free_port, launch, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(900)
 REPLICA_HEADER = "x-kvfleet-replica"
@@ -41,11 +40,7 @@ def start_gateway(tmp_path: Path, replicas: list[Server], *extra: str) -> Server
 
 
 def stop_gateway(gateway: Server) -> None:
-    gateway.process.terminate()
-    try:
-        gateway.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        gateway.process.kill()
+    end_process(gateway, 30)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ job `chat` in namespace `llm` (ServiceMonitor: job = the Service), engines as po
 from __future__ import annotations
 
 import concurrent.futures
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from kvfleet.operator.dashboards import DASHBOARDS, EMPTY
 from kvfleet.operator.grafana import expand, render
 from kvfleet.operator.spec import parse_spec
 
-from .conftest import MODEL, Server, engine_options, free_port, launch
+from .conftest import MODEL, Server, end_process, engine_options, free_port, launch
 
 REPLICAS = 2
 
@@ -49,11 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     server = launch(tmp_path, "serve", port, command, 300, all_ready)
     yield server
-    server.process.terminate()
-    try:
-        server.process.wait(60)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
+    end_process(server)
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,12 @@ and neither the model's loading nor the gateway's polls fill the log with /healt
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
-from .conftest import MAX_MODEL_LEN, MODEL, Server, free_port, launch
+from .conftest import MAX_MODEL_LEN, MODEL, Server, end_process, free_port, launch
 
 
 def test_serve_puts_the_gateway_in_front_of_one_engine(tmp_path: Path) -> None:
@@ -37,11 +36,7 @@ def test_serve_puts_the_gateway_in_front_of_one_engine(tmp_path: Path) -> None:
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert "kvfleet:gateway_requests_total{" in metrics
     finally:
-        server.process.terminate()
-        try:
-            server.process.wait(60)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
+        end_process(server)
     log = server.log.read_text()
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # once, at the gateway
     assert log.count("POST /v1/chat/completions") == 1
