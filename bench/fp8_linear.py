@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
 from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, fp8_linear_reference, quantize_rows
+from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = (1, 16, 64, 256, 2048)
@@ -43,13 +44,17 @@ def main() -> None:
         layers = [Fp8Linear.from_linear(linear) for linear in linears]
         for m in TOKENS:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            q, scale = quantize_rows_triton(x)
+            q_ref, scale_ref = quantize_rows(x)
+            assert torch.equal(scale, scale_ref), (scale - scale_ref).abs().max()
+            assert torch.equal(q.float(), q_ref.float()), name
             ref = fp8_linear_reference(x, layers[0].weight, layers[0].weight_scale, None).float()
             err = (layers[0](x).float() - ref).abs().max().item() / ref.abs().max().item()
             exact = F.linear(x.float(), linears[0].weight.float())
             rel = ((layers[0](x).float() - exact).norm() / exact.norm()).item()
             bf16 = graphed(lambda: [F.linear(x, w.weight) for w in linears])  # noqa: B023
             fp8 = graphed(lambda: [layer(x) for layer in layers])  # noqa: B023
-            quant = graphed(lambda: [quantize_rows(x) for _ in layers])  # noqa: B023
+            quant = graphed(lambda: [quantize_rows_triton(x) for _ in layers])  # noqa: B023
             times = {
                 label: median_seconds(graph.replay, device) / COPIES * 1e6
                 for label, graph in (("bf16", bf16), ("fp8", fp8), ("quant", quant))
