@@ -44,6 +44,7 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--dtype", default="bfloat16")
+    _add_quantization_argument(parser)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -64,6 +65,12 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of the batch that names an adapter (round robin); 0: LoRA on, base only",
     )
     parser.add_argument("--json", help="also write the result to this file")
+
+
+def _add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization", default=None, help="the engine's --quantization (fp8); default: none"
+    )
 
 
 def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +106,7 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--dtype", default="bfloat16")
+    _add_quantization_argument(parser)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", default="128:1024", help="N, or LOW:HIGH (uniform)")
     parser.add_argument("--output-len", default="256", help="N, or LOW:HIGH (uniform)")

@@ -46,6 +46,7 @@ class LLMEngine:
         self.dtype = setup.dtype
         self.max_model_len = setup.max_model_len
         self.attention_backend = setup.attention_backend
+        self.quantization = setup.quantization
         wants_tokenizer = self.source.format != "dummy" or config.tokenizer is not None
         self.tokenizer = (
             Tokenizer.load(self.source, config.tokenizer)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvfleet.engine.config.settings import Setting, setting, settings_of, split_kwargs
+from kvfleet.engine.layers.quantization.scheme import QUANTIZATION_METHODS
 from kvfleet.engine.protocol.openai import LoadLoRAAdapterRequest
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -202,6 +203,15 @@ class EngineConfig:
         metadata=setting("how to read the model (dummy: random weights)", choices=LOAD_FORMATS),
     )
     dtype: str = field(default="auto", metadata=setting("weights' dtype", choices=DTYPES))
+    quantization: str | None = field(
+        default=None,
+        metadata=setting(
+            "fp8: a bf16/fp16 checkpoint's linear layers quantized at load (FP8 weights and "
+            "activations; needs a GPU of compute capability 8.9+); default: the checkpoint's "
+            "own quantization_config, if any (compressed-tensors FP8, fp8 block)",
+            choices=QUANTIZATION_METHODS,
+        ),
+    )
     device: str = field(default="auto", metadata=setting("auto (CUDA when present), cpu, cuda"))
     seed: int = field(default=0, metadata=setting("the seed of unseeded requests' sampling"))
     tokenizer: str | None = field(
@@ -246,6 +256,11 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"unknown quantization method {self.quantization!r}; supported: "
+                f"{', '.join(QUANTIZATION_METHODS)}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -34,6 +34,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    quantization_config: Mapping[str, Any] | None = None  # config.json's, as written
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,6 +84,7 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_int_tuple(eos),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            quantization_config=config.get("quantization_config"),
         )
 
     @classmethod

@@ -8,6 +8,7 @@ model.
 
 from __future__ import annotations
 
+import functools
 import logging
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.layers.quantization.linear import make_linear_factory
+from kvfleet.engine.layers.quantization.scheme import QuantScheme
 from kvfleet.engine.loader.source import ModelSource
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.parallel.partition import Slice
@@ -36,17 +39,21 @@ def load_model(
     seed: int = 0,
     fused: bool = False,
     tp: TPGroup | None = None,
+    quantization: QuantScheme | None = None,
 ) -> LlamaForCausalLM:
-    """`config` is the whole model's; with `tp`, this rank's part of it is built and filled."""
+    """`config` is the whole model's; with `tp`, this rank's part of it is built and filled.
+    `quantization`: the projections' (their weights quantized at load, or read quantized)."""
     default_dtype = torch.get_default_dtype()
+    linear = make_linear_factory(quantization, dtype)
     try:
         torch.set_default_dtype(dtype)  # parameters are born in the model's dtype
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, attention, fused, tp)
+            model = LlamaForCausalLM(config, attention, fused, tp, linear)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
-    slice_for = tp.plan.slice_for if tp is not None else _whole
+    block = quantization.block if quantization is not None else None
+    slice_for = _whole if tp is None else functools.partial(tp.plan.slice_for, block=block)
     if source.format == "dummy":
         weights = _dummy_weights(model, config, seed, slice_for)
     else:
@@ -129,7 +136,7 @@ def _dummy_weights(
     """Random weights at real shapes (benchmarks): N(0, 0.02) matrices, unit norms, zero
     biases; each tensor drawn whole from its own seed in float32, then cut to this rank's slice
     and cast."""
-    param = next(model.parameters())
+    param = model.embed_tokens.weight  # (in the model dtype, whatever the projections hold)
     for name, shape in checkpoint_shapes(config):
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=param.dtype, device=param.device)

@@ -40,5 +40,9 @@ def iterate_safetensors_weights(
                     continue
                 dim, start, length = part
                 lazy = f.get_slice(name)
+                shape = lazy.get_shape()
+                if len(shape) <= dim or (shape[dim] == 1 and length != 1):
+                    yield name, f.get_tensor(name)  # (a scale shared by every row: whole)
+                    continue
                 index = (slice(None),) * dim + (slice(start, start + length),)
                 yield name, lazy[index]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.quantization.linear import QuantizedLinear
 from kvfleet.engine.lora.adapter import TARGET_LAYERS, LoRAAdapter, target_shapes
 from kvfleet.engine.lora.ops import LoRABatch, add_lora_reference
 from kvfleet.engine.models.llama import LlamaForCausalLM
@@ -32,7 +33,7 @@ class LoRALinear(nn.Module):
 
     def __init__(
         self,
-        base: nn.Linear,
+        base: nn.Linear | QuantizedLinear,
         layer_index: int,
         targets: tuple[str, ...],
         out_sizes: tuple[int, ...],
@@ -51,7 +52,9 @@ class LoRALinear(nn.Module):
             bounds.append(bounds[-1] + size)
         assert bounds[-1] == base.out_features
         self.slice_bounds = tuple(bounds)
-        weight = base.weight
+        weight: torch.Tensor = base.weight
+        # (a quantized base layer's weight is not in the activations' dtype: its `dtype` is)
+        dtype = base.dtype if isinstance(base, QuantizedLinear) else weight.dtype
         self.register_buffer(
             "slice_starts",
             torch.tensor(bounds, dtype=torch.int32, device=weight.device),
@@ -63,16 +66,14 @@ class LoRALinear(nn.Module):
                 max_loras,
                 len(targets) * max_rank,
                 base.in_features,
-                dtype=weight.dtype,
+                dtype=dtype,
                 device=weight.device,
             ),
             persistent=False,
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(
-                max_loras, base.out_features, max_rank, dtype=weight.dtype, device=weight.device
-            ),
+            torch.zeros(max_loras, base.out_features, max_rank, dtype=dtype, device=weight.device),
             persistent=False,
         )
 
@@ -125,7 +126,7 @@ def attach_lora(
         for parent in (layer.self_attn, layer.mlp):
             for name, targets in fused.items():
                 base = getattr(parent, name, None)
-                if not isinstance(base, nn.Linear):
+                if not isinstance(base, nn.Linear | QuantizedLinear):
                     continue
                 out_sizes = tuple(shapes[t][1] for t in targets)
                 wrapper = LoRALinear(base, index, targets, out_sizes, max_loras, max_rank, context)

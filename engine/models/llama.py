@@ -11,11 +11,17 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.layers.quantization.linear import (
+    LinearFactory,
+    QuantizedLinear,
+    layer_bias,
+    linear_without_bias,
+    make_linear_factory,
+)
 from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 if TYPE_CHECKING:
@@ -24,14 +30,15 @@ if TYPE_CHECKING:
 AttentionFactory = Callable[[ModelConfig], AttentionLayer]
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
     """A linear layer whose input features are split over the ranks: this rank's partial sum
     (the bias, replicated, added on rank 0 only). `reduce_and_norm` sums the ranks' parts."""
     if tp is None:
         out: torch.Tensor = linear(x)
         return out
-    out = F.linear(x, linear.weight)
-    return out + linear.bias if linear.bias is not None and tp.rank == 0 else out
+    out = linear_without_bias(linear, x)
+    bias = layer_bias(linear)
+    return out + bias if bias is not None and tp.rank == 0 else out
 
 
 def reduce_and_norm(
@@ -52,9 +59,12 @@ class LlamaAttention(nn.Module):
         config: ModelConfig,
         rotary: RotaryEmbedding,
         backend: AttentionLayer,
+        linear: LinearFactory,
+        prefix: str,
         tp: TPGroup | None = None,
     ):
-        """`config` has this rank's heads (all of them without tensor parallelism)."""
+        """`config` has this rank's heads (all of them without tensor parallelism); `prefix`
+        names the layer's attention in the checkpoint."""
         super().__init__()
         self.tp = tp
         self.num_heads = config.num_attention_heads
@@ -62,10 +72,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        self.qkv_proj = linear(
+            tuple(f"{prefix}.{part}_proj" for part in "qkv"),
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            config.qkv_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = linear((f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias)
         self.rotary = rotary
         self.backend = backend
 
@@ -86,13 +99,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, fused: bool = False, tp: TPGroup | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        linear: LinearFactory,
+        prefix: str,
+        fused: bool = False,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
         self.fused = fused
         self.tp = tp
-        size, inner = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(size, 2 * inner, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inner, size, bias=config.mlp_bias)
+        size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = linear(
+            (f"{prefix}.gate_proj", f"{prefix}.up_proj"), size, 2 * inner, bias
+        )
+        self.down_proj = linear((f"{prefix}.down_proj",), inner, size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x), self.fused), self.tp)
@@ -105,12 +127,14 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionLayer,
         fused: bool,
+        linear: LinearFactory,
+        prefix: str,
         tp: TPGroup | None = None,
     ):
         super().__init__()
         self.tp = tp
-        self.self_attn = LlamaAttention(config, rotary, backend, tp)
-        self.mlp = LlamaMLP(config, fused, tp)
+        self.self_attn = LlamaAttention(config, rotary, backend, linear, f"{prefix}.self_attn", tp)
+        self.mlp = LlamaMLP(config, linear, f"{prefix}.mlp", fused, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -137,10 +161,12 @@ class LlamaForCausalLM(nn.Module):
         attention: AttentionFactory,
         fused: bool = False,
         tp: TPGroup | None = None,
+        linear: LinearFactory | None = None,
     ):
         """`fused`: Triton kernels for norms and RoPE on CUDA (the fast path); the torch
         layers otherwise (the reference). `tp`: this rank's part of a tensor-parallel model
-        (`self.config` then has this rank's head and MLP sizes; the vocabulary stays whole)."""
+        (`self.config` then has this rank's head and MLP sizes; the vocabulary stays whole).
+        `linear` builds the projections (quantized ones; plain `nn.Linear` by default)."""
         super().__init__()
         self.tp = tp
         self.full_config = config
@@ -155,9 +181,12 @@ class LlamaForCausalLM(nn.Module):
         )
         vocab_rows = tp.plan.vocab_per_rank if tp is not None else config.vocab_size
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        linear = linear or make_linear_factory(None, torch.get_default_dtype())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, attention(config), fused, tp)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(
+                config, rotary, attention(config), fused, linear, f"model.layers.{i}", tp
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.lm_head = (
@@ -209,14 +238,25 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_vocab(logits)[:, : self.config.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; every one must be set."""
+        """Copy Hugging Face-named tensors into the (fused) parameters, quantized layers
+        filling themselves; every one must be set."""
         params = dict(self.named_parameters())
+        quantized = {
+            name: module
+            for name, module in self.named_modules()
+            if isinstance(module, QuantizedLinear)
+        }
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name, self.config)
             if target is None:
                 continue
             name, shard = target
+            owner, _, kind = name.rpartition(".")
+            if owner in quantized:
+                quantized[owner].load_part(kind, tensor, shard, hf_name)
+                loaded.add(f"{name}:{shard}")
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
             param = params[name]
@@ -232,7 +272,9 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             loaded.add(f"{name}:{shard}")
         missing = sorted(
-            name for name, part in _expected_parts(self, params) if f"{name}:{part}" not in loaded
+            name
+            for name, part in _expected_parts(self, params, quantized)
+            if f"{name}:{part}" not in loaded
         )
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -271,9 +313,13 @@ def _shard_rows(fused: str, index: int, config: ModelConfig) -> tuple[int, int]:
 
 
 def _expected_parts(
-    model: LlamaForCausalLM, params: dict[str, nn.Parameter]
+    model: LlamaForCausalLM,
+    params: dict[str, nn.Parameter],
+    quantized: dict[str, QuantizedLinear],
 ) -> Iterable[tuple[str, tuple[int, int] | None]]:
-    for name in params:
+    names = [name for name in params if name.rpartition(".")[0] not in quantized]
+    names += [f"{owner}.{kind}" for owner, q in quantized.items() for kind in q.checkpoint_parts()]
+    for name in names:
         fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
         if fused is None:
             yield name, None

@@ -94,8 +94,13 @@ class TPPlan:
             intermediate_size=self.intermediate.size,
         )
 
-    def slice_for(self, hf_name: str) -> Slice | None:
-        """The part of a checkpoint tensor this rank keeps; None: all of it (replicated)."""
+    def slice_for(self, hf_name: str, block: tuple[int, int] | None = None) -> Slice | None:
+        """The part of a checkpoint tensor this rank keeps; None: all of it (replicated).
+        FP8 weight scales follow their weight: per-channel ones ([out, 1]) along its output
+        rows, block ones (`block` = (rows, cols) per scale) along either dimension, in blocks."""
+        for suffix in (".weight_scale", ".weight_scale_inv"):
+            if hf_name.endswith(suffix):
+                return self._scale_slice(hf_name.removesuffix(suffix) + ".weight", block)
         hd = self.head_dim
         q = (self.q_heads.start * hd, self.q_heads.size * hd)
         kv = (self.kv_heads.start * hd, self.kv_heads.size * hd)
@@ -113,3 +118,19 @@ class TPPlan:
             if re.search(pattern, hf_name):
                 return dim, start, length
         return None
+
+    def _scale_slice(self, weight: str, block: tuple[int, int] | None) -> Slice | None:
+        part = self.slice_for(weight)
+        if part is None:
+            return None
+        dim, start, length = part
+        if block is None:  # (one scale per output row; a row-parallel layer keeps them all)
+            return part if dim == 0 else None
+        unit = block[dim]
+        if start % unit or length % unit:
+            raise ValueError(
+                f"{weight}: rows {start}..{start + length} of this rank do not fall on the "
+                f"checkpoint's {block[0]}x{block[1]} scale blocks; choose a tensor parallel "
+                "size that splits the layers on block boundaries"
+            )
+        return dim, start // unit, length // unit

@@ -160,6 +160,8 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # kvfleet: how the served weights are quantized (method, source, weights, activations)
+    quantization: dict[str, str] | None = None
 
 
 class ModelList(OpenAIBaseModel):

@@ -91,8 +91,18 @@ class _State:
         self.load_error: BaseException | None = None
         self.fatal_error: str | None = None  # set when the engine died for good
         self.bodies: BodyWork[Tokenizer] | None = None  # where request bodies are read
+        self.quantization: dict[str, str] | None = None  # the served weights' scheme
         self.metrics = EngineMetrics(
             settings.model_name, self.read_stats, settings.metrics_compat == "vllm"
+        )
+
+    def describe_model(self, core: LLMEngine) -> None:
+        """For /v1/models and `kvfleet:model_info`: the loaded weights' dtype and scheme."""
+        quantization = core.quantization
+        self.quantization = quantization.labels() if quantization is not None else None
+        self.metrics.describe_model(
+            str(core.dtype).removeprefix("torch."),
+            quantization.method if quantization is not None else "none",
         )
 
     def read_stats(self) -> EngineStats | None:
@@ -156,6 +166,7 @@ def create_app(
             state.load_error = exc
             return
         engine = AsyncEngine(core, on_finished=state.metrics.observe_finished)
+        state.describe_model(core)
         engine.start()
         load_tokenizer = None
         if core.tokenizer is not None:  # (the worker process for large bodies makes its own)
@@ -232,7 +243,12 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
     async def models() -> dict[str, Any]:
         max_len = state.serving.max_model_len if state.serving else None
         cards = [
-            ModelCard(id=settings.model_name, root=settings.engine.model, max_model_len=max_len)
+            ModelCard(
+                id=settings.model_name,
+                root=settings.engine.model,
+                max_model_len=max_len,
+                quantization=state.quantization,
+            )
         ]
         if state.engine is not None:
             cards += [

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -225,6 +225,12 @@ class EngineMetrics:
                 for p in prefixes
             ]
 
+        self.model_info = Gauge(
+            "kvfleet:model_info",
+            "The served model (1): its weights' dtype and quantization method.",
+            ["model_name", "dtype", "quantization"],
+            registry=self.registry,
+        )
         # One metric per prefix (kvfleet:, and vllm: in compat mode), updated together.
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -259,3 +265,7 @@ class EngineMetrics:
         for histogram in self.itl:
             for _ in range(num_tokens):
                 histogram.labels(self.model_name).observe(seconds_per_token)
+
+    def describe_model(self, dtype: str, quantization: str) -> None:
+        """Once loaded: `kvfleet:model_info` labelled with the dtype and quantization."""
+        self.model_info.labels(self.model_name, dtype, quantization).set(1)

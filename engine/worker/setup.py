@@ -18,6 +18,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
+from kvfleet.engine.layers.quantization.scheme import QuantScheme, resolve_quantization
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import ModelSource, resolve_model_source
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
@@ -45,12 +46,14 @@ class RankSetup:
     device: torch.device
     max_model_len: int
     attention_backend: str
+    quantization: QuantScheme | None = None
 
     def describe(self, num_blocks: int, block_size: int) -> str:
+        quantized = f", weights {self.quantization.describe()}" if self.quantization else ""
         return (
-            f"{self.source.name} ({self.source.format}) on {self.device} in {self.dtype}, "
-            f"{self.attention_backend} attention; {num_blocks} KV blocks of {block_size} tokens; "
-            f"max_model_len {self.max_model_len}"
+            f"{self.source.name} ({self.source.format}) on {self.device} in {self.dtype}"
+            f"{quantized}, {self.attention_backend} attention; {num_blocks} KV blocks of "
+            f"{block_size} tokens; max_model_len {self.max_model_len}"
         )
 
 
@@ -67,7 +70,29 @@ def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
         device=device,
         max_model_len=_max_model_len(config, model_config),
         attention_backend=_pick_attention_backend(config.attention_backend, device),
+        quantization=pick_quantization(config.quantization, source, model_config, device),
     )
+
+
+def pick_quantization(
+    method: str | None, source: ModelSource, model_config: ModelConfig, device: torch.device
+) -> QuantScheme | None:
+    """The scheme for the `quantization` setting and the checkpoint; ValueError before any
+    weight loads when they disagree or the device cannot run it. Random (dummy) weights take a
+    quantized checkpoint's scheme quantized at load (benchmarks at its shapes)."""
+    scheme = resolve_quantization(method, model_config.quantization_config)
+    if scheme is None:
+        return None
+    if source.format == "dummy" and scheme.from_checkpoint:
+        scheme = dataclasses.replace(
+            scheme, source="online", activations="group" if scheme.block else "token"
+        )
+    from kvfleet.engine.layers.quantization.fp8 import fp8_supported
+
+    reason = fp8_supported(device)
+    if reason is not None:
+        raise ValueError(f"{scheme.describe()} cannot run here: {reason}")
+    return scheme
 
 
 def join_group(setup: RankSetup, rank: int, world_size: int, port: int) -> TPGroup | None:
@@ -93,6 +118,7 @@ def load_rank_model(config: EngineConfig, setup: RankSetup, tp: TPGroup | None) 
         config.seed,
         fused=setup.attention_backend == "triton",
         tp=tp,
+        quantization=setup.quantization,
     )
 
 
@@ -168,7 +194,12 @@ def load_draft(config: EngineConfig, setup: RankSetup) -> ModelRunner | None:
             f"tokens, the target {setup.model_config.vocab_size}: a draft model must share "
             "the target's tokenizer"
         )
-    draft_setup = dataclasses.replace(setup, source=source, model_config=draft_config)
+    draft_setup = dataclasses.replace(
+        setup,
+        source=source,
+        model_config=draft_config,
+        quantization=pick_quantization(None, source, draft_config, setup.device),
+    )
     model = load_rank_model(config, draft_setup, None)
     return ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
 

@@ -27,7 +27,10 @@ def client(server: Server) -> OpenAI:
 def test_models_and_health(server: Server, client: OpenAI) -> None:
     (model,) = client.models.list().data
     assert model.id == MODEL
+    assert model.quantization is None  # (kvfleet's field: a quantized model's scheme)
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    info = f'kvfleet:model_info{{dtype="float32",model_name="{MODEL}",quantization="none"}}'
+    assert server.metrics()[info] == 1.0
 
 
 def test_chat_and_completion_match_the_offline_engine(client: OpenAI) -> None:

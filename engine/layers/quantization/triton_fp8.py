@@ -94,3 +94,78 @@ def fp8_gemv(
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=per_split, num_warps=4,
     )  # fmt: skip
     return (acc * x_scale * w_scale.t()).to(out_dtype)
+
+
+def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8.quantize_groups` in one kernel: (e4m3 values [rows, cols], scales [rows,
+    cols / group] float32)."""
+    rows, cols = x.shape
+    values, scales = quantize_rows_triton(x.reshape(rows * cols // group, group))
+    return values.reshape(rows, cols), scales.reshape(rows, cols // group)
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+    a_stride, a_scale_stride, b_stride, b_scale_stride, c_stride,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """c [M, N] float32 = sum over K tiles of (a_tile . b_tile^T) x a's scale (per row and
+    tile) x b's scale (per GROUP_N rows and tile): each K tile is one scale group."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, GROUP_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tile in range(0, tl.cdiv(K, GROUP_K)):
+        k = tile * GROUP_K + ks
+        a = tl.load(
+            a_ptr + rows[:, None] * a_stride + k[None, :],
+            mask=row_ok[:, None] & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + cols[None, :] * b_stride + k[:, None],
+            mask=col_ok[None, :] & (k[:, None] < K),
+            other=0.0,
+        )
+        a_scale = tl.load(a_scale_ptr + rows * a_scale_stride + tile, mask=row_ok, other=0.0)
+        b_scale = tl.load(
+            b_scale_ptr + (cols // GROUP_N) * b_scale_stride + tile, mask=col_ok, other=0.0
+        )
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    tl.store(
+        c_ptr + rows[:, None] * c_stride + cols[None, :],
+        acc,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def block_fp8_matmul(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """x_q [M, K] e4m3 with scales [M, K / block[1]] times w_q [N, K] e4m3 with scales
+    [N / block[0], K / block[1]]: [M, N] float32."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32, device=x_q.device)
+    if m == 0:
+        return out
+    block_m = 16 if m <= 16 else 64
+    block_n = 64 if m <= 16 else 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _block_fp8_matmul_kernel[grid](
+        x_q, x_scale, w_q, w_scale, out, m, n, k,
+        x_q.stride(0), x_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
+        GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out

@@ -11,7 +11,10 @@ import torch
 from kvfleet.engine.layers.quantization.fp8 import (
     FP8,
     FP8_MAX,
+    BlockFp8Linear,
     Fp8Linear,
+    block_fp8_reference,
+    dequantize_blocks,
     fp8_linear_reference,
     fp8_supported,
     quantize_rows,
@@ -61,11 +64,40 @@ def test_the_layer_equals_its_reference_and_stays_near_the_unquantized_one(
 
 
 def test_what_the_layer_cannot_take_is_refused() -> None:
-    weight = torch.zeros(8, 16)
-    with pytest.raises(ValueError, match=r"2-D torch\.float8_e4m3fn"):
-        Fp8Linear(weight, torch.ones(8, 1), None)
-    with pytest.raises(ValueError, match=r"one value per output channel, shape \(8, 1\)"):
-        Fp8Linear(weight.to(FP8), torch.ones(8), None)
+    layer = Fp8Linear(16, 8, bias=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"'w' is torch\.float32; an FP8 checkpoint stores"):
+        layer.load_part("weight", torch.zeros(8, 16), None, "w")
+    with pytest.raises(ValueError, match=r"'w' has shape \(8, 15\), the model expects \(8, 16\)"):
+        layer.load_part("weight", torch.zeros(8, 15, dtype=FP8), None, "w")
+    with pytest.raises(ValueError, match=r"'s' has shape \(4, 1\), the model expects \(8, 1\)"):
+        layer.load_part("weight_scale", torch.ones(4), None, "s")
+    with pytest.raises(ValueError, match=r"'x' has no place in an FP8 layer"):
+        layer.load_part("input_scale", torch.ones(1), None, "x")  # (dynamic: no input scale)
+    with pytest.raises(ValueError, match=r"input features divisible by the block's 128 columns"):
+        BlockFp8Linear(200, 128, bias=False, dtype=torch.float32, block=(128, 128))
+    block = BlockFp8Linear(128, 256, bias=False, dtype=torch.float32, block=(128, 128))
+    with pytest.raises(ValueError, match=r"starts at row 64 of a fused layer, not on a 128-row"):
+        block.load_part("weight_scale_inv", torch.ones(1, 1), (64, 64), "k")
     reason = fp8_supported(torch.device("cpu"))
     assert reason is not None
     assert "compute capability 8.9" in reason
+
+
+def test_block_layer_equals_its_reference_and_stays_near_the_unquantized_one() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(320, 256) * 0.05
+    layer = BlockFp8Linear(256, 320, bias=False, dtype=torch.float32, block=(128, 128), online=True)
+    layer.load_part("weight", weight, None, "w")
+    x = torch.randn(7, 256)
+    out = layer(x)
+    ref = block_fp8_reference(x, layer.weight, layer.weight_scale, (128, 128), None)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # (on the CPU the layer is the reference)
+    exact = x @ weight.t()
+    assert (out - exact).norm() / exact.norm() < 0.05
+    # each 128 x 128 tile (and the 64-row remainder) scaled by its own largest magnitude
+    back = dequantize_blocks(layer.weight, layer.weight_scale, (128, 128))
+    assert ((back - weight).abs() <= weight.abs() * 2**-4 + 1e-4).all()
+    assert layer.weight_scale.shape == (3, 2)
+    torch.testing.assert_close(
+        layer.weight_scale[2, 1], weight[256:, 128:].abs().amax() / FP8_MAX, rtol=1e-6, atol=0
+    )

@@ -1,0 +1,138 @@
+"""What quantization costs in quality: a quantized engine against the same model unquantized,
+greedy continuations and perplexity on a fixed text.
+
+    bench/device_env.sh python3 -m kvfleet.bench.quality --model smollm2 --quantization fp8
+
+32 prompts (bench/bf16_agreement.py's) x 32 greedy tokens: how many continuations are equal;
+where they first differ, the two tokens' logprob gap under the unquantized model. Perplexity of
+tests/data/perplexity.txt (one forward over the whole text, the engine's own model and
+attention kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvfleet.bench.bf16_agreement import PROMPTS
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.models.llama import LlamaForCausalLM
+from kvfleet.engine.sampling_params import SamplingParams
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
+_BLOCK = 16
+
+
+def perplexity(model: LlamaForCausalLM, token_ids: list[int], device: torch.device) -> float:
+    """exp(mean negative log-likelihood) of each token after the ones before it: one prompt
+    forward through `model` over a scratch KV cache."""
+    n = len(token_ids)
+    blocks = -(-n // _BLOCK)
+    config = model.config
+    dtype = model.embed_tokens.weight.dtype
+    kv = [
+        torch.zeros(2, blocks + 1, _BLOCK, config.num_key_value_heads, config.head_dim,
+                    dtype=dtype, device=device)
+        for _ in model.layers
+    ]  # fmt: skip
+    metadata = AttentionMetadata(  # (one sequence in blocks 1..; block 0 is the null block)
+        slot_mapping=torch.arange(_BLOCK, _BLOCK + n, device=device),
+        block_tables=torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None],
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        max_seqlen_q=n,
+        max_seqlen_k=n,
+        query_lens_cpu=[n],
+        seq_lens_cpu=[n],
+    )
+    ids = torch.tensor(token_ids, device=device)
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(n, device=device), kv, metadata)
+        logits = model.compute_logits(hidden[:-1])
+        nll = torch.nn.functional.cross_entropy(logits, ids[1:])
+    return math.exp(nll.item())
+
+
+def evaluate(model: str, **engine_args: Any) -> dict[str, Any]:
+    """Greedy continuations (ids, and the first 20 logprobs of each step) and perplexity."""
+    llm = LLM(model, max_model_len=2048, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20)
+    outputs = llm.generate(PROMPTS, params)
+    engine = llm.engine
+    assert engine.tokenizer is not None
+    text_ids = engine.tokenizer.encode(TEXT.read_text())
+    result = {
+        "continuations": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [
+            [
+                dict(zip(step.top_token_ids, step.top_logprobs, strict=True))
+                for step in o.outputs[0].logprobs or []
+            ]
+            for o in outputs
+        ],
+        "perplexity": perplexity(engine.runner.model, text_ids, engine.device),
+        "text_tokens": len(text_ids),
+        "describe": engine.quantization.describe() if engine.quantization else "none",
+    }
+    engine.close()
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Equal continuations; at each first difference, the gap between the two tokens'
+    logprobs under `base` (a near-tie when small; None when the other's token is not in
+    base's top 20)."""
+    equal, gaps = 0, []
+    for ids_a, ids_b, steps in zip(
+        base["continuations"], other["continuations"], base["logprobs"], strict=True
+    ):
+        if ids_a == ids_b:
+            equal += 1
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=True)) if a != b)
+        top = steps[at]
+        other_lp = top.get(ids_b[at])
+        gaps.append(None if other_lp is None else round(top[ids_a[at]] - other_lp, 4))
+    return {
+        "equal_continuations": equal,
+        "prompts": len(base["continuations"]),
+        "first_difference_logprob_gaps": gaps,
+        "perplexity": round(other["perplexity"], 4),
+        "perplexity_base": round(base["perplexity"], 4),
+        "perplexity_rise_pct": round(100 * (other["perplexity"] / base["perplexity"] - 1), 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="fp8")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args()
+    base = evaluate(args.model, dtype=args.dtype)
+    quantized = evaluate(args.model, dtype=args.dtype, quantization=args.quantization)
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "quantization": quantized["describe"],
+        "text_tokens": base["text_tokens"],
+        **compare(base, quantized),
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
