@@ -56,3 +56,16 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (before reading a clock)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fp8_matmul_tflops(device: torch.device) -> float:
+    """cuBLASLt's FP8 (e4m3) scaled GEMM rate at 8,192^3, 1e12 FLOP/s."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    seconds = median_seconds(
+        lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        device,
+    )
+    return 2 * n**3 / seconds / 1e12

@@ -1,12 +1,10 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
-"""A split-K Triton FP8 GEMV (engine/layers/quantization/triton_fp8.py `fp8_gemv`) against
-cuBLASLt's scaled GEMM at decode sizes, Llama-3-8B shapes, with a few tilings; correctness
-against the scaled GEMM first.
-
-First run (session 12, H100): correct (3-7e-3 of the scaled GEMM) but timed eagerly, so launch
-bound (the GEMV is 4 launches: zeros, kernel, scale, cast; 65-240 us against 22-51 for
-`_scaled_mm`). TODO next: time in CUDA graphs (as bench/fp8_linear.py), fuse the scales and
-the cast into the kernel (a reduction over splits in place of float32 atomics).
+"""The fused Triton FP8 GEMV (engine/layers/quantization/triton_fp8.py `fp8_gemv`: the
+activation's per-row quantization and both scales inside one kernel) against the unfused path
+(the Triton row quantization, then cuBLASLt's scaled GEMM) and bf16 `F.linear`, at decode row
+counts and Llama-3-8B shapes, each timed inside a CUDA graph (20 weight copies per replay, so
+the weights come from HBM, not L2), beside the bytes floor; a few tilings of the GEMV; its
+agreement with the unfused path first.
 
     bench/device_env.sh python3 bench/fp8_gemv.py
 """
@@ -14,50 +12,63 @@ the cast into the kernel (a reduction over splits in place of float32 atomics).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kvfleet.bench.ceilings import median_seconds
+from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.bench.fp8_linear import graphed
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
-from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv, quantize_rows_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
-TILINGS = [(64, 256, 4), (32, 256, 8), (64, 128, 8), (128, 128, 4), (32, 512, 4), (64, 256, 16)]
+# (BLOCK_N, BLOCK_K, warps, stages)
+TILINGS = [(8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 1024, 4, 4), (16, 256, 4, 4),
+           (8, 512, 8, 4), (4, 512, 2, 4), (32, 256, 8, 3)]  # fmt: skip
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(15):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / COPIES)
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
     device = torch.device("cuda")
+    copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
+    print(f"copy {copy_gbps:.0f} GB/s; per call, us (median of 15 graph replays / {COPIES})")
     for name, (n, k) in SHAPES.items():
-        weights = [quantize_rows(torch.randn(n, k, device=device)) for _ in range(COPIES)]
-        for m in (1, 4, 16):
-            x_q, x_s = quantize_rows(torch.randn(m, k, device=device, dtype=torch.bfloat16))
-            want = torch._scaled_mm(
-                x_q, weights[0][0].t(), scale_a=x_s, scale_b=weights[0][1].t(),
-                out_dtype=torch.bfloat16,
-            ).float()  # fmt: skip
-            cublas = median_seconds(
-                lambda: [
-                    torch._scaled_mm(
-                        x_q, w.t(), scale_a=x_s, scale_b=s.t(), out_dtype=torch.bfloat16
-                    )
-                    for w, s in weights
-                ],
-                device,
+        weights = [quantize_rows(torch.randn(n, k, device=device) * 0.02) for _ in range(COPIES)]
+        bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
+        floor_us = n * k / (copy_gbps * 1e9) * 1e6
+        for m in (1,):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+            def unfused() -> list[torch.Tensor]:
+                out = []
+                for w, s in weights:
+                    x_q, x_s = quantize_rows_triton(x)
+                    out.append(torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s.t(),
+                                                out_dtype=torch.bfloat16))  # fmt: skip
+                return out
+
+            want = unfused()[0].float()
+            line = (
+                f"{name:8s} M={m}: floor {floor_us:5.1f} | bf16 "
+                f"{_replay_us(graphed(lambda: [F.linear(x, w) for w in bf16])):6.1f} "
+                f"(floor {2 * floor_us:5.1f}) | quant+scaled_mm {_replay_us(graphed(unfused)):6.1f}"
             )
-            floor_us = n * k / 2.99e12 * 1e6
-            cublas_us = cublas / COPIES * 1e6
-            line = f"{name:8s} M={m:3d}: scaled_mm {cublas_us:6.1f} us, floor {floor_us:5.1f}"
-            for bn, bk, splits in TILINGS:
-                got = fp8_gemv(
-                    x_q, x_s, weights[0][0], weights[0][1], torch.bfloat16, bn, bk, splits
-                ).float()
+            for bn, bk, warps, stages in TILINGS:
+                got = fp8_gemv(x, *weights[0], None, None, bn, bk, warps, stages).float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
-                t = median_seconds(
-                    lambda: [
-                        fp8_gemv(x_q, x_s, w, s, torch.bfloat16, bn, bk, splits) for w, s in weights
-                    ],
-                    device,
-                )
-                line += f" | {bn}/{bk}/{splits}: {t / COPIES * 1e6:6.1f} ({err:.0e})"
+                graph = graphed(lambda: [fp8_gemv(x, w, s, None, None, bn, bk, warps, stages)
+                                         for w, s in weights])  # fmt: skip
+                line += f" | {bn}/{bk}/{warps}/{stages}: {_replay_us(graph):5.1f} ({err:.0e})"
             print(line)
 
 

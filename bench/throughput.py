@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import measure_ceilings, sync
+from kvfleet.bench.ceilings import fp8_matmul_tflops, measure_ceilings, sync
 from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range, random_workload, workload_cost
 from kvfleet.engine.llm import LLM
@@ -69,8 +69,18 @@ def run(args: argparse.Namespace) -> int:
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == workload.num_output_tokens, "a request stopped early"
     dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
-    cost = workload_cost(config, dtype_bytes, workload, args.max_num_seqs)
     ceilings = measure_ceilings(engine.device, engine.dtype)
+    weight_bytes, linear_flops_factor, fp8_tflops = None, 1.0, None
+    if engine.quantization is not None:  # (what the quantized layers read and multiply at)
+        model = engine.runner.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if model.lm_head is not None:  # (the embedding table is looked up, not streamed)
+            weight_bytes -= model.embed_tokens.weight.numel() * dtype_bytes
+        fp8_tflops = fp8_matmul_tflops(engine.device)
+        linear_flops_factor = ceilings.matmul_tflops / fp8_tflops
+    cost = workload_cost(
+        config, dtype_bytes, workload, args.max_num_seqs, weight_bytes, linear_flops_factor
+    )
     # N GPUs stream and multiply their shares at once (the all-reduces are not in the floor)
     ranks = args.tensor_parallel_size
     floor_s = ceilings.floor_s(cost.bytes / ranks, cost.flops / ranks)
@@ -95,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "total_tok_per_s": round((generated + workload.num_input_tokens) / elapsed, 1),
         "copy_GBps": round(ceilings.copy_gbps, 1),
         "matmul_TFLOPs": round(ceilings.matmul_tflops, 1),
+        "fp8_matmul_TFLOPs": round(fp8_tflops, 1) if fp8_tflops else None,
         "tensor_parallel_size": ranks,
         "floor_bytes_s": round(cost.bytes / ranks / (ceilings.copy_gbps * 1e9), 3),
         "floor_flops_s": round(cost.flops / ranks / (ceilings.matmul_tflops * 1e12), 3),

@@ -91,12 +91,20 @@ def weight_bytes_per_step(config: ModelConfig, dtype_bytes: int) -> int:
 
 
 def workload_cost(
-    config: ModelConfig, dtype_bytes: int, workload: Workload, max_num_seqs: int
+    config: ModelConfig,
+    dtype_bytes: int,
+    workload: Workload,
+    max_num_seqs: int,
+    weight_bytes: float | None = None,
+    linear_flops_factor: float = 1.0,
 ) -> Cost:
+    """Bytes and FLOPs of the workload at the model dtype's matmul rate. Quantized weights:
+    `weight_bytes` read per step (default: every weight in the dtype), and the layers' matmul
+    FLOPs weighed by `linear_flops_factor` (the dtype's matmul rate over the quantized one)."""
     layers = config.num_hidden_layers
     attn_per_pair = 4 * config.num_attention_heads * config.head_dim * layers
     computed = workload.num_input_tokens + workload.num_output_tokens
-    flops = 2.0 * layer_matmul_params(config) * computed
+    flops = 2.0 * layer_matmul_params(config) * computed * linear_flops_factor
     flops += 2.0 * config.hidden_size * config.vocab_size * workload.num_output_tokens
     kv_token = kv_bytes_per_token(config, dtype_bytes)
     kv_bytes = 0.0
@@ -110,4 +118,5 @@ def workload_cost(
         max(workload.output_lens, default=0),
         math.ceil(workload.num_output_tokens / max_num_seqs),
     )
-    return Cost(bytes=steps * weight_bytes_per_step(config, dtype_bytes) + kv_bytes, flops=flops)
+    per_step = weight_bytes_per_step(config, dtype_bytes) if weight_bytes is None else weight_bytes
+    return Cost(bytes=steps * per_step + kv_bytes, flops=flops)

@@ -202,6 +202,13 @@ class Fp8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        bias = self.bias if with_bias else None
+        if x2.is_cuda and x2.shape[0] == 1:
+            # (decode of one sequence: one kernel quantizes the row and streams the weight)
+            from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+
+            out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, bias, self.input_scale)
+            return out.reshape(*shape[:-1], self.out_features)
         if self.input_scale is not None:
             x_scale = self.input_scale.expand(x2.shape[0], 1)
             x_q = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -211,7 +218,6 @@ class Fp8Linear(QuantizedLinear):
             x_q, x_scale = quantize_rows_triton(x2.contiguous())
         else:
             x_q, x_scale = quantize_rows(x2)
-        bias = self.bias if with_bias else None
         out = torch._scaled_mm(
             x_q,
             self.weight.t(),

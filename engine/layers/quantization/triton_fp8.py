@@ -44,56 +44,79 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, acc_ptr, M, N, K, x_stride, w_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    x_ptr, w_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, N, K, fp8_max, min_scale,
+    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Split-K partial products of e4m3 rows x [M, K] and weights w [N, K], summed into the
-    float32 `acc` [M, N] (scales applied after)."""
+    """out [N] = (the row x [K] quantized to e4m3 as `quantize_rows` does) . w [N, K]^T (e4m3),
+    times both scales (+ bias): decode of one sequence in one kernel. Each program takes
+    BLOCK_N output columns over the whole of K: it first finds the row's largest magnitude (x
+    is small and stays in L2), then streams its weight rows once, multiplying on the CUDA cores
+    into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at the end (products of e4m3
+    values are exact in float32)."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    offsets = tl.arange(0, BLOCK_K)
+    if STATIC:
+        x_scale = tl.load(x_scale_ptr)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            ks = k + offsets
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        x_scale = tl.maximum(tl.max(amax, axis=0), min_scale) / fp8_max
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rows[:, None] * x_stride + ks[None, :],
-            mask=(rows[:, None] < M) & (ks[None, :] < K),
-            other=0.0,
-        )
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + offsets
+        k_ok = ks < K
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x_q = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max)
+        x_q = x_q.to(w_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(
-            w_ptr + cols[None, :] * w_stride + ks[:, None],
-            mask=(cols[None, :] < N) & (ks[:, None] < K),
+            w_ptr + cols[:, None] * K + ks[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
             other=0.0,
-        )
-        acc = tl.dot(x, w, acc)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.atomic_add(acc_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask, sem="relaxed")
+        ).to(tl.float32)
+        acc += x_q[None, :] * w
+    out = tl.sum(acc, axis=1) * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def fp8_gemv(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
+    x: torch.Tensor,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    block_n: int = 64,
-    block_k: int = 256,
-    splits: int = 4,
+    bias: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
-    """x_q [M, K] e4m3 (M <= 16) times w_q [N, K] e4m3, scaled: [M, N] in `out_dtype`."""
-    m, k = x_q.shape
+    """One row x [1, K] (bf16/fp16/fp32; quantized inside, or with the static per-tensor
+    `x_scale`) times e4m3 w_q [N, K] (contiguous) with scales [N, 1]: [1, N] in x's dtype.
+    Default tiles: the fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes (fewer,
+    longer rows per program where N is small; see bench/RESULTS.md)."""
+    m, k = x.shape
     n = w_q.shape[0]
-    assert m <= 16
-    acc = torch.zeros((m, n), dtype=torch.float32, device=x_q.device)
-    per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, per_split))
-    _fp8_gemv_kernel[grid](
-        x_q, w_q, acc, m, n, k, x_q.stride(0), w_q.stride(0),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=per_split, num_warps=4,
+    if block_n is None:
+        block_n = 8 if n <= 4096 else 16
+    if block_k is None:
+        block_k = 1024 if n <= 4096 else 512
+    assert m == 1
+    assert x.is_contiguous()
+    assert w_q.is_contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w_q, w_scale, x_scale if x_scale is not None else w_scale,
+        bias if bias is not None else w_scale, out, n, k, FP8_MAX, _MIN_SCALE,
+        STATIC=x_scale is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return (acc * x_scale * w_scale.t()).to(out_dtype)
+    return out
 
 
 def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,3 +101,23 @@ def test_block_layer_equals_its_reference_and_stays_near_the_unquantized_one() -
     torch.testing.assert_close(
         layer.weight_scale[2, 1], weight[256:, 128:].abs().amax() / FP8_MAX, rtol=1e-6, atol=0
     )
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_fused_gemv_equals_the_reference_in_the_interpreter(static: bool) -> None:
+    """Triton's interpreter rounds e4m3 casts its own way, so the activations are chosen on
+    e4m3's grid (their row maximum at 448 times the scale): the kernel's quantization then
+    rounds nothing, and what is checked is the rest of it, to float32's summation noise."""
+    from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+
+    generator = torch.Generator().manual_seed(1)
+    grid = (torch.randn(1, 200, generator=generator) * 60).clamp(-448, 448)
+    grid = grid.to(FP8).float()
+    grid[:, 7] = 448.0
+    x = grid * 0.25
+    weight, scale = quantize_rows(torch.randn(40, 200, generator=generator) * 0.1)
+    bias = torch.randn(40, generator=generator)
+    x_scale = torch.tensor(0.25) if static else None
+    out = fp8_gemv(x, weight, scale, bias, x_scale, block_n=16, block_k=64)
+    want = grid * 0.25 @ (weight.float() * scale).t() + bias
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
