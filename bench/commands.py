@@ -71,6 +71,7 @@ def _add_quantization_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default=None, help="the engine's --quantization (fp8); default: none"
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's (auto, fp8)")
 
 
 def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         max_model_len=args.input_len + args.output_len + 8,
         max_num_seqs=max(args.batch_size, 1),
@@ -102,7 +103,9 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     )
     context = args.input_len + args.output_len // 2
     local = engine.runner.config
-    kv_bytes = args.batch_size * context * kv_cache_bytes_per_block(local, 1, engine.dtype)
+    kv_bytes = (
+        args.batch_size * context * kv_cache_bytes_per_block(local, 1, engine.runner.kv_cache_dtype)
+    )
     num_params = sum(p.numel() for p in model.parameters())
     ceilings = measure_ceilings(engine.device, engine.dtype)
     floor_s = ceilings.floor_s(streamed + kv_bytes + lora_bytes, 2 * num_params * args.batch_size)
@@ -111,6 +114,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         "quantization": engine.quantization.describe() if engine.quantization else None,
+        "kv_cache_dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),
         "attention_backend": engine.attention_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
         "batch_size": args.batch_size,

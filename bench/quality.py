@@ -30,13 +30,18 @@ TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
 _BLOCK = 16
 
 
-def perplexity(model: LlamaForCausalLM, token_ids: list[int], device: torch.device) -> float:
+def perplexity(
+    model: LlamaForCausalLM,
+    token_ids: list[int],
+    device: torch.device,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> float:
     """exp(mean negative log-likelihood) of each token after the ones before it: one prompt
-    forward through `model` over a scratch KV cache."""
+    forward through `model` over a scratch KV cache (of `kv_cache_dtype`: the engine's)."""
     n = len(token_ids)
     blocks = -(-n // _BLOCK)
     config = model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = kv_cache_dtype or model.embed_tokens.weight.dtype
     kv = [
         torch.zeros(2, blocks + 1, _BLOCK, config.num_key_value_heads, config.head_dim,
                     dtype=dtype, device=device)
@@ -77,7 +82,9 @@ def evaluate(model: str, **engine_args: Any) -> dict[str, Any]:
             ]
             for o in outputs
         ],
-        "perplexity": perplexity(engine.runner.model, text_ids, engine.device),
+        "perplexity": perplexity(
+            engine.runner.model, text_ids, engine.device, engine.runner.kv_cache_dtype
+        ),
         "text_tokens": len(text_ids),
         "describe": engine.quantization.describe() if engine.quantization else "none",
     }
@@ -117,15 +124,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default="fp8")
+    parser.add_argument("--quantization", default=None, help="fp8, or none")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--calculate-kv-scales", action="store_true")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     base = evaluate(args.model, dtype=args.dtype)
-    quantized = evaluate(args.model, dtype=args.dtype, quantization=args.quantization)
+    quantized = evaluate(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
+    )
     result = {
         "model": args.model,
         "dtype": args.dtype,
         "quantization": quantized["describe"],
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "calculate_kv_scales": args.calculate_kv_scales,
         "text_tokens": base["text_tokens"],
         **compare(base, quantized),
     }

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len or input_len[1] + output_len[1],
         max_num_seqs=args.max_num_seqs,
@@ -78,8 +79,15 @@ def run(args: argparse.Namespace) -> int:
             weight_bytes -= model.embed_tokens.weight.numel() * dtype_bytes
         fp8_tflops = fp8_matmul_tflops(engine.device)
         linear_flops_factor = ceilings.matmul_tflops / fp8_tflops
+    kv_bytes = torch.empty((), dtype=engine.runner.kv_cache_dtype).element_size()
     cost = workload_cost(
-        config, dtype_bytes, workload, args.max_num_seqs, weight_bytes, linear_flops_factor
+        config,
+        dtype_bytes,
+        workload,
+        args.max_num_seqs,
+        weight_bytes,
+        linear_flops_factor,
+        kv_bytes,
     )
     # N GPUs stream and multiply their shares at once (the all-reduces are not in the floor)
     ranks = args.tensor_parallel_size
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization.describe() if engine.quantization else None,
+        "kv_cache_dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,

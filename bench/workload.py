@@ -97,16 +97,18 @@ def workload_cost(
     max_num_seqs: int,
     weight_bytes: float | None = None,
     linear_flops_factor: float = 1.0,
+    kv_dtype_bytes: int | None = None,
 ) -> Cost:
     """Bytes and FLOPs of the workload at the model dtype's matmul rate. Quantized weights:
     `weight_bytes` read per step (default: every weight in the dtype), and the layers' matmul
-    FLOPs weighed by `linear_flops_factor` (the dtype's matmul rate over the quantized one)."""
+    FLOPs weighed by `linear_flops_factor` (the dtype's matmul rate over the quantized one).
+    An FP8 KV cache: `kv_dtype_bytes` 1."""
     layers = config.num_hidden_layers
     attn_per_pair = 4 * config.num_attention_heads * config.head_dim * layers
     computed = workload.num_input_tokens + workload.num_output_tokens
     flops = 2.0 * layer_matmul_params(config) * computed * linear_flops_factor
     flops += 2.0 * config.hidden_size * config.vocab_size * workload.num_output_tokens
-    kv_token = kv_bytes_per_token(config, dtype_bytes)
+    kv_token = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes)
     kv_bytes = 0.0
     for prompt, out in zip(workload.prompts, workload.output_lens, strict=True):
         n = len(prompt)

@@ -77,6 +77,8 @@ def engine_args(spec: LLMDeploymentSpec, mounts: Mounts) -> list[str]:
     settings: dict[str, Any] = {
         "load_format": spec.model.load_format,
         "dtype": engine.dtype,
+        "quantization": engine.quantization,
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "device": "cuda" if spec.gpus > 0 else "cpu",
         "block_size": engine.block_size,
         "max_num_seqs": engine.max_num_seqs,

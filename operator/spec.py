@@ -29,6 +29,7 @@ from kvfleet.operator.spec_base import (
     LoadFormat,
     PullPolicy,
     Quantity,
+    Quantization,
     RoutingPolicy,
     ServiceType,
     cel_rules,
@@ -140,8 +141,14 @@ class EngineSpec(CrdModel):
     block_size: Literal[8, 16, 32, 64] = Field(
         default=16, description="tokens per KV-cache block (also the prefix cache's unit)"
     )
+    quantization: Quantization | None = Field(
+        default=None,
+        description="fp8: quantize a bf16/fp16 checkpoint at load (GPUs of compute capability "
+        "8.9+); unset: the checkpoint's own quantization, if any",
+    )
     kv_cache_dtype: KVCacheDtype = Field(
-        default=KVCacheDtype.AUTO, description="KV-cache element type (auto: the model's dtype)"
+        default=KVCacheDtype.AUTO,
+        description="KV-cache element type (auto: the model's dtype; fp8: e4m3, twice the tokens)",
     )
     prefix_caching: bool = Field(
         default=True, description="reuse the KV cache of prompts' shared prefixes"

@@ -85,6 +85,11 @@ class Dtype(enum.StrEnum):
 
 class KVCacheDtype(enum.StrEnum):
     AUTO = "auto"  # the model's dtype; the engine keeps its KV cache in it
+    FP8 = "fp8"  # e4m3 with a scale per layer: twice the tokens in the same memory
+
+
+class Quantization(enum.StrEnum):
+    FP8 = "fp8"  # linear layers quantized at load (FP8 weights and activations)
 
 
 class RoutingPolicy(enum.StrEnum):

@@ -46,8 +46,10 @@ class AttentionLayer(abc.ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,  # [2] float32 (K, V) for an FP8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's K/V into the layer's cache, then attend each query to its sequence."""
+        """Write this step's K/V into the layer's cache, then attend each query to its sequence.
+        An FP8 (e4m3) cache stores K / k_scale and V / v_scale, read back times the scales."""
 
     def forward_rotary(
         self,
@@ -58,7 +60,15 @@ class AttentionLayer(abc.ABC):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` after rotating q and k (RoPE); a backend may do both in fewer kernels."""
         q, k = rotary(positions, q, k)
-        return self.forward(q, k, v, kv_cache, metadata)
+        return self.forward(q, k, v, kv_cache, metadata, kv_scales)
+
+
+def kv_cache_is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == torch.float8_e4m3fn
+
+
+FP8_KV_MAX = 448.0  # (e4m3's largest finite value: stored K/V saturate there)

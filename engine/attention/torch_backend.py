@@ -12,16 +12,34 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
+from kvfleet.engine.attention.metadata import (
+    FP8_KV_MAX,
+    AttentionLayer,
+    AttentionMetadata,
+    kv_cache_is_fp8,
+)
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's keys and values at their slots. k, v: [num_tokens, Hkv, D]."""
+    """Store this step's keys and values at their slots. k, v: [num_tokens, Hkv, D]; into an
+    FP8 cache divided by their scale (saturating at e4m3's largest value)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for part, x in enumerate((k, v)):
+        cache = kv_cache[part].view(-1, num_kv_heads, head_dim)
+        if kv_cache_is_fp8(kv_cache):
+            assert kv_scales is not None, "an FP8 KV cache needs its scales"
+            stored = (x.float() / kv_scales[part]).clamp(-FP8_KV_MAX, FP8_KV_MAX)
+            # (index_copy_ has no float8 kernel: the bytes are copied as such)
+            raw = stored.to(kv_cache.dtype).view(torch.uint8)
+            cache.view(torch.uint8).index_copy_(0, slot_mapping, raw)
+        else:
+            cache.index_copy_(0, slot_mapping, x)
 
 
 class TorchAttention(AttentionLayer):
@@ -32,8 +50,9 @@ class TorchAttention(AttentionLayer):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
         # Decode rows (one query token) run as one padded batch; prompt chunks one by one.
@@ -41,13 +60,19 @@ class TorchAttention(AttentionLayer):
         if decode_rows:
             rows = torch.tensor(decode_rows, device=q.device)
             token_index = metadata.cu_seqlens_q[rows].long()
-            out[token_index] = self._decode(q[token_index], kv_cache, metadata, rows, decode_rows)
+            out[token_index] = self._decode(
+                q[token_index], kv_cache, metadata, rows, decode_rows, kv_scales
+            )
         starts = metadata.cu_seqlens_q.tolist()
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if query_len > 1:
                 start = starts[i]
                 out[start : start + query_len] = self._prefill(
-                    q[start : start + query_len], kv_cache, metadata.block_tables[i], seq_len
+                    q[start : start + query_len],
+                    kv_cache,
+                    metadata.block_tables[i],
+                    seq_len,
+                    kv_scales,
                 )
         return out
 
@@ -58,9 +83,10 @@ class TorchAttention(AttentionLayer):
         metadata: AttentionMetadata,
         rows: torch.Tensor,
         decode_rows: list[int],
+        kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
         max_len = max(metadata.seq_lens_cpu[i] for i in decode_rows)
-        keys, values = _gather(kv_cache, metadata.block_tables[rows], max_len)
+        keys, values = _gather(kv_cache, metadata.block_tables[rows], max_len, kv_scales)
         # [num_decodes, 1, max_len]: each query sees its own sequence (and window) only.
         key_pos = torch.arange(max_len, device=q.device)[None, :]
         seq_lens = metadata.seq_lens[rows].long()[:, None]
@@ -78,10 +104,15 @@ class TorchAttention(AttentionLayer):
         return out[:, :, 0, :].to(q.dtype)
 
     def _prefill(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
         """q [query_len, Hq, D] of one sequence whose KV length is `seq_len`."""
-        keys, values = _gather(kv_cache, block_table[None], seq_len)
+        keys, values = _gather(kv_cache, block_table[None], seq_len, kv_scales)
         query_len = q.shape[0]
         # Query j sits at absolute position seq_len - query_len + j.
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
@@ -101,11 +132,21 @@ class TorchAttention(AttentionLayer):
 
 
 def _gather(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    length: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [num_seqs, length, Hkv, D] read through block tables [num_seqs, *]."""
+    """Keys and values [num_seqs, length, Hkv, D] read through block tables [num_seqs, *]
+    (from an FP8 cache: float32, times their scales)."""
     block_size = kv_cache.shape[2]
     tables = block_tables[:, : -(-length // block_size)].long()
+    if kv_cache_is_fp8(kv_cache):  # (no float8 gather kernel on every device: bytes, then cast)
+        assert kv_scales is not None, "an FP8 KV cache needs its scales"
+        raw = kv_cache.view(torch.uint8)
+        keys = raw[0][tables].view(kv_cache.dtype).float() * kv_scales[0]
+        values = raw[1][tables].view(kv_cache.dtype).float() * kv_scales[1]
+        return keys.flatten(1, 2)[:, :length], values.flatten(1, 2)[:, :length]
     keys = kv_cache[0][tables].flatten(1, 2)[:, :length]
     values = kv_cache[1][tables].flatten(1, 2)[:, :length]
     return keys, values

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
-from kvfleet.engine.layers.triton_layers import rotary_and_write_kv
+from kvfleet.engine.layers.triton_layers import kv_cache_value, rotary_and_write_kv
 
 if TYPE_CHECKING:
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
@@ -30,6 +30,7 @@ def _write_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64
+    kv_scales_ptr,  # [2] float32 (an FP8 cache's K and V scales)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -40,6 +41,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -51,14 +53,19 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     dest = block * stride_cb + offset * stride_cs + head * stride_ch + d
-    tl.store(k_cache_ptr + dest, k, mask=mask)
-    tl.store(v_cache_ptr + dest, v, mask=mask)
+    tl.store(k_cache_ptr + dest, kv_cache_value(k, kv_scales_ptr, 0, k_cache_ptr, FP8), mask=mask)
+    tl.store(v_cache_ptr + dest, kv_cache_value(v, kv_scales_ptr, 1, v_cache_ptr, FP8), mask=mask)
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """k, v [num_tokens, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slots."""
+    """k, v [num_tokens, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slots
+    (an FP8 cache: divided by `kv_scales`)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -69,6 +76,7 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scales if kv_scales is not None else slot_mapping,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -79,6 +87,7 @@ def write_kv_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -92,6 +101,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32: KV length after this step
+    kv_scales_ptr,  # [2] float32 (an FP8 cache's K and V scales)
     scale,
     sliding_window,  # 0: none
     stride_qt,
@@ -109,6 +119,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
+    FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -157,6 +168,9 @@ def _paged_attention_kernel(
             stride_cs,
             stride_ch,
             BLOCK_SIZE,
+            kv_scales_ptr,
+            FP8,
+            q.dtype,
         )
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
@@ -189,8 +203,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [num_tokens, Hq, D] against each sequence's cached K/V -> [num_tokens, Hq, D]."""
+    """q [num_tokens, Hq, D] against each sequence's cached K/V -> [num_tokens, Hq, D] (an
+    FP8 cache's times `kv_scales`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(q) if out is None else out
@@ -206,6 +222,7 @@ def paged_attention(
         metadata.block_tables,
         metadata.cu_seqlens_q,
         metadata.seq_lens,
+        kv_scales if kv_scales is not None else metadata.seq_lens,
         scale,
         sliding_window or 0,
         q.stride(0),
@@ -225,6 +242,7 @@ def paged_attention(
         # moved out of code comments")
         BLOCK_N=32 if block_m == 64 else 64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
     )
     return out
 
@@ -237,9 +255,10 @@ class TritonAttention(AttentionLayer):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        return self._attend(q, kv_cache, metadata)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        return self._attend(q, kv_cache, metadata, kv_scales)
 
     def forward_rotary(
         self,
@@ -250,17 +269,28 @@ class TritonAttention(AttentionLayer):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """RoPE and the cache write in one kernel (where the rotary one is fused)."""
         if not (rotary.fused and q.is_cuda):
-            return super().forward_rotary(rotary, positions, q, k, v, kv_cache, metadata)
+            return super().forward_rotary(rotary, positions, q, k, v, kv_cache, metadata, kv_scales)
         cos, sin = rotary.caches(q.device)
-        rotary_and_write_kv(q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping)
-        return self._attend(q, kv_cache, metadata)
+        rotary_and_write_kv(
+            q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping, kv_scales
+        )
+        return self._attend(q, kv_cache, metadata, kv_scales)
 
     def _attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
         if metadata.max_seqlen_q == 1:  # a decode-only step (its kernel takes q's strides)
-            return decode_attention(q, kv_cache, metadata, self.scale, self.sliding_window)
-        return paged_attention(q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window)
+            return decode_attention(
+                q, kv_cache, metadata, self.scale, self.sliding_window, kv_scales=kv_scales
+            )
+        return paged_attention(
+            q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window, None, kv_scales
+        )

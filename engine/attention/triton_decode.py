@@ -38,9 +38,12 @@ def load_kv_tile(
     stride_cs,
     stride_ch,
     BLOCK_SIZE: tl.constexpr,
+    kv_scales_ptr,  # [2] float32: an FP8 cache's K and V scales
+    FP8: tl.constexpr,
+    dtype: tl.constexpr,  # what an FP8 cache's values are upcast to (the queries' dtype)
 ):
     """K and V [BLOCK_N, BLOCK_D] of one KV head at `offs_n`, found through the block table
-    (masked rows read 0)."""
+    (masked rows read 0); from an FP8 cache, upcast in registers times their scales."""
     physical = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     kv_offsets = (
         physical[:, None] * stride_cb
@@ -51,6 +54,9 @@ def load_kv_tile(
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if FP8:
+        k = (k.to(tl.float32) * tl.load(kv_scales_ptr)).to(dtype)
+        v = (v.to(tl.float32) * tl.load(kv_scales_ptr + 1)).to(dtype)
     return k, v
 
 
@@ -66,6 +72,7 @@ def _decode_partial_kernel(
     max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: running max of the scores
     sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: sum of exp(score - max)
     out_ptr,  # [num_seqs, num_heads, head_dim]: written directly when NUM_SPLITS == 1
+    kv_scales_ptr,  # [2] float32 (an FP8 cache's)
     scale,
     sliding_window,  # 0: none
     stride_qt,
@@ -86,6 +93,7 @@ def _decode_partial_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,6 +137,9 @@ def _decode_partial_kernel(
             stride_cs,
             stride_ch,
             BLOCK_SIZE,
+            kv_scales_ptr,
+            FP8,
+            q.dtype,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -218,8 +229,10 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [num_seqs, Hq, D], one query token per sequence, against its cached K/V."""
+    """q [num_seqs, Hq, D], one query token per sequence, against its cached K/V (an FP8
+    cache's times `kv_scales`)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     assert metadata.max_seqlen_q == 1, "one query token per sequence"
@@ -247,6 +260,7 @@ def decode_attention(
         maxes,
         sums,
         out,
+        kv_scales if kv_scales is not None else sums,
         scale,
         sliding_window or 0,
         q.stride(0),
@@ -267,6 +281,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -16,6 +16,7 @@ from kvfleet.engine.layers.quantization.scheme import QUANTIZATION_METHODS
 from kvfleet.engine.protocol.openai import LoadLoRAAdapterRequest
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -38,6 +39,22 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=setting("reuse the KV blocks of prompts' common prefixes")
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=setting(
+            "auto: the model's dtype; fp8 (= fp8_e4m3): K and V stored as e4m3 with a scale per "
+            "layer (the checkpoint's, else 1.0), twice the tokens in the same memory",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
+    calculate_kv_scales: bool = field(
+        default=False,
+        metadata=setting(
+            "an FP8 KV cache without scales in the checkpoint: each layer's K and V scales "
+            "from the first prompt served (its largest magnitude over 224: 2x headroom) "
+            "instead of 1.0"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -50,6 +67,12 @@ class CacheConfig:
             )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an FP8 KV cache (kv_cache_dtype fp8)")
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,17 @@ def rotary_inplace(
 
 
 @triton.jit
+def kv_cache_value(x, kv_scales_ptr, part: tl.constexpr, cache_ptr, FP8: tl.constexpr):
+    """`x` as the KV cache stores it: in its dtype, or for an FP8 cache divided by the layer's
+    K (part 0) or V (part 1) scale, saturating at e4m3's largest value (as the torch
+    backend's write)."""
+    if FP8:
+        scale = tl.load(kv_scales_ptr + part)
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
     k_ptr,  # [num_tokens, num_kv_heads, head_dim], read only: rotated into the cache
@@ -169,6 +180,7 @@ def _rotary_write_kv_kernel(
     sin_ptr,
     positions_ptr,  # [num_tokens] int64
     slot_mapping_ptr,  # [num_tokens] int64
+    kv_scales_ptr,  # [2] float32 (an FP8 cache's K and V scales)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -184,6 +196,7 @@ def _rotary_write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
@@ -208,11 +221,15 @@ def _rotary_write_kv_kernel(
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_heads * stride_ch
     dest += d
     k1, k2 = _rotate(x1, x2, cos, sin, dtype)
-    tl.store(k_cache_ptr + dest, k1.to(dtype), mask=kv_mask)
-    tl.store(k_cache_ptr + dest + HALF, k2.to(dtype), mask=kv_mask)
+    k1 = kv_cache_value(k1.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
+    k2 = kv_cache_value(k2.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
+    tl.store(k_cache_ptr + dest, k1, mask=kv_mask)
+    tl.store(k_cache_ptr + dest + HALF, k2, mask=kv_mask)
     v = v_ptr + token * stride_vt + kv_heads * stride_vh + d
-    tl.store(v_cache_ptr + dest, tl.load(v, mask=kv_mask), mask=kv_mask)
-    tl.store(v_cache_ptr + dest + HALF, tl.load(v + HALF, mask=kv_mask), mask=kv_mask)
+    v1 = kv_cache_value(tl.load(v, mask=kv_mask), kv_scales_ptr, 1, v_cache_ptr, FP8)
+    v2 = kv_cache_value(tl.load(v + HALF, mask=kv_mask), kv_scales_ptr, 1, v_cache_ptr, FP8)
+    tl.store(v_cache_ptr + dest, v1, mask=kv_mask)
+    tl.store(v_cache_ptr + dest + HALF, v2, mask=kv_mask)
 
 
 def rotary_and_write_kv(
@@ -224,9 +241,11 @@ def rotary_and_write_kv(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Rotate q in place and k, v into the cache, in one launch: the bits `rotary_inplace`
-    then the attention's cache write give (k itself is left as it was)."""
+    then the attention's cache write give (k itself is left as it was). An FP8 cache takes
+    k and v divided by `kv_scales`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
@@ -243,6 +262,7 @@ def rotary_and_write_kv(
         sin,
         positions,
         slot_mapping,
+        kv_scales if kv_scales is not None else cos,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -258,6 +278,7 @@ def rotary_and_write_kv(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
     )
 
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from kvfleet.engine.parallel.group import TPGroup
 
 AttentionFactory = Callable[[ModelConfig], AttentionLayer]
+# A calibrated FP8 KV scale maps the first prompt's largest K or V to this (e4m3 reaches 448:
+# 2x headroom for what later prompts hold, and for RoPE's rotation of K)
+KV_CALIBRATION_RANGE = 224.0
 
 
 def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
@@ -54,6 +57,8 @@ def reduce_and_norm(
 
 
 class LlamaAttention(nn.Module):
+    kv_scales: torch.Tensor
+
     def __init__(
         self,
         config: ModelConfig,
@@ -81,6 +86,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = linear((f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias)
         self.rotary = rotary
         self.backend = backend
+        # An FP8 KV cache's K and V scales: the checkpoint's (k_scale, v_scale), else 1.0, or
+        # measured on the first prompt when `calibrate_kv` is set (`calibrate_kv_scales`)
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.calibrate_kv = False
+        self.kv_scales_given = False
 
     def forward(
         self,
@@ -94,7 +104,13 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward_rotary(self.rotary, positions, q, k, v, kv_cache, metadata)
+        if self.calibrate_kv and num_tokens > 1:  # (a prompt; K's amax before RoPE: headroom)
+            amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
+            self.kv_scales.copy_(amax.clamp_min(KV_CALIBRATION_RANGE * 1e-6) / KV_CALIBRATION_RANGE)
+            self.calibrate_kv = False
+        out = self.backend.forward_rotary(
+            self.rotary, positions, q, k, v, kv_cache, metadata, self.kv_scales
+        )
         return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
 
 
@@ -241,6 +257,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (fused) parameters, quantized layers
         filling themselves; every one must be set."""
         params = dict(self.named_parameters())
+        for module in self.modules():  # (buffers come uninitialized from the meta device)
+            if isinstance(module, LlamaAttention):
+                module.kv_scales.fill_(1.0)
         quantized = {
             name: module
             for name, module in self.named_modules()
@@ -253,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name, shard = target
             owner, _, kind = name.rpartition(".")
+            if kind in ("k_scale", "v_scale"):  # (an FP8 KV cache's, per layer)
+                self._load_kv_scale(owner, kind, tensor, hf_name)
+                continue
             if owner in quantized:
                 quantized[owner].load_part(kind, tensor, shard, hf_name)
                 loaded.add(f"{name}:{shard}")
@@ -278,6 +300,26 @@ class LlamaForCausalLM(nn.Module):
         )
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def calibrate_kv_scales(self) -> None:
+        """Layers whose K and V scales the checkpoint did not give measure them on the next
+        prompt."""
+        for module in self.modules():
+            if isinstance(module, LlamaAttention) and not module.kv_scales_given:
+                module.calibrate_kv = True
+
+    def _load_kv_scale(self, owner: str, kind: str, tensor: torch.Tensor, hf_name: str) -> None:
+        value = float(tensor.reshape(())) if tensor.numel() == 1 else float("nan")
+        if not 0.0 < value < float("inf"):
+            raise ValueError(f"checkpoint tensor {hf_name!r} is no positive scale")
+        try:
+            attention = self.get_submodule(owner)
+        except AttributeError:
+            attention = None
+        if not isinstance(attention, LlamaAttention):
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
+        attention.kv_scales[int(kind == "v_scale")] = value
+        attention.kv_scales_given = True
 
 
 _SHARDED = {

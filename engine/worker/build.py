@@ -92,7 +92,9 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
         )
         for name, path in settings.lora_modules:
             lora.add(name, path)
-    runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device, lora)
+    runner = ModelRunner(
+        model, config.cache.block_size, setup.dtype, setup.device, lora, setup.kv_cache_dtype
+    )
     # NOTE: the draft model before the KV cache is sized: its weights and its own cache (as
     # many blocks as the target's) count.
     draft = load_draft(config, setup) if config.speculative else None
@@ -105,5 +107,7 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
         runner.enable_decode_graphs(
             config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)
         )
+    if config.cache.calculate_kv_scales:  # (after the warm-up and profiling steps)
+        model.calibrate_kv_scales()
     speculator = build_speculator(config, setup, model, draft, num_blocks, setup.max_model_len)
     return DeviceSide(runner, num_blocks, lora, speculator, tp, workers)

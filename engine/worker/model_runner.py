@@ -147,13 +147,16 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         lora: LoRAManager | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
-        """The KV cache comes later (`allocate_kv_cache`), once its size is known."""
+        """The KV cache comes later (`allocate_kv_cache`), once its size is known; its elements
+        are `kv_cache_dtype` (default: the model's dtype; float8_e4m3fn: scaled per layer)."""
         self.model = model
         self.lora = lora
         self.config = model.config
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[RequestId, CachedRequestState] = {}
@@ -167,7 +170,7 @@ class ModelRunner:
         config = self.config
         shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
 

@@ -47,12 +47,14 @@ class RankSetup:
     max_model_len: int
     attention_backend: str
     quantization: QuantScheme | None = None
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def describe(self, num_blocks: int, block_size: int) -> str:
         quantized = f", weights {self.quantization.describe()}" if self.quantization else ""
+        kv = " fp8 e4m3" if self.kv_cache_dtype == torch.float8_e4m3fn else ""
         return (
             f"{self.source.name} ({self.source.format}) on {self.device} in {self.dtype}"
-            f"{quantized}, {self.attention_backend} attention; {num_blocks} KV blocks of "
+            f"{quantized}, {self.attention_backend} attention; {num_blocks}{kv} KV blocks of "
             f"{block_size} tokens; max_model_len {self.max_model_len}"
         )
 
@@ -71,6 +73,7 @@ def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
         max_model_len=_max_model_len(config, model_config),
         attention_backend=_pick_attention_backend(config.attention_backend, device),
         quantization=pick_quantization(config.quantization, source, model_config, device),
+        kv_cache_dtype=torch.float8_e4m3fn if config.cache.kv_cache_dtype != "auto" else None,
     )
 
 
@@ -132,12 +135,16 @@ def build_rank(
     assert tp is not None
     model = load_rank_model(config, setup, tp)
     enable_peer_all_reduce(config, setup, tp)
-    runner = ModelRunner(model, config.cache.block_size, setup.dtype, setup.device)
+    runner = ModelRunner(
+        model, config.cache.block_size, setup.dtype, setup.device, None, setup.kv_cache_dtype
+    )
     runner.allocate_kv_cache(tp.min_int(num_kv_blocks(config, runner, setup)))
     if uses_graphs(config, setup):
         runner.enable_decode_graphs(
             config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)
         )
+    if config.cache.calculate_kv_scales:
+        model.calibrate_kv_scales()
     return runner, tp
 
 
@@ -237,7 +244,7 @@ def num_kv_blocks(
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = kv_cache_bytes_per_block(runner.config, cache.block_size, setup.dtype)
+    per_block = kv_cache_bytes_per_block(runner.config, cache.block_size, runner.kv_cache_dtype)
     if draft is not None:
         per_block += kv_cache_bytes_per_block(draft.config, cache.block_size, setup.dtype)
     if setup.device.type == "cuda":

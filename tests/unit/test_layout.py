@@ -166,3 +166,18 @@ def test_no_source_file_past_400_lines(repo_root: Path, folder: str) -> None:
         and not _is_triton_kernel_module(path)
     }
     assert long == {}, f"split these (at most {MAX_LINES} lines): {long}"
+
+
+def test_every_package_folder_is_in_the_distribution(repo_root: Path) -> None:
+    """pyproject lists packages by hand (one distribution, mapped folders): a new folder left
+    out installs without its modules (the packaging test finds that too, minutes later)."""
+    import tomllib
+
+    config = tomllib.loads((repo_root / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, package in COMPONENTS.items():
+        for init in (repo_root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(repo_root / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found - listed == set()

@@ -95,6 +95,8 @@ def resolve_quantization(
             return None
         return Fp8Scheme(weights="channel", activations="token", source="online")
     scheme = _from_checkpoint(checkpoint)
+    if scheme is None:  # (a checkpoint quantizing its KV cache only)
+        return resolve_quantization(method, None)
     if method is not None and method != scheme.method:
         raise ValueError(
             f"quantization={method!r} disagrees with the checkpoint, which is quantized with "
@@ -103,7 +105,7 @@ def resolve_quantization(
     return scheme
 
 
-def _from_checkpoint(config: Mapping[str, Any]) -> QuantScheme:
+def _from_checkpoint(config: Mapping[str, Any]) -> QuantScheme | None:
     quant_method = config.get("quant_method")
     if quant_method == "compressed-tensors":
         return _compressed_tensors(config)
@@ -142,7 +144,7 @@ def _fp8_format(config: Mapping[str, Any]) -> Fp8Scheme:
     )
 
 
-def _compressed_tensors(config: Mapping[str, Any]) -> Fp8Scheme:
+def _compressed_tensors(config: Mapping[str, Any]) -> Fp8Scheme | None:
     """llm-compressor's layout: `config_groups` of `targets` with `weights` and
     `input_activations` quantization arguments, a `format`, an `ignore` list."""
     fmt = config.get("format")
@@ -153,6 +155,8 @@ def _compressed_tensors(config: Mapping[str, Any]) -> Fp8Scheme:
         )
     groups = list((config.get("config_groups") or {}).values())
     if not groups:
+        if config.get("kv_cache_scheme"):  # (only the KV cache's scales: weights as they are)
+            return None
         raise ValueError("the compressed-tensors quantization_config has no config_groups")
     schemes = {_ct_group(group) for group in groups}
     if len(schemes) != 1:

@@ -141,6 +141,15 @@ def test_engine_args_parse_with_the_real_engine_command() -> None:
     assert parsed.seed == 7
     assert parsed.port == 8100
     assert parsed.metrics_compat == "vllm"
+    assert parsed.quantization is None
+    assert parsed.kv_cache_dtype == "auto"
+
+
+def test_quantization_and_the_kv_cache_dtype_reach_the_engine() -> None:
+    spec = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+            "engine": {"quantization": "fp8", "kvCacheDtype": "fp8"}}  # fmt: skip
+    parsed = build_parser().parse_args(engine_args(parse_spec(spec), Mounts()))
+    assert (parsed.quantization, parsed.kv_cache_dtype) == ("fp8", "fp8")
 
 
 def test_cpu_engine_has_no_gpu_and_uses_the_cpu_image() -> None:

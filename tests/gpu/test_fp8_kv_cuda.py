@@ -1,0 +1,88 @@
+"""The FP8 KV cache's Triton kernels on the GPU at Llama-3-8B's head shapes: the cache writes
+(alone and fused with RoPE) store the torch backend's bytes, and prompt and decode attention
+over an e4m3 cache match the torch backend reading the same cache (float32)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from kvfleet.engine.attention import torch_backend, triton_attention, triton_decode  # noqa: E402
+from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+CASES = {
+    "decode-64": ([1] * 64, [17 + 61 * i for i in range(64)]),
+    "chunk-after-prefix": ([512, 1], [2048, 3000]),
+    "mixed": ([1, 300, 1, 1000, 1], [4096, 300, 1, 1500, 2222]),
+}
+
+
+def _fp8_case(attention_case: Callable[..., dict[str, Any]], case: str) -> dict[str, Any]:
+    inputs = attention_case(*CASES[case], dtype=torch.bfloat16, device="cuda", seed=5, **HEADS)
+    scales = torch.tensor([0.02, 0.015], device="cuda")  # (K and V up to ~4.5 and ~3.4 x 448)
+    cache = inputs["kv_cache"].float()
+    inputs["kv_cache"] = torch.stack(
+        [(cache[i] / scales[i]).clamp(-448, 448).to(FP8) for i in (0, 1)]
+    )  # (the prefix already in the cache, stored as an FP8 cache stores it)
+    inputs["scales"] = scales
+    return inputs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_cache_kernels_match_the_torch_backend(
+    attention_case: Callable[..., dict[str, Any]], case: str
+) -> None:
+    inputs = _fp8_case(attention_case, case)
+    metadata, scales = inputs["metadata"], inputs["scales"]
+    reference = TorchAttention(32, 8, 128)
+    ref_cache = inputs["kv_cache"].clone()
+    expected = reference.forward(
+        inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), ref_cache, metadata, scales
+    )
+    cache = inputs["kv_cache"].clone()
+    triton_attention.write_kv_cache(inputs["k"], inputs["v"], cache, metadata.slot_mapping, scales)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    kernels = [triton_attention.paged_attention]
+    if metadata.max_seqlen_q == 1:
+        kernels.append(triton_decode.decode_attention)
+    for kernel in kernels:
+        out = torch.full_like(inputs["q"], float("nan"))
+        kernel(inputs["q"], cache, metadata, reference.scale, out=out, kv_scales=scales)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        # (the kernels upcast K and V to bf16 in registers: bf16's rounding, as a bf16 cache)
+        relative = float((out.float() - expected).norm() / expected.norm())
+        assert relative < 1e-2, (kernel.__name__, relative)
+
+
+def test_the_fused_rope_write_stores_the_torch_bytes() -> None:
+    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
+    from kvfleet.engine.layers.triton_layers import rotary_and_write_kv, rotary_inplace
+
+    gen = torch.Generator().manual_seed(6)
+    rotary = RotaryEmbedding(128, 8192, 500000.0)
+    num_tokens, block_size = 300, 16
+    positions = torch.randint(0, 8192, (num_tokens,), generator=gen).cuda()
+    slots = (torch.randperm(40 * block_size, generator=gen)[:num_tokens] + block_size).cuda()
+    q = torch.randn(num_tokens, 32, 128, generator=gen).cuda().bfloat16()
+    k = torch.randn(num_tokens, 8, 128, generator=gen).cuda().bfloat16() * 3
+    v = torch.randn(num_tokens, 8, 128, generator=gen).cuda().bfloat16()
+    scales = torch.tensor([0.01, 0.005], device="cuda")
+    cos, sin = rotary.caches(torch.device("cuda"))
+    want_q, want_k = q.clone(), k.clone()
+    rotary_inplace(want_q, positions, cos, sin)
+    rotary_inplace(want_k, positions, cos, sin)
+    want = torch.zeros(2, 48, block_size, 8, 128, dtype=FP8, device="cuda")
+    torch_backend.write_kv_cache(want_k, v, want, slots, scales)
+    cache = torch.zeros_like(want)
+    rotary_and_write_kv(q, k, v, positions, cos, sin, cache, slots, scales)
+    torch.testing.assert_close(q, want_q, rtol=0, atol=0)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
