@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
+from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
 from kvfleet.engine.layers.triton_layers import kv_cache_value, rotary_and_write_kv
 
@@ -87,7 +87,7 @@ def write_kv_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=kv_cache_is_fp8(kv_cache),
     )
 
 
@@ -242,7 +242,7 @@ def paged_attention(
         # moved out of code comments")
         BLOCK_N=32 if block_m == 64 else 64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=kv_cache_is_fp8(kv_cache),
     )
     return out
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
 
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
@@ -281,7 +281,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=kv_cache_is_fp8(kv_cache),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
