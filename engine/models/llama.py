@@ -279,9 +279,7 @@ class LlamaForCausalLM(nn.Module):
                 quantized[owner].load_part(kind, tensor, shard, hf_name)
                 loaded.add(f"{name}:{shard}")
                 continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
-            param = params[name]
+            param = _plain_target(params, name, tensor, hf_name)
             dest = param.data if shard is None else param.data.narrow(0, *shard)
             if self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight"):
                 dest[tensor.shape[0] :].zero_()  # the padding rows of the last vocabulary shard
@@ -320,6 +318,21 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
         attention.kv_scales[int(kind == "v_scale")] = value
         attention.kv_scales_given = True
+
+
+def _plain_target(
+    params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_name: str
+) -> nn.Parameter:
+    """The parameter of a layer kept in the model dtype that `hf_name` fills."""
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
+    if tensor.dtype == torch.float8_e4m3fn:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} is quantized ({tensor.dtype}); kvfleet reads "
+            "quantized weights for the attention and MLP projections only (the embeddings, "
+            "norms and LM head stay in the model dtype)"
+        )
+    return params[name]
 
 
 _SHARDED = {

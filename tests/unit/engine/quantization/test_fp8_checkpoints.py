@@ -243,3 +243,16 @@ def test_model_config_keeps_the_quantization_config(
         "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
         "weight_block_size": [128, 128],
     }  # fmt: skip
+
+
+def test_a_quantized_lm_head_is_refused_clearly(
+    tmp_path: Path, state: dict[str, torch.Tensor]
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    write_compressed_tensors(tmp_path, state, "channel")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(FP8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is quantized .* LM head stay"):
+        _ours(tmp_path)
