@@ -256,3 +256,32 @@ def test_a_quantized_lm_head_is_refused_clearly(
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'lm_head.weight' is quantized .* LM head stay"):
         _ours(tmp_path)
+
+
+def test_lora_adds_to_a_quantized_projection(
+    tmp_path: Path, state: dict[str, torch.Tensor]
+) -> None:
+    """A LoRA slot over an FP8 layer: the base layer's FP8 output plus x A^T B^T, in the
+    model dtype (the slots are the activations' dtype, not the weights' e4m3)."""
+    import numpy as np
+
+    from kvfleet.engine.lora.adapter import LoRAAdapter
+    from kvfleet.engine.lora.layers import LoRAContext, attach_lora
+    from kvfleet.engine.lora.ops import LoRABatch
+
+    write_compressed_tensors(tmp_path, state, "channel")
+    model = _ours(tmp_path)
+    context = LoRAContext()
+    wrappers = attach_lora(model, max_loras=1, max_rank=4, context=context)
+    down = next(w for w in wrappers if w.layer_index == 1 and w.targets == ("down_proj",))
+    assert isinstance(down.base, Fp8Linear)
+    assert down.lora_a.dtype == torch.float32
+    generator = torch.Generator().manual_seed(2)
+    a, b = torch.randn(4, 512, generator=generator), torch.randn(256, 4, generator=generator)
+    down.set_slot(0, LoRAAdapter("t", "t", 4, 1.0, {(1, "down_proj"): (a, b)}))
+    x = torch.randn(3, 512, generator=generator)
+    context.batch = LoRABatch.build(np.array([0, 1, 0]), 1, torch.device("cpu"))
+    out = down(x)
+    base = down.base(x)
+    torch.testing.assert_close(out[1], base[1])
+    torch.testing.assert_close(out[[0, 2]], base[[0, 2]] + x[[0, 2]] @ a.t() @ b.t())
