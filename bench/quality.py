@@ -47,15 +47,9 @@ def perplexity(
                     dtype=dtype, device=device)
         for _ in model.layers
     ]  # fmt: skip
-    metadata = AttentionMetadata(  # (one sequence in blocks 1..; block 0 is the null block)
-        slot_mapping=torch.arange(_BLOCK, _BLOCK + n, device=device),
-        block_tables=torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None],
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        max_seqlen_q=n,
-        max_seqlen_k=n,
-        query_lens_cpu=[n],
-        seq_lens_cpu=[n],
+    metadata = AttentionMetadata.one_prompt(  # (in blocks 1..; block 0 is the null block)
+        torch.arange(_BLOCK, _BLOCK + n, device=device),
+        torch.arange(1, blocks + 1, dtype=torch.int32, device=device),
     )
     ids = torch.tensor(token_ids, device=device)
     with torch.inference_mode():

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.quantization.linear import make_linear_factory
-from kvfleet.engine.layers.quantization.scheme import QuantScheme
+from kvfleet.engine.layers.quantization.scheme import Fp8Scheme
 from kvfleet.engine.loader.source import ModelSource
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.parallel.partition import Slice
@@ -39,7 +39,7 @@ def load_model(
     seed: int = 0,
     fused: bool = False,
     tp: TPGroup | None = None,
-    quantization: QuantScheme | None = None,
+    quantization: Fp8Scheme | None = None,
 ) -> LlamaForCausalLM:
     """`config` is the whole model's; with `tp`, this rank's part of it is built and filled.
     `quantization`: the projections' (their weights quantized at load, or read quantized)."""

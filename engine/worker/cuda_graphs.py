@@ -99,15 +99,9 @@ class DecodeGraphs:
             if q > width * block_size:
                 continue
             null = NULL_BLOCK_ID
-            metadata = AttentionMetadata(
-                slot_mapping=torch.full((q,), null, dtype=torch.int64, device=device),
-                block_tables=torch.full((1, width), null, dtype=torch.int32, device=device),
-                cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=device),
-                seq_lens=torch.tensor([q], dtype=torch.int32, device=device),
-                max_seqlen_q=q,
-                max_seqlen_k=q,
-                query_lens_cpu=[q],
-                seq_lens_cpu=[q],
+            metadata = AttentionMetadata.one_prompt(
+                torch.full((q,), null, dtype=torch.int64, device=device),
+                torch.full((width,), null, dtype=torch.int32, device=device),
             )
             input_ids = torch.zeros(q, dtype=torch.int64, device=device)
             positions = torch.arange(q, dtype=torch.int64, device=device)

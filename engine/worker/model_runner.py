@@ -189,18 +189,9 @@ class ModelRunner:
         kv_bytes = torch.cuda.memory_allocated(self.device) - before
         block_ids = list(range(1, num_blocks))
 
-        def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-        metadata = AttentionMetadata(
-            slot_mapping=torch.arange(max_num_tokens, device=self.device) + self.block_size,
-            block_tables=ints([block_ids]),
-            cu_seqlens_q=ints([0, max_num_tokens]),
-            seq_lens=ints([max_num_tokens]),
-            max_seqlen_q=max_num_tokens,
-            max_seqlen_k=max_num_tokens,
-            query_lens_cpu=[max_num_tokens],
-            seq_lens_cpu=[max_num_tokens],
+        metadata = AttentionMetadata.one_prompt(
+            torch.arange(max_num_tokens, device=self.device) + self.block_size,
+            torch.tensor(block_ids, dtype=torch.int32, device=self.device),
         )
         positions = torch.arange(max_num_tokens, device=self.device)
         hidden = self.model(positions % self.config.vocab_size, positions, self.kv_caches, metadata)

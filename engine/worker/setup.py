@@ -18,7 +18,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
-from kvfleet.engine.layers.quantization.scheme import QuantScheme, resolve_quantization
+from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, resolve_quantization
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import ModelSource, resolve_model_source
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
@@ -46,7 +46,7 @@ class RankSetup:
     device: torch.device
     max_model_len: int
     attention_backend: str
-    quantization: QuantScheme | None = None
+    quantization: Fp8Scheme | None = None
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def describe(self, num_blocks: int, block_size: int) -> str:
@@ -79,7 +79,7 @@ def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
 
 def pick_quantization(
     method: str | None, source: ModelSource, model_config: ModelConfig, device: torch.device
-) -> QuantScheme | None:
+) -> Fp8Scheme | None:
     """The scheme for the `quantization` setting and the checkpoint; ValueError before any
     weight loads when they disagree or the device cannot run it. Random (dummy) weights take a
     quantized checkpoint's scheme quantized at load (benchmarks at its shapes)."""

@@ -193,11 +193,8 @@ class Fp8Linear(QuantizedLinear):
             seen = self._input_scale_seen
             self._input_scale_seen = value if seen is None else max(seen, value)
             self.input_scale.data.fill_(self._input_scale_seen)
-        elif kind == "bias" and self.bias is not None:
-            _expect_shape(name, tensor, (count,))
-            self.bias.data.narrow(0, start, count).copy_(tensor)
         else:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in an FP8 layer")
+            self.load_bias_or_refuse(kind, tensor, rows, name)
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         shape = x.shape
@@ -296,11 +293,8 @@ class BlockFp8Linear(QuantizedLinear):
         elif kind == self.scale_name and not self.online:
             _expect_shape(name, tensor, (blocks, self.in_features // self.block[1]))
             self.weight_scale.data.narrow(0, start // block_rows, blocks).copy_(tensor)
-        elif kind == "bias" and self.bias is not None:
-            _expect_shape(name, tensor, (count,))
-            self.bias.data.narrow(0, start, count).copy_(tensor)
         else:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in a block FP8 layer")
+            self.load_bias_or_refuse(kind, tensor, rows, name)
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         shape = x.shape

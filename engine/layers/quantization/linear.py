@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.quantization.scheme import QuantScheme
+from kvfleet.engine.layers.quantization.scheme import Fp8Scheme
 
 # (first output row, rows) of a fused layer one checkpoint tensor fills; None: all of it
 Rows = tuple[int, int] | None
@@ -34,11 +34,27 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         raise NotImplementedError
 
+    def load_bias_or_refuse(self, kind: str, tensor: torch.Tensor, rows: Rows, name: str) -> None:
+        """The part every quantized layer reads alike: its bias rows (kept in the model
+        dtype); any other tensor kind has no place in the layer."""
+        bias: torch.Tensor | None = getattr(self, "bias", None)
+        if kind != "bias" or bias is None:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in a {type(self).__name__} layer"
+            )
+        start, count = rows if rows is not None else (0, self.out_features)
+        if tuple(tensor.shape) != (count,):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                f"expects {(count,)}"
+            )
+        bias.data.narrow(0, start, count).copy_(tensor)
+
 
 LinearFactory = Callable[[tuple[str, ...], int, int, bool], nn.Module]
 
 
-def make_linear_factory(scheme: QuantScheme | None, dtype: torch.dtype) -> LinearFactory:
+def make_linear_factory(scheme: Fp8Scheme | None, dtype: torch.dtype) -> LinearFactory:
     """`factory(checkpoint_modules, in_features, out_features, bias)`: the layer that holds
     those checkpoint modules (several for a fused layer: q, k and v; gate and up)."""
 

@@ -77,12 +77,9 @@ class Fp8Scheme:
         }
 
 
-QuantScheme = Fp8Scheme
-
-
 def resolve_quantization(
     method: str | None, checkpoint: Mapping[str, Any] | None
-) -> QuantScheme | None:
+) -> Fp8Scheme | None:
     """The scheme for the `quantization` setting `method` (None: the checkpoint's) and the
     checkpoint's `quantization_config` (None: an unquantized checkpoint). ValueError when they
     disagree or either names something kvfleet cannot serve."""
@@ -105,7 +102,7 @@ def resolve_quantization(
     return scheme
 
 
-def _from_checkpoint(config: Mapping[str, Any]) -> QuantScheme | None:
+def _from_checkpoint(config: Mapping[str, Any]) -> Fp8Scheme | None:
     quant_method = config.get("quant_method")
     if quant_method == "compressed-tensors":
         return _compressed_tensors(config)

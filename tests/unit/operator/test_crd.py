@@ -164,6 +164,18 @@ BAD_SPECS = [
         '"4", "8"',
         "spec.engine.tensorParallelSize",
     ),
+    (
+        "a quantization method the engine does not serve",
+        {"engine": {"quantization": "awq"}},
+        "spec.engine.quantization: Unsupported value: 'awq': supported values: \"fp8\"",
+        "spec.engine.quantization",
+    ),
+    (
+        "a KV cache dtype the engine does not have",
+        {"engine": {"kvCacheDtype": "int4"}},
+        'spec.engine.kvCacheDtype: Unsupported value: \'int4\': supported values: "auto", "fp8"',
+        "spec.engine.kvCacheDtype",
+    ),
     ("unknown field", {"enigne": {}}, 'unknown field "spec.enigne"', "spec.enigne"),
     (
         "unknown nested field",

@@ -110,16 +110,7 @@ def _logits(model: torch.nn.Module, ours: bool) -> torch.Tensor:
         n = len(PROMPT)  # (one sequence in block 1 of a 2-block cache; block 0 is the null)
         kv = [torch.zeros(2, 2, 16, model.config.num_key_value_heads, model.config.head_dim)
               for _ in model.layers]  # fmt: skip
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(16, 16 + n),
-            block_tables=torch.tensor([[1]], dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([n], dtype=torch.int32),
-            max_seqlen_q=n,
-            max_seqlen_k=n,
-            query_lens_cpu=[n],
-            seq_lens_cpu=[n],
-        )
+        meta = AttentionMetadata.one_prompt(torch.arange(16, 16 + n), torch.tensor([1]).int())
         hidden = model(PROMPT, torch.arange(n), kv, meta)
         return model.compute_logits(hidden)
 

@@ -71,7 +71,7 @@ def test_what_the_layer_cannot_take_is_refused() -> None:
         layer.load_part("weight", torch.zeros(8, 15, dtype=FP8), None, "w")
     with pytest.raises(ValueError, match=r"'s' has shape \(4, 1\), the model expects \(8, 1\)"):
         layer.load_part("weight_scale", torch.ones(4), None, "s")
-    with pytest.raises(ValueError, match=r"'x' has no place in an FP8 layer"):
+    with pytest.raises(ValueError, match=r"'x' has no place in a Fp8Linear layer"):
         layer.load_part("input_scale", torch.ones(1), None, "x")  # (dynamic: no input scale)
     with pytest.raises(ValueError, match=r"input features divisible by the block's 128 columns"):
         BlockFp8Linear(200, 128, bias=False, dtype=torch.float32, block=(128, 128))
