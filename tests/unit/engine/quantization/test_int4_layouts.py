@@ -1,0 +1,104 @@
+"""AWQ and GPTQ checkpoints' packed tensors, written here as AutoAWQ and AutoGPTQ pack them
+(their loops, over plain integers), read into kvfleet's INT4 layout: the dequantized weights
+are exactly (q - zero) x scale, act-order GPTQ included, and the reference layer computes
+x @ W with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet.engine.layers.quantization.int4 import from_awq, from_gptq, int4_linear_reference
+
+K, N = 256, 64
+
+
+def _gptq_pack_rows(intweight: torch.Tensor) -> torch.Tensor:
+    """AutoGPTQ's qweight packing: eight input rows per int32 row, row j at bits 4 (j % 8)."""
+    packed = torch.zeros(intweight.shape[0] // 8, intweight.shape[1], dtype=torch.int64)
+    for row in range(packed.shape[0]):
+        for j in range(8):
+            packed[row] |= intweight[row * 8 + j].long() << (4 * j)
+    return _as_int32(packed)
+
+
+def _pack_columns(values: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """qzeros (GPTQ, order 0..7) and AWQ's qweight/qzeros (order 0, 2, 4, 6, 1, 3, 5, 7)."""
+    packed = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
+    for col in range(packed.shape[1]):
+        for i in range(8):
+            packed[:, col] |= values[:, col * 8 + order[i]].long() << (4 * i)
+    return _as_int32(packed)
+
+
+def _as_int32(packed: torch.Tensor) -> torch.Tensor:
+    """uint32 bit patterns into int32, as numpy's uint32 arrays are saved as int32."""
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def _random(group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (K, N), generator=generator)
+    zeros = torch.randint(0, 16, (K // group, N), generator=generator)
+    scales = (torch.rand(K // group, N, generator=generator) * 0.02 + 0.001).half()
+    return q, zeros, scales
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_weights_dequantize_exactly(group: int, v2: bool) -> None:
+    q, zeros, scales = _random(group, group)
+    if not v2:  # (the original format stores zero - 1 in 4 bits: a zero of 0 cannot be held)
+        zeros = zeros.clamp_min(1)
+    stored_zeros = zeros if v2 else zeros - 1
+    weights = from_gptq(
+        _gptq_pack_rows(q),
+        _pack_columns(stored_zeros, list(range(8))),
+        scales,
+        torch.arange(K) // group,
+        group,
+        zero_offset=0 if v2 else 1,
+    )
+    assert weights.perm is None
+    want = (q - zeros.repeat_interleave(group, 0)).float() * scales.float().repeat_interleave(
+        group, 0
+    )
+    assert torch.equal(weights.dequantize(), want)
+
+
+def test_gptq_act_order_sorts_the_input_by_group() -> None:
+    group = 32
+    q, zeros, scales = _random(group, 9)
+    zeros = zeros.clamp_min(1)  # (the v1 format's zeros)
+    order = torch.randperm(K, generator=torch.Generator().manual_seed(4))
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[order] = (torch.arange(K) // group).to(torch.int32)  # (act-order: groups by rank)
+    weights = from_gptq(
+        _gptq_pack_rows(q),
+        _pack_columns(zeros - 1, list(range(8))),
+        scales,
+        g_idx,
+        group,
+    )
+    assert weights.perm is not None
+    w = (q - zeros[g_idx.long()]).float() * scales.float()[g_idx.long()]  # [K, N], original order
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(int4_linear_reference(x, weights), x @ w, rtol=1e-5, atol=1e-5)
+    uneven = g_idx.clone()
+    uneven[0] = (uneven[0] + 1) % (K // group)
+    with pytest.raises(ValueError, match=r"exactly 32 input rows"):
+        from_gptq(_gptq_pack_rows(q), _pack_columns(zeros - 1, list(range(8))), scales,
+                  uneven, group)  # fmt: skip
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_awq_weights_dequantize_exactly(group: int) -> None:
+    q, zeros, scales = _random(group, 7)
+    awq_order = [0, 2, 4, 6, 1, 3, 5, 7]
+    weights = from_awq(_pack_columns(q, awq_order), _pack_columns(zeros, awq_order), scales, group)
+    want = (q - zeros.repeat_interleave(group, 0)).float() * scales.float().repeat_interleave(
+        group, 0
+    )
+    assert torch.equal(weights.dequantize(), want)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(int4_linear_reference(x, weights), x @ want, rtol=1e-5, atol=1e-5)
