@@ -102,3 +102,27 @@ def test_awq_weights_dequantize_exactly(group: int) -> None:
     assert torch.equal(weights.dequantize(), want)
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(int4_linear_reference(x, weights), x @ want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_the_triton_w4a16_kernel_equals_the_reference(act_order: bool, rows: int) -> None:
+    """In Triton's interpreter on the CPU (integer unpacking is exact there), float32."""
+    from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
+
+    group = 32
+    q, zeros, scales = _random(group, 3)
+    g_idx = torch.arange(K) // group
+    if act_order:
+        order = torch.randperm(K, generator=torch.Generator().manual_seed(8))
+        g_idx = torch.empty(K, dtype=torch.int64)
+        g_idx[order] = torch.arange(K) // group
+    zeros = zeros.clamp_min(1)
+    weights = from_gptq(
+        _gptq_pack_rows(q), _pack_columns(zeros - 1, list(range(8))), scales.float(),
+        g_idx.to(torch.int32), group,
+    )  # fmt: skip
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(
+        w4a16_matmul(x, weights), int4_linear_reference(x, weights), rtol=1e-5, atol=1e-4
+    )
