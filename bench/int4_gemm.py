@@ -14,6 +14,7 @@ from kvfleet.bench.ceilings import measure_ceilings
 from kvfleet.engine.layers.quantization.int4 import Int4Weights, pack_rows
 from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
 
+TILES = [(16, 128, 4), (32, 128, 4), (16, 64, 2), (32, 64, 4), (8, 128, 2), (64, 64, 4)]
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
@@ -34,7 +35,12 @@ def main() -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             int4 = do_bench_cudagraph(lambda: w4a16_matmul(x, weights)) * 1e3
             bf16 = do_bench_cudagraph(lambda: torch.nn.functional.linear(x, dense)) * 1e3
-            print(f"{name:8s} M={m:4d}: W4A16 {int4:7.1f} (floor {floor:5.1f}) | bf16 {bf16:7.1f}")
+            line = f"{name:8s} M={m:4d}: W4A16 {int4:7.1f} (floor {floor:5.1f}) | bf16 {bf16:7.1f}"
+            if m == 1:  # (the one-row kernel's tiles: BLOCK_N/BLOCK_K/warps)
+                for bn, bk, warps in TILES:
+                    t = do_bench_cudagraph(lambda: w4a16_matmul(x, weights, bn, bk, warps)) * 1e3
+                    line += f" | {bn}/{bk}/{warps} {t:6.1f}"
+            print(line)
 
 
 if __name__ == "__main__":
