@@ -1,6 +1,9 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
-"""The Triton W4A16 GEMM (engine/layers/quantization/triton_int4.py) against bf16 F.linear at
-Llama-3-8B's shapes, in CUDA graphs, beside the 4-bit weights' bytes floor (group 128).
+"""The Triton W4A16 kernels (engine/layers/quantization/triton_int4.py) against bf16 F.linear at
+Llama-3-8B's shapes, each timed inside a CUDA graph over 20 weight copies (so the weights come
+from HBM, not L2), beside the 4-bit weights' bytes floor (values, scales and zeros; group 128):
+the one-row split-K kernel over a sweep of (BLOCK_N, BLOCK_K, STEPS, warps), each checked
+against the reference first; more rows through the dequantizing path.
 
     bench/device_env.sh python3 bench/int4_gemm.py
 """
@@ -8,39 +11,64 @@ Llama-3-8B's shapes, in CUDA graphs, beside the 4-bit weights' bytes floor (grou
 from __future__ import annotations
 
 import torch
-from triton.testing import do_bench_cudagraph
+import torch.nn.functional as F
 
-from kvfleet.bench.ceilings import measure_ceilings
-from kvfleet.engine.layers.quantization.int4 import Int4Weights, pack_rows
-from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
+from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.fp8_linear import graphed
+from kvfleet.engine.layers.quantization.int4 import int4_linear_reference, quantize_rtn
+from kvfleet.engine.layers.quantization.triton_int4 import (
+    GEMV_TILES,
+    SplitWorkspace,
+    w4a16_gemv,
+    w4a16_matmul,
+)
 
-TILES = [(16, 128, 4), (32, 128, 4), (16, 64, 2), (32, 64, 4), (8, 128, 2), (64, 64, 4)]
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+COPIES = 20
+GROUP = 128
+SWEEP = [(64, 128, 1, 4), (64, 128, 3, 4), (32, 128, 2, 2), (64, 64, 4, 4), (128, 128, 2, 4)]  # fmt: skip
 
 
 def main() -> None:
     device = torch.device("cuda")
     copy = measure_ceilings(device, torch.bfloat16).copy_gbps * 1e9
-    print(f"copy {copy / 1e9:.0f} GB/s; us per call")
-    for name, (k, n) in SHAPES.items():
-        weights = Int4Weights(
-            pack_rows(torch.randint(0, 16, (k, n), device=device)),
-            torch.rand(k // 128, n, device=device).bfloat16(),
-            torch.rand(k // 128, n, device=device).bfloat16(),
-            128,
-        )
-        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        floor = (k * n / 2 + 2 * (k // 128) * n * 2) / copy * 1e6
-        for m in (1, 16, 256):
+    print(f"copy {copy / 1e9:.0f} GB/s; us per call (median graph replay / {COPIES})")
+    for name, (n, k) in SHAPES.items():
+        dense = [
+            torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)
+        ]
+        weights = [quantize_rtn(w, GROUP, torch.bfloat16) for w in dense]
+        spaces = [SplitWorkspace.for_layer(n, k, GROUP, device) for _ in range(COPIES)]
+        roomy = [  # (for every tiling of the sweep)
+            SplitWorkspace(
+                torch.empty(128, n, device=device),
+                torch.zeros(n // 32, dtype=torch.int32, device=device),
+            )
+            for _ in range(COPIES)
+        ]
+        floor = (n * k / 2 + 2 * 2 * n * (k // GROUP)) / copy * 1e6
+
+        pairs_spaces = list(zip(weights, spaces, strict=True))
+        pairs_roomy = list(zip(weights, roomy, strict=True))
+
+        def timed(fn: object) -> float:
+            return median_seconds(graphed(fn).replay, device, repeats=15) / COPIES * 1e6
+
+        for m in (1, 16, 64, 256):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            int4 = do_bench_cudagraph(lambda: w4a16_matmul(x, weights)) * 1e3
-            bf16 = do_bench_cudagraph(lambda: torch.nn.functional.linear(x, dense)) * 1e3
-            line = f"{name:8s} M={m:4d}: W4A16 {int4:7.1f} (floor {floor:5.1f}) | bf16 {bf16:7.1f}"
-            if m == 1:  # (the one-row kernel's tiles: BLOCK_N/BLOCK_K/warps)
-                for bn, bk, warps in TILES:
-                    t = do_bench_cudagraph(lambda: w4a16_matmul(x, weights, bn, bk, warps)) * 1e3
-                    line += f" | {bn}/{bk}/{warps} {t:6.1f}"
-            print(line)
+            want = int4_linear_reference(x, weights[0]).float()
+            bf16 = timed(lambda: [F.linear(x, w) for w in dense])
+            line = f"{name:8s} M={m:4d}: floor {floor:5.1f} | bf16 {bf16:6.1f}"
+            if m > 1:
+                us = timed(lambda: [w4a16_matmul(x, w, None, s) for w, s in pairs_spaces])
+                line += f" | dequantize + cuBLAS {us:6.1f}"
+            else:
+                for tiles in [GEMV_TILES, *SWEEP]:
+                    got = w4a16_gemv(x, weights[0], None, roomy[0], tiles).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    us = timed(lambda: [w4a16_gemv(x, w, None, s, tiles) for w, s in pairs_roomy])
+                    line += f" | {'/'.join(map(str, tiles))} {us:6.1f} ({err:.0e})"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.quantization.linear import make_linear_factory
-from kvfleet.engine.layers.quantization.scheme import Fp8Scheme
+from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, QuantScheme
 from kvfleet.engine.loader.source import ModelSource
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.parallel.partition import Slice
@@ -39,7 +39,7 @@ def load_model(
     seed: int = 0,
     fused: bool = False,
     tp: TPGroup | None = None,
-    quantization: Fp8Scheme | None = None,
+    quantization: QuantScheme | None = None,
 ) -> LlamaForCausalLM:
     """`config` is the whole model's; with `tp`, this rank's part of it is built and filled.
     `quantization`: the projections' (their weights quantized at load, or read quantized)."""
@@ -52,7 +52,7 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
-    block = quantization.block if quantization is not None else None
+    block = quantization.block if isinstance(quantization, Fp8Scheme) else None
     slice_for = _whole if tp is None else functools.partial(tp.plan.slice_for, block=block)
     if source.format == "dummy":
         weights = _dummy_weights(model, config, seed, slice_for)

@@ -298,6 +298,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for layer in quantized.values():
+            layer.finish_loading()
 
     def calibrate_kv_scales(self) -> None:
         """Layers whose K and V scales the checkpoint did not give measure them on the next

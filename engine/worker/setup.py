@@ -18,7 +18,11 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
-from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, resolve_quantization
+from kvfleet.engine.layers.quantization.scheme import (
+    Int4Scheme,
+    QuantScheme,
+    resolve_quantization,
+)
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import ModelSource, resolve_model_source
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
@@ -46,7 +50,7 @@ class RankSetup:
     device: torch.device
     max_model_len: int
     attention_backend: str
-    quantization: Fp8Scheme | None = None
+    quantization: QuantScheme | None = None
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def describe(self, num_blocks: int, block_size: int) -> str:
@@ -72,20 +76,39 @@ def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
         device=device,
         max_model_len=_max_model_len(config, model_config),
         attention_backend=_pick_attention_backend(config.attention_backend, device),
-        quantization=pick_quantization(config.quantization, source, model_config, device),
+        quantization=pick_quantization(
+            config.quantization, source, model_config, device, config.tensor_parallel_size
+        ),
         kv_cache_dtype=torch.float8_e4m3fn if config.cache.kv_cache_dtype != "auto" else None,
     )
 
 
 def pick_quantization(
-    method: str | None, source: ModelSource, model_config: ModelConfig, device: torch.device
-) -> Fp8Scheme | None:
+    method: str | None,
+    source: ModelSource,
+    model_config: ModelConfig,
+    device: torch.device,
+    tensor_parallel_size: int = 1,
+) -> QuantScheme | None:
     """The scheme for the `quantization` setting and the checkpoint; ValueError before any
     weight loads when they disagree or the device cannot run it. Random (dummy) weights take a
-    quantized checkpoint's scheme quantized at load (benchmarks at its shapes)."""
-    scheme = resolve_quantization(method, model_config.quantization_config)
+    quantized checkpoint's scheme quantized at load (benchmarks at its shapes; AWQ and GPTQ as
+    INT4 rounded to nearest, the layout both load into)."""
+    checkpoint = model_config.quantization_config
+    if source.format == "dummy" and checkpoint is None and method in ("awq", "gptq"):
+        method = "rtn"
+    scheme = resolve_quantization(method, checkpoint)
     if scheme is None:
         return None
+    if isinstance(scheme, Int4Scheme):
+        if source.format == "dummy" and scheme.from_checkpoint:
+            scheme = Int4Scheme(source="online", group_size=scheme.group_size)
+        if tensor_parallel_size > 1:
+            raise ValueError(
+                f"{scheme.describe()} is not supported with tensor parallelism yet; serve it "
+                "with tensor_parallel_size 1, or use fp8"
+            )
+        return scheme
     if source.format == "dummy" and scheme.from_checkpoint:
         scheme = dataclasses.replace(
             scheme, source="online", activations="group" if scheme.block else "token"

@@ -1,10 +1,14 @@
 """INT4 weight-only (W4A16) weights as AWQ and GPTQ checkpoints publish them, read into one
-layout: 4-bit values packed eight to an int32 along the input dimension ([K / 8, N], GPTQ's
-order), a scale and a zero point per group of `group_size` input rows ([K / g, N]; the zero
-in integer units, a float so that GGUF's Q4_1 offsets fit too), and for GPTQ's act-order
-checkpoints the permutation of the input that makes the groups contiguous.
+layout, GPTQ's: 4-bit values packed eight to an int32 along the input dimension (`qweight`
+[K / 8, N]: value k of column n at bits 4 (k % 8) of row k // 8), a scale and a zero point per
+group of `group_size` inputs and output column ([K / g, N]; the zero in integer units, held in
+the scales' dtype so that GGUF's Q4_1 offsets fit too), and for GPTQ's act-order checkpoints
+the permutation of the input that makes the groups contiguous.
 
-    w[k, n] = (q[k, n] - zero[k // g, n]) * scale[k // g, n];  y = x[:, perm] @ w
+    W[k, n] = (q[k, n] - zero[k // g, n]) * scale[k // g, n];  y = x[:, perm] @ W
+
+Rows of words run along the output (N contiguous): the decode kernel reads each row of words
+coalesced and many programs split K between them (triton_int4.py).
 
 The published layouts, as AutoGPTQ / GPTQModel and AutoAWQ write them:
 - GPTQ: `qweight` int32 [K / 8, N], value k at bits 4 (k % 8) of row k // 8; `qzeros` int32
@@ -21,21 +25,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows
+from kvfleet.engine.layers.quantization.scheme import Int4Scheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    # (made per call: a module-level tensor would be born on the meta device when this module
+    # is first imported while a model is built there)
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C] holding eight 4-bit values along dim 0 -> int32 [8 R, C] (0..15)."""
-    values = (packed[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 0xF
+    values = (packed[:, None, :] >> _shifts(packed.device)[None, :, None]) & 0xF
     return values.reshape(packed.shape[0] * 8, packed.shape[1])
 
 
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 [R, C] holding eight 4-bit values along dim 1 -> int32 [R, 8 C]; `order`: the
     column each nibble holds within its eight (AWQ's interleave), default in sequence."""
-    nibbles = (packed[:, :, None] >> _SHIFTS.to(packed.device)[None, None, :]) & 0xF
+    nibbles = (packed[:, :, None] >> _shifts(packed.device)[None, None, :]) & 0xF
     if order is not None:
         placed = torch.empty_like(nibbles)
         placed[:, :, list(order)] = nibbles
@@ -44,14 +57,15 @@ def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None) -
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """int [8 R, C] of 0..15 -> int32 [R, C], eight values along dim 0 per int32."""
+    """int [8 R, C] of 0..15 -> int32 [R, C], eight values along dim 0 per int32 (kvfleet's
+    `qweight` from the integer weight [K, N])."""
     rows, cols = values.shape
     grouped = values.to(torch.int32).reshape(rows // 8, 8, cols)
-    shifted = grouped << _SHIFTS.to(values.device)[None, :, None]
+    shifted = grouped << _shifts(values.device)[None, :, None]
     packed = shifted[:, 0]
     for i in range(1, 8):
         packed = packed | shifted[:, i]
-    return packed
+    return packed.contiguous()
 
 
 @dataclass
@@ -60,12 +74,17 @@ class Int4Weights:
 
     qweight: torch.Tensor  # int32 [K / 8, N]
     scales: torch.Tensor  # [K / g, N], the activations' dtype
-    zeros: torch.Tensor  # [K / g, N], in integer units (float)
+    zeros: torch.Tensor  # [K / g, N], in integer units, the scales' dtype
     group_size: int
-    perm: torch.Tensor | None = None  # int64 [K]: x[:, perm] meets the rows in group order
+    perm: torch.Tensor | None = None  # int64 [K]: x[:, perm] meets the words in group order
+
+    def __post_init__(self) -> None:  # (the kernels index rows by their length)
+        self.qweight = self.qweight.contiguous()
+        self.scales = self.scales.contiguous()
+        self.zeros = self.zeros.contiguous()
 
     def dequantize(self) -> torch.Tensor:
-        """w [K, N] in float32, in the (permuted) row order of `qweight`."""
+        """W [K, N] in float32, its inputs in the (permuted) order of `qweight`."""
         q = unpack_rows(self.qweight).float()
         g = self.group_size
         scales = self.scales.float().repeat_interleave(g, dim=0)
@@ -85,6 +104,20 @@ def int4_linear_reference(
     return out.to(x.dtype)
 
 
+def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """GPTQ's `g_idx` (the group of each input row) -> the permutation that sorts the rows by
+    group, or None where they are in order already. ValueError unless every group has exactly
+    `group_size` rows."""
+    k = g_idx.shape[0]
+    in_order = torch.arange(k, device=g_idx.device) // group_size
+    if torch.equal(g_idx.long(), in_order):
+        return None
+    perm = torch.sort(g_idx.long(), stable=True).indices
+    if not torch.equal(g_idx.long()[perm], in_order):
+        raise ValueError(f"a GPTQ g_idx must give each group exactly {group_size} input rows")
+    return perm
+
+
 def from_gptq(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
@@ -95,17 +128,10 @@ def from_gptq(
 ) -> Int4Weights:
     """A GPTQ layer's tensors (`zero_offset` 1 for the original checkpoint format, 0 for
     gptq_v2). With act-order (`g_idx` not k // g) the input rows are sorted by group."""
-    k = qweight.shape[0] * 8
-    values = unpack_rows(qweight)
+    values = unpack_rows(qweight)  # [K, N]
     zeros = (unpack_columns(qzeros) + zero_offset).to(scales.dtype)
-    perm = None
-    if g_idx is not None and not torch.equal(
-        g_idx.long(), torch.arange(k, device=g_idx.device) // group_size
-    ):
-        perm = torch.sort(g_idx.long(), stable=True).indices
-        sorted_groups = g_idx.long()[perm]
-        if not torch.equal(sorted_groups, torch.arange(k, device=g_idx.device) // group_size):
-            raise ValueError(f"a GPTQ g_idx must give each group exactly {group_size} input rows")
+    perm = act_order_permutation(g_idx, group_size) if g_idx is not None else None
+    if perm is not None:
         values = values[perm]
     return Int4Weights(pack_rows(values), scales, zeros, group_size, perm)
 
@@ -114,6 +140,161 @@ def from_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> Int4Weights:
     """An AWQ (GEMM) layer's tensors."""
-    values = unpack_columns(qweight, AWQ_ORDER)
+    values = unpack_columns(qweight, AWQ_ORDER)  # [K, N]
     zeros = unpack_columns(qzeros, AWQ_ORDER).to(scales.dtype)
     return Int4Weights(pack_rows(values), scales, zeros, group_size)
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> Int4Weights:
+    """Round-to-nearest, asymmetric, per row and group of `group_size` inputs (the form AWQ
+    loads into, without AWQ's activation-aware scaling): weight [N, K] -> Int4Weights with
+    scales and zeros in `dtype`."""
+    n, k = weight.shape
+    grouped = weight.float().t().reshape(k // group_size, group_size, n)
+    low = grouped.amin(dim=1).clamp(max=0.0)
+    high = grouped.amax(dim=1).clamp(min=0.0)
+    scales = ((high - low) / 15).clamp_min(1e-10).to(dtype).float()
+    zeros = (-low / scales).round().clamp(0, 15)
+    q = (grouped / scales[:, None, :] + zeros[:, None, :]).round().clamp(0, 15)
+    return Int4Weights(pack_rows(q.reshape(k, n)), scales.to(dtype), zeros.to(dtype), group_size)
+
+
+class Int4Linear(QuantizedLinear):
+    """INT4 weight-only: `qweight`, `scales`, `zeros` in int4.py's layout, activations in the
+    model dtype. Filled from an AWQ or GPTQ checkpoint's tensors (each fused part into its
+    output columns) or, online, from a bf16/fp16 weight rounded to nearest. GPTQ's act-order
+    permutation is applied once every part has loaded (`finish_loading`): the parts of a fused
+    layer share their input, so they must share their `g_idx`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        scheme: Int4Scheme,
+    ):
+        super().__init__()
+        group = in_features if scheme.group_size == -1 else scheme.group_size
+        if in_features % group or out_features % 8:
+            raise ValueError(
+                f"an INT4 layer of {in_features} inputs and {out_features} outputs cannot take "
+                f"group size {group} (it must divide the inputs; outputs come in eights)"
+            )
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.scheme, self.group_size = scheme, group
+        groups = in_features // group
+        self.qweight = nn.Parameter(
+            torch.empty(in_features // 8, out_features, dtype=torch.int32), requires_grad=False
+        )
+        self.scales = nn.Parameter(
+            torch.empty(groups, out_features, dtype=dtype), requires_grad=False
+        )
+        self.zeros = nn.Parameter(
+            torch.empty(groups, out_features, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+        self.perm: torch.Tensor | None = None
+        self._g_idx: dict[int, torch.Tensor] = {}
+        self._workspace: object = None
+
+    def checkpoint_parts(self) -> tuple[str, ...]:
+        source = self.scheme.source
+        parts: tuple[str, ...] = (
+            ("weight",) if source == "online" else ("qweight", "qzeros", "scales")
+        )
+        if source == "gptq" and self.scheme.act_order:
+            parts += ("g_idx",)
+        return parts + (("bias",) if self.bias is not None else ())
+
+    def load_part(self, kind: str, tensor: torch.Tensor, rows: Rows, name: str) -> None:
+        start, count = rows if rows is not None else (0, self.out_features)
+        k, g = self.in_features, self.group_size
+        source = self.scheme.source
+        device = self.qweight.device
+        if kind == "weight" and source == "online":
+            _expect(name, tensor, (count, k))
+            weights = quantize_rtn(tensor.to(device), g, self.dtype)
+            self._fill(start, weights.qweight, weights.scales, weights.zeros)
+        elif kind == "qweight" and source == "awq":
+            _expect(name, tensor, (k, count // 8), torch.int32)
+            self._fill(start, pack_rows(unpack_columns(tensor.to(device), AWQ_ORDER)))
+        elif kind == "qweight" and source == "gptq":
+            _expect(name, tensor, (k // 8, count), torch.int32)
+            self._fill(start, tensor.to(device))
+        elif kind == "qzeros" and source != "online":
+            _expect(name, tensor, (k // g, count // 8), torch.int32)
+            order = AWQ_ORDER if source == "awq" else None
+            zeros = unpack_columns(tensor.to(device), order) + self.scheme.zero_offset
+            self._fill(start, zeros=zeros.to(self.dtype))
+        elif kind == "scales" and source != "online":
+            _expect(name, tensor, (k // g, count))
+            self._fill(start, scales=tensor.to(device, self.dtype))
+        elif kind == "g_idx" and source == "gptq":
+            _expect(name, tensor, (k,))
+            self._g_idx[start] = tensor.to(device)
+        else:
+            self.load_bias_or_refuse(kind, tensor, rows, name)
+
+    def _fill(
+        self,
+        start: int,
+        qweight: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+        zeros: torch.Tensor | None = None,
+    ) -> None:
+        for dest, part in ((self.qweight, qweight), (self.scales, scales), (self.zeros, zeros)):
+            if part is not None:
+                dest.data.narrow(1, start, part.shape[1]).copy_(part)
+
+    def finish_loading(self) -> None:
+        g_idx = list(self._g_idx.values())
+        self._g_idx = {}
+        if g_idx:
+            if any(not torch.equal(g_idx[0], other) for other in g_idx[1:]):
+                raise ValueError(
+                    "the GPTQ parts of a fused layer (q, k, v or gate, up) have different "
+                    "g_idx; kvfleet runs them as one layer over one permuted input"
+                )
+            perm = act_order_permutation(g_idx[0], self.group_size)
+            if perm is not None:
+                self.qweight.data.copy_(pack_rows(unpack_rows(self.qweight.data)[perm]))
+                self.perm = perm
+        if self.qweight.is_cuda:
+            from kvfleet.engine.layers.quantization.triton_int4 import SplitWorkspace
+
+            self._workspace = SplitWorkspace.for_layer(
+                self.out_features, self.in_features, self.group_size, self.qweight.device
+            )
+
+    def weights(self) -> Int4Weights:
+        return Int4Weights(
+            self.qweight.data, self.scales.data, self.zeros.data, self.group_size, self.perm
+        )
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        bias = self.bias if with_bias else None
+        if x2.is_cuda:
+            from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
+
+            out = w4a16_matmul(x2, self.weights(), bias, self._workspace)  # type: ignore[arg-type]
+        else:
+            out = int4_linear_reference(x2, self.weights(), bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def _expect(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {shape}"
+        )
+    if dtype is not None and tensor.dtype != dtype:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, expected {dtype}")

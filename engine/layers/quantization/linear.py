@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.quantization.scheme import Fp8Scheme
+from kvfleet.engine.layers.quantization.scheme import Int4Scheme, QuantScheme
 
 # (first output row, rows) of a fused layer one checkpoint tensor fills; None: all of it
 Rows = tuple[int, int] | None
@@ -34,6 +34,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         raise NotImplementedError
 
+    def finish_loading(self) -> None:
+        """Called once every checkpoint tensor has loaded (what needs all the parts)."""
+
     def load_bias_or_refuse(self, kind: str, tensor: torch.Tensor, rows: Rows, name: str) -> None:
         """The part every quantized layer reads alike: its bias rows (kept in the model
         dtype); any other tensor kind has no place in the layer."""
@@ -54,7 +57,7 @@ class QuantizedLinear(nn.Module):
 LinearFactory = Callable[[tuple[str, ...], int, int, bool], nn.Module]
 
 
-def make_linear_factory(scheme: Fp8Scheme | None, dtype: torch.dtype) -> LinearFactory:
+def make_linear_factory(scheme: QuantScheme | None, dtype: torch.dtype) -> LinearFactory:
     """`factory(checkpoint_modules, in_features, out_features, bias)`: the layer that holds
     those checkpoint modules (several for a fused layer: q, k and v; gate and up)."""
 
@@ -77,6 +80,10 @@ def make_linear_factory(scheme: Fp8Scheme | None, dtype: torch.dtype) -> LinearF
             )
         if kept:
             return plain(modules, in_features, out_features, bias)
+        if isinstance(scheme, Int4Scheme):
+            from kvfleet.engine.layers.quantization.int4 import Int4Linear
+
+            return Int4Linear(in_features, out_features, bias, dtype, scheme)
         from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, Fp8Linear
 
         if scheme.block is not None:

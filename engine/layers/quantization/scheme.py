@@ -5,6 +5,11 @@ FP8 comes from three places: a bf16/fp16 checkpoint quantized at load (`quantiza
 a compressed-tensors checkpoint as llm-compressor writes it (`quant_method:
 "compressed-tensors"`, float-quantized), or the `quant_method: "fp8"` format (per-tensor scales,
 or `weight_block_size` [128, 128] with `weight_scale_inv`, as DeepSeek and Qwen publish).
+
+INT4 weight-only (W4A16) comes from AWQ checkpoints (`quant_method: "awq"`, GEMM packing, as
+AutoAWQ writes them), GPTQ checkpoints (`quant_method: "gptq"`, symmetric or not, any group
+size, `desc_act`, as AutoGPTQ / GPTQModel write them), or a bf16/fp16 checkpoint rounded to
+nearest at load (`quantization="rtn"`: group 128 with zero points, AWQ's form).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8",)
-CHECKPOINT_FORMATS = ("compressed-tensors (float-quantized, 8-bit)", "fp8")
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "rtn")
+CHECKPOINT_FORMATS = ("compressed-tensors (float-quantized, 8-bit)", "fp8", "awq", "gptq")
+RTN_GROUP_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -77,9 +83,53 @@ class Fp8Scheme:
         }
 
 
+@dataclass(frozen=True)
+class Int4Scheme:
+    """INT4 weights (W4A16): `group_size` inputs share a scale and zero point (-1: all of a
+    layer's inputs); `source` "awq", "gptq" or "online" (rounded to nearest at load);
+    `zero_offset` 1 where a GPTQ checkpoint stores zeros minus one (its original format);
+    `act_order`: GPTQ's desc_act (the input permuted by `g_idx`)."""
+
+    source: str
+    group_size: int
+    zero_offset: int = 0
+    act_order: bool = False
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def method(self) -> str:
+        return "rtn" if self.source == "online" else self.source
+
+    @property
+    def from_checkpoint(self) -> bool:
+        return self.source != "online"
+
+    def quantizes(self, module: str) -> bool:
+        return not any(module == entry or module.endswith("." + entry) for entry in self.ignore)
+
+    def describe(self) -> str:
+        group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        origin = (
+            "rounded to nearest at load" if self.source == "online" else f"{self.source} checkpoint"
+        )
+        order = ", act-order" if self.act_order else ""
+        return f"int4 weight-only ({origin}; {group}{order})"
+
+    def labels(self) -> dict[str, str]:
+        return {
+            "method": self.method,
+            "source": self.source,
+            "weights": "int4",
+            "activations": "none",
+        }
+
+
+QuantScheme = Fp8Scheme | Int4Scheme
+
+
 def resolve_quantization(
     method: str | None, checkpoint: Mapping[str, Any] | None
-) -> Fp8Scheme | None:
+) -> QuantScheme | None:
     """The scheme for the `quantization` setting `method` (None: the checkpoint's) and the
     checkpoint's `quantization_config` (None: an unquantized checkpoint). ValueError when they
     disagree or either names something kvfleet cannot serve."""
@@ -90,6 +140,14 @@ def resolve_quantization(
     if checkpoint is None:
         if method is None:
             return None
+        if method == "rtn":
+            return Int4Scheme(source="online", group_size=RTN_GROUP_SIZE)
+        if method != "fp8":
+            raise ValueError(
+                f"quantization={method!r} serves {method.upper()} checkpoints, and this one is "
+                "not quantized; to quantize it at load use 'fp8' (W8A8) or 'rtn' (INT4 "
+                "weight-only)"
+            )
         return Fp8Scheme(weights="channel", activations="token", source="online")
     scheme = _from_checkpoint(checkpoint)
     if scheme is None:  # (a checkpoint quantizing its KV cache only)
@@ -102,12 +160,14 @@ def resolve_quantization(
     return scheme
 
 
-def _from_checkpoint(config: Mapping[str, Any]) -> Fp8Scheme | None:
+def _from_checkpoint(config: Mapping[str, Any]) -> QuantScheme | None:
     quant_method = config.get("quant_method")
     if quant_method == "compressed-tensors":
         return _compressed_tensors(config)
     if quant_method == "fp8":
         return _fp8_format(config)
+    if quant_method in ("awq", "gptq"):
+        return _int4_format(quant_method, config)
     raise ValueError(
         f"the checkpoint's quantization_config has quant_method {quant_method!r}, which kvfleet "
         f"cannot serve; supported checkpoint formats: {'; '.join(CHECKPOINT_FORMATS)}"
@@ -138,6 +198,41 @@ def _fp8_format(config: Mapping[str, Any]) -> Fp8Scheme:
         raise ValueError("fp8 checkpoints with weight_block_size need dynamic activations")
     return Fp8Scheme(
         weights="block", activations="group", source="fp8", block=block_shape, ignore=ignore
+    )
+
+
+def _int4_format(quant_method: str, config: Mapping[str, Any]) -> Int4Scheme:
+    """AutoAWQ's and AutoGPTQ's `quantization_config`."""
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(
+            f"{quant_method} checkpoints with {bits} bits are not supported; kvfleet reads "
+            "4-bit ones"
+        )
+    group = config.get("group_size", config.get("q_group_size"))
+    if not isinstance(group, int) or not (group == -1 or (group > 0 and group % 8 == 0)):
+        raise ValueError(
+            f"{quant_method} group size {group!r} is not supported: -1 or a multiple of 8"
+        )
+    ignore = _names(config.get("modules_to_not_convert") or ())
+    if quant_method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(
+                f"AWQ version {version!r} is not supported; kvfleet reads the GEMM packing"
+            )
+        if config.get("zero_point", True) is not True:
+            raise ValueError("AWQ checkpoints without zero points are not supported")
+        return Int4Scheme(source="awq", group_size=group, ignore=ignore)
+    fmt = config.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported: gptq, gptq_v2")
+    return Int4Scheme(
+        source="gptq",
+        group_size=group,
+        zero_offset=1 if fmt == "gptq" else 0,
+        act_order=bool(config.get("desc_act", False)),
+        ignore=ignore,
     )
 
 

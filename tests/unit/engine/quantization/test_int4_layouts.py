@@ -105,10 +105,21 @@ def test_awq_weights_dequantize_exactly(group: int) -> None:
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 20])
-def test_the_triton_w4a16_kernel_equals_the_reference(act_order: bool, rows: int) -> None:
-    """In Triton's interpreter on the CPU (integer unpacking is exact there), float32."""
-    from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("tiles", [None, (32, 32, 8, 4), (16, 64, 3, 2), (64, 16, 1, 4)])
+def test_the_triton_w4a16_kernels_equal_the_reference(
+    act_order: bool, rows: int, tiles: tuple[int, int, int, int] | None
+) -> None:
+    """In Triton's interpreter on the CPU (integer unpacking is exact there), float32: the
+    split-K one-row kernel unsplit, split unevenly (3 steps of 32 inputs per program over 256:
+    the last one partly masked) and finely (16 programs), each twice through one workspace (its
+    counters reset); the dequantizing path for more rows; act-order and a bias."""
+    from kvfleet.engine.layers.quantization.triton_int4 import (
+        SplitWorkspace,
+        gemv_plan,
+        w4a16_gemv,
+        w4a16_matmul,
+    )
 
     group = 32
     q, zeros, scales = _random(group, 3)
@@ -123,6 +134,27 @@ def test_the_triton_w4a16_kernel_equals_the_reference(act_order: bool, rows: int
         g_idx.to(torch.int32), group,
     )  # fmt: skip
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-    torch.testing.assert_close(
-        w4a16_matmul(x, weights), int4_linear_reference(x, weights), rtol=1e-5, atol=1e-4
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
+    want = int4_linear_reference(x, weights, bias)
+    if rows > 1:
+        torch.testing.assert_close(w4a16_matmul(x, weights, bias), want, rtol=1e-5, atol=1e-4)
+        return
+    block_n, _, split, _ = gemv_plan(K, group, tiles)
+    workspace = SplitWorkspace(
+        torch.empty(split, N), torch.zeros(-(-N // block_n), dtype=torch.int32)
     )
+    for _ in range(2):
+        got = w4a16_gemv(x, weights, bias, workspace, tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert not workspace.counters.any()
+
+
+def test_round_to_nearest_keeps_each_weight_within_half_a_step() -> None:
+    from kvfleet.engine.layers.quantization.int4 import quantize_rtn
+
+    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(2))
+    weights = quantize_rtn(weight, 64, torch.float32)
+    step = weights.scales.repeat_interleave(64, dim=0)
+    assert ((weights.dequantize() - weight.t()).abs() <= step / 2 + 1e-6).all()
+    assert weights.zeros.min() >= 0
+    assert weights.zeros.max() <= 15
