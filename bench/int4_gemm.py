@@ -26,7 +26,7 @@ from kvfleet.engine.layers.quantization.triton_int4 import (
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
 GROUP = 128
-SWEEP = [(64, 128, 1, 4), (64, 128, 3, 4), (32, 128, 2, 2), (64, 64, 4, 4), (128, 128, 2, 4)]  # fmt: skip
+SWEEP = [(64, 128, 1, 4), (64, 128, 3, 4), (32, 128, 2, 2), (64, 64, 4, 4), (128, 128, 2, 4)]
 
 
 def main() -> None:
