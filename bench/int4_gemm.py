@@ -2,8 +2,9 @@
 """The Triton W4A16 kernels (engine/layers/quantization/triton_int4.py) against bf16 F.linear at
 Llama-3-8B's shapes, each timed inside a CUDA graph over 20 weight copies (so the weights come
 from HBM, not L2), beside the 4-bit weights' bytes floor (values, scales and zeros; group 128):
-the one-row split-K kernel over a sweep of (BLOCK_N, BLOCK_K, STEPS, warps), each checked
-against the reference first; more rows through the dequantizing path.
+the one-row split-K kernel over a sweep of (BLOCK_N, BLOCK_K, STEPS, warps), more rows
+through the slice GEMM over (BLOCK_M, BLOCK_N, R, STEPS, warps) and through the dequantizing pass +
+cuBLAS; each checked against the reference first.
 
     bench/device_env.sh python3 bench/int4_gemm.py
 """
@@ -18,14 +19,15 @@ from kvfleet.bench.fp8_linear import graphed
 from kvfleet.engine.layers.quantization.int4 import int4_linear_reference, quantize_rtn
 from kvfleet.engine.layers.quantization.triton_int4 import (
     GEMV_TILES,
-    SplitWorkspace,
+    dequantize_triton,
+    w4a16_gemm,
     w4a16_gemv,
-    w4a16_matmul,
 )
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
 GROUP = 128
+GEMM_SWEEP = [(16, 64, 32, 4, 4), (32, 64, 32, 2, 4), (64, 64, 32, 2, 4)]
 SWEEP = [(64, 128, 1, 4), (64, 128, 3, 4), (32, 128, 2, 2), (64, 64, 4, 4), (128, 128, 2, 4)]
 
 
@@ -38,35 +40,32 @@ def main() -> None:
             torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)
         ]
         weights = [quantize_rtn(w, GROUP, torch.bfloat16) for w in dense]
-        spaces = [SplitWorkspace.for_layer(n, k, GROUP, device) for _ in range(COPIES)]
-        roomy = [  # (for every tiling of the sweep)
-            SplitWorkspace(
-                torch.empty(128, n, device=device),
-                torch.zeros(n // 32, dtype=torch.int32, device=device),
-            )
-            for _ in range(COPIES)
-        ]
         floor = (n * k / 2 + 2 * 2 * n * (k // GROUP)) / copy * 1e6
-
-        pairs_spaces = list(zip(weights, spaces, strict=True))
-        pairs_roomy = list(zip(weights, roomy, strict=True))
 
         def timed(fn: object) -> float:
             return median_seconds(graphed(fn).replay, device, repeats=15) / COPIES * 1e6
 
-        for m in (1, 16, 64, 256):
+        for m in (1, 2, 8, 16, 32, 64):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             want = int4_linear_reference(x, weights[0]).float()
             bf16 = timed(lambda: [F.linear(x, w) for w in dense])
             line = f"{name:8s} M={m:4d}: floor {floor:5.1f} | bf16 {bf16:6.1f}"
             if m > 1:
-                us = timed(lambda: [w4a16_matmul(x, w, None, s) for w, s in pairs_spaces])
+                us = timed(lambda: [x @ dequantize_triton(w, x.dtype) for w in weights])
                 line += f" | dequantize + cuBLAS {us:6.1f}"
+                for tiles in [None, *GEMM_SWEEP]:
+                    if tiles is not None and tiles[0] > max(16, 2 * m):
+                        continue
+                    got = w4a16_gemm(x, weights[0], None, tiles).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    us = timed(lambda: [w4a16_gemm(x, w, None, tiles) for w in weights])
+                    label = "/".join(map(str, tiles)) if tiles else "default"
+                    line += f" | {label} {us:6.1f} ({err:.0e})"
             else:
                 for tiles in [GEMV_TILES, *SWEEP]:
-                    got = w4a16_gemv(x, weights[0], None, roomy[0], tiles).float()
+                    got = w4a16_gemv(x, weights[0], None, tiles).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    us = timed(lambda: [w4a16_gemv(x, w, None, s, tiles) for w, s in pairs_roomy])
+                    us = timed(lambda: [w4a16_gemv(x, w, None, tiles) for w in weights])
                     line += f" | {'/'.join(map(str, tiles))} {us:6.1f} ({err:.0e})"
             print(line, flush=True)
 

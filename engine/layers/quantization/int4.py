@@ -200,7 +200,6 @@ class Int4Linear(QuantizedLinear):
         )
         self.perm: torch.Tensor | None = None
         self._g_idx: dict[int, torch.Tensor] = {}
-        self._workspace: object = None
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         source = self.scheme.source
@@ -264,12 +263,14 @@ class Int4Linear(QuantizedLinear):
             if perm is not None:
                 self.qweight.data.copy_(pack_rows(unpack_rows(self.qweight.data)[perm]))
                 self.perm = perm
-        if self.qweight.is_cuda:
-            from kvfleet.engine.layers.quantization.triton_int4 import SplitWorkspace
-
-            self._workspace = SplitWorkspace.for_layer(
-                self.out_features, self.in_features, self.group_size, self.qweight.device
+        if self.qweight.is_cuda:  # (before any CUDA graph is captured)
+            from kvfleet.engine.layers.quantization.triton_int4 import (
+                shared_workspace,
+                workspace_sizes,
             )
+
+            sizes = workspace_sizes(self.out_features, self.in_features, self.group_size)
+            shared_workspace(self.qweight.device, *sizes)
 
     def weights(self) -> Int4Weights:
         return Int4Weights(
@@ -283,7 +284,7 @@ class Int4Linear(QuantizedLinear):
         if x2.is_cuda:
             from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
 
-            out = w4a16_matmul(x2, self.weights(), bias, self._workspace)  # type: ignore[arg-type]
+            out = w4a16_matmul(x2, self.weights(), bias)
         else:
             out = int4_linear_reference(x2, self.weights(), bias)
         return out.reshape(*shape[:-1], self.out_features)

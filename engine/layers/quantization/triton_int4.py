@@ -11,8 +11,12 @@
   that is 16^j q exactly, and the activation it meets is pre-divided by 16^j (exact: a power of
   two). Values 5-7 come from the word shifted right by 20 (the mantissa has 23 bits). The scale
   and zero apply once per word row: sum_k x w = s (sum_k x q) - s zero (sum_k x).
-- `_dequantize_kernel`: the weight in the activations' dtype, for more rows (prompts, batched
-  decode), multiplied by cuBLAS.
+- `_w4a16_gemm_kernel`, a few rows (batched decode): per step R rows of words (8 R inputs) as
+  eight `tl.dot`s of K = R, slice j pairing value j of each word with inputs 8 w + j. The
+  activations are regrouped once per call so that each slice is contiguous ([M, 8, K / 8]:
+  a strided gather inside the kernel made it 3x slower).
+- `_dequantize_kernel`: the weight in the activations' dtype, for many rows (prompts: there the
+  GEMM is compute-bound and the dequantizing pass a small part), multiplied by cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from kvfleet.engine.layers.quantization.int4 import Int4Weights
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
 # inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md)
 GEMV_TILES = (64, 128, 2, 4)
+# (BLOCK_M, BLOCK_N, R, STEPS, warps) of the slice GEMM by row count (up to 16, up to 32), and
+# the most rows it takes (above: the dequantizing pass and cuBLAS, faster there). Short
+# programs, many of them, measured fastest (fewer splits with more steps each: up to 2x slower)
+GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
+FUSED_ROWS = 32
 
 
 @triton.jit
@@ -41,6 +50,29 @@ def _x(x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr):
     if HAS_PERM:
         ks = tl.load(perm_ptr + ks, mask=ok, other=0)
     return tl.load(x_ptr + ks, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _split_k_store(
+    acc, bias, partial_ptr, count_ptr, out_ptr, at, ok, tile, slab, pid_k, SPLIT: tl.constexpr
+):  # fmt: skip
+    """Write this program's float32 part `acc` of out[at]: directly when unsplit, else into
+    its slab of the partials; the last of the SPLIT programs of `tile` to arrive adds the
+    partials in order (+ bias), writes out and resets the tile's counter."""
+    if SPLIT == 1:
+        tl.store(out_ptr + at, (acc + bias).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(partial_ptr + pid_k * slab + at, acc, mask=ok)
+        tl.debug_barrier()  # (every thread's part written before the count says so)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = acc * 0.0 + bias
+            for i in tl.static_range(SPLIT):
+                total += tl.load(
+                    partial_ptr + i * slab + at, mask=ok, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -89,25 +121,56 @@ def _w4a16_gemv_kernel(
         xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00)
         x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
         acc += xq * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
-    out = tl.sum(acc, axis=0)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
-    else:
-        tl.store(partial_ptr + pid_k * N + cols, out, mask=col_ok)
-        tl.debug_barrier()  # (every thread's partial written before the count says so)
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(SPLIT):
-                total += tl.load(
-                    partial_ptr + i * N + cols, mask=col_ok, other=0.0, cache_modifier=".cg"
-                )
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    _split_k_store(
+        tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N,
+        pid_k, SPLIT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    xs_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
+    M, N, K, group_size,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    R: tl.constexpr, STEPS: tl.constexpr,
+):  # fmt: skip
+    """out [M, N] = x . W (+ bias), x given regrouped: xs[m, j, w] = x[m, 8 w + j]. Program
+    (m, n, s) takes STEPS x R words of K."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in tl.static_range(STEPS):
+        words = (pid_k * STEPS + step) * R + tl.arange(0, R)
+        word_ok = words < K // 8
+        ok = word_ok[:, None] & col_ok[None, :]
+        packed = tl.load(qweight_ptr + words[:, None] * N + cols[None, :], mask=ok, other=0)
+        at = (words * 8 // group_size)[:, None] * N + cols[None, :]
+        scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        zero_scale = tl.load(zeros_ptr + at, mask=ok, other=0.0).to(tl.float32) * scale
+        for j in tl.static_range(8):
+            x = tl.load(
+                xs_ptr + rows[:, None] * K + (j * (K // 8) + words)[None, :],
+                mask=row_ok[:, None] & word_ok[None, :],
+                other=0.0,
+            )
+            w = (_placed(packed >> (4 * j), 0xF) * scale - zero_scale).to(x.dtype)
+            acc = tl.dot(x, w, acc, input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+    bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    _split_k_store(
+        acc, bias, partial_ptr, count_ptr, out_ptr, rows[:, None] * N + cols[None, :],
+        row_ok[:, None] & col_ok[None, :], pid_m * tl.num_programs(1) + pid_n,
+        tl.num_programs(0) * BLOCK_M * N, pid_k, SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -137,59 +200,85 @@ def _dequantize_kernel(
 
 @dataclass
 class SplitWorkspace:
-    """What the split-K kernel keeps between its programs: float32 partials [split, N] and a
-    counter per column block (zero between calls; the kernel leaves them so)."""
+    """What split-K programs keep between them: float32 partials and a counter per output
+    tile (zero between calls: the kernels leave them so)."""
 
     partials: torch.Tensor
     counters: torch.Tensor
 
-    @classmethod
-    def for_layer(cls, n: int, k: int, group_size: int, device: torch.device) -> SplitWorkspace:
-        block_n, _, split, _ = gemv_plan(k, group_size)
-        return cls(
-            torch.empty(split, n, dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=device),
+
+# Kernels on one device run in stream order (an engine's steps, eager or replayed from CUDA
+# graphs, one after another), so every layer on a device shares one workspace.
+_SHARED: dict[torch.device, SplitWorkspace] = {}
+_OUTGROWN: list[SplitWorkspace] = []  # (kept: a captured graph may still point into one)
+
+
+def shared_workspace(device: torch.device, partials: int, counters: int) -> SplitWorkspace:
+    """The device's split-K workspace, grown to at least these sizes. Layers reserve what they
+    need as they finish loading, before any CUDA graph is captured."""
+    have = _SHARED.get(device)
+    if have is None or have.partials.numel() < partials or have.counters.numel() < counters:
+        size = max(partials, have.partials.numel() if have else 0)
+        count = max(counters, have.counters.numel() if have else 0)
+        if have is not None:
+            _OUTGROWN.append(have)
+        have = SplitWorkspace(
+            torch.empty(size, dtype=torch.float32, device=device),
+            torch.zeros(count, dtype=torch.int32, device=device),
         )
+        _SHARED[device] = have
+    return have
 
 
 def gemv_plan(
     k: int, group_size: int, tiles: tuple[int, int, int, int] | None = None
-) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, warps) for K inputs: BLOCK_K a power of two dividing the group
-    size, SPLIT the programs that share a column block (STEPS x BLOCK_K inputs each)."""
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the one-row kernel for K inputs: BLOCK_K a
+    power of two dividing the group size, SPLIT the programs sharing a column block."""
     block_n, block_k, steps, warps = tiles or GEMV_TILES
     while group_size % block_k:
         block_k //= 2
-    return block_n, block_k, triton.cdiv(k, block_k * steps), warps
+    return block_n, block_k, steps, triton.cdiv(k, block_k * steps), warps
+
+
+def gemm_plan(
+    m: int, k: int, tiles: tuple[int, int, int, int, int] | None = None
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, R, STEPS, SPLIT, warps) of the slice GEMM for M rows and K inputs;
+    `tiles` (BLOCK_M, BLOCK_N, R, STEPS, warps) fixes them."""
+    block_m, block_n, r, steps, warps = tiles or GEMM_TILES[16 if m <= 16 else 32]
+    return block_m, block_n, r, steps, triton.cdiv(k // 8, r * steps), warps
+
+
+def workspace_sizes(n: int, k: int, group_size: int) -> tuple[int, int]:
+    """(partials, counters) a layer of N outputs and K inputs needs on either kernel."""
+    block_n, _, _, split, _ = gemv_plan(k, group_size)
+    partials, counters = split * n, triton.cdiv(n, block_n)
+    for m in range(2, FUSED_ROWS + 1):
+        block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k)
+        m_blocks = triton.cdiv(m, block_m)
+        partials = max(partials, gemm_split * m_blocks * block_m * n)
+        counters = max(counters, m_blocks * triton.cdiv(n, gemm_n))
+    return partials, counters
 
 
 def w4a16_gemv(
     x: torch.Tensor,
     weights: Int4Weights,
     bias: torch.Tensor | None = None,
-    workspace: SplitWorkspace | None = None,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] (bf16/fp16/fp32) times the 4-bit weight (+ bias): [1, N] in x's
-    dtype. `workspace`: the layer's (else made here)."""
+    dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
     k = x.shape[1]
     n = weights.qweight.shape[1]
-    block_n, block_k, split, warps = gemv_plan(k, weights.group_size, tiles)
-    if (
-        workspace is None
-        or workspace.partials.shape[0] < split
-        or workspace.counters.numel() < triton.cdiv(n, block_n)
-    ):
-        workspace = SplitWorkspace(
-            torch.empty(split, n, dtype=torch.float32, device=x.device),
-            torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=x.device),
-        )
+    block_n, block_k, steps, split, warps = gemv_plan(k, weights.group_size, tiles)
+    space = shared_workspace(x.device, split * n, triton.cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    steps = triton.cdiv(triton.cdiv(k, block_k), split)
     _w4a16_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
-        bias if bias is not None else weights.scales, workspace.partials, workspace.counters,
+        bias if bias is not None else weights.scales, space.partials, space.counters,
         out, n, k, weights.group_size,
         HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, num_warps=warps,
@@ -210,16 +299,43 @@ def dequantize_triton(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def w4a16_matmul(
+def w4a16_gemm(
     x: torch.Tensor,
     weights: Int4Weights,
     bias: torch.Tensor | None = None,
-    workspace: SplitWorkspace | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] times the 4-bit weight (+ bias) in the split-K slice GEMM; `tiles` (BLOCK_M,
+    BLOCK_N, R, STEPS, warps)."""
+    m, k = x.shape
+    n = weights.qweight.shape[1]
+    if weights.perm is not None:
+        x = x[:, weights.perm]
+    xs = x.reshape(m, k // 8, 8).transpose(1, 2).contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, r, steps, split, warps = gemm_plan(m, k, tiles)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    space = shared_workspace(x.device, split * grid[0] * block_m * n, grid[0] * grid[1])
+    _w4a16_gemm_kernel[grid](
+        xs, weights.qweight, weights.scales, weights.zeros,
+        bias if bias is not None else weights.scales, space.partials, space.counters, out,
+        m, n, k, weights.group_size,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, R=r,
+        STEPS=steps, num_warps=warps, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def w4a16_matmul(
+    x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] times the 4-bit weight [K, N] (+ bias): [M, N] in x's dtype. One row: the
-    split-K kernel; more: the weight dequantized in one pass, then cuBLAS."""
+    split-K kernel; up to FUSED_ROWS: the slice GEMM; more: the weight dequantized in one pass,
+    then cuBLAS."""
     if x.shape[0] == 1:
-        return w4a16_gemv(x, weights, bias, workspace)
+        return w4a16_gemv(x, weights, bias)
+    if x.shape[0] <= FUSED_ROWS:
+        return w4a16_gemm(x, weights, bias)
     if weights.perm is not None:
         x = x[:, weights.perm]
     w = dequantize_triton(weights, x.dtype)

@@ -106,17 +106,18 @@ def test_awq_weights_dequantize_exactly(group: int) -> None:
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("tiles", [None, (32, 32, 8, 4), (16, 64, 3, 2), (64, 16, 1, 4)])
+@pytest.mark.parametrize("split", ["one", "uneven", "fine"])
 def test_the_triton_w4a16_kernels_equal_the_reference(
-    act_order: bool, rows: int, tiles: tuple[int, int, int, int] | None
+    act_order: bool, rows: int, split: str
 ) -> None:
     """In Triton's interpreter on the CPU (integer unpacking is exact there), float32: the
-    split-K one-row kernel unsplit, split unevenly (3 steps of 32 inputs per program over 256:
-    the last one partly masked) and finely (16 programs), each twice through one workspace (its
-    counters reset); the dequantizing path for more rows; act-order and a bias."""
+    one-row kernel and the slice GEMM unsplit, split unevenly (the last program partly past
+    K, masked) and finely, each twice (the split counters reset); the dequantizing path for
+    more rows; act-order and a bias."""
     from kvfleet.engine.layers.quantization.triton_int4 import (
-        SplitWorkspace,
         gemv_plan,
+        shared_workspace,
+        w4a16_gemm,
         w4a16_gemv,
         w4a16_matmul,
     )
@@ -136,17 +137,27 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
     want = int4_linear_reference(x, weights, bias)
-    if rows > 1:
-        torch.testing.assert_close(w4a16_matmul(x, weights, bias), want, rtol=1e-5, atol=1e-4)
-        return
-    block_n, _, split, _ = gemv_plan(K, group, tiles)
-    workspace = SplitWorkspace(
-        torch.empty(split, N), torch.zeros(-(-N // block_n), dtype=torch.int32)
-    )
+    # (K = 256: 32 words. GEMV (BLOCK_N, BLOCK_K, STEPS, warps), GEMM (BLOCK_M, BLOCK_N, R,
+    # STEPS, warps))
+    gemv_tiles, gemm_tiles = {
+        "one": ((32, 32, 8, 4), (16, 32, 16, 2, 4)),
+        "uneven": ((16, 64, 3, 2), (16, 16, 16, 3, 4)),  # (3 x 32 inputs; 3 x 16 words)
+        "fine": ((64, 16, 1, 4), (16, 32, 16, 1, 4)),
+    }[split]
     for _ in range(2):
-        got = w4a16_gemv(x, weights, bias, workspace, tiles)
+        if rows == 1:
+            got = w4a16_gemv(x, weights, bias, gemv_tiles)
+            assert gemv_plan(K, group, gemv_tiles)[3] == {"one": 1, "uneven": 3, "fine": 16}[split]
+        else:
+            got = w4a16_gemm(x, weights, bias, gemm_tiles)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-        assert not workspace.counters.any()
+        assert not shared_workspace(x.device, 0, 0).counters.any()
+    torch.testing.assert_close(w4a16_matmul(x, weights, bias), want, rtol=1e-5, atol=1e-4)
+    big = torch.randn(40, K, generator=torch.Generator().manual_seed(40))  # (dequantizing)
+    torch.testing.assert_close(
+        w4a16_matmul(big, weights, bias), int4_linear_reference(big, weights, bias),
+        rtol=1e-5, atol=1e-4,
+    )  # fmt: skip
 
 
 def test_round_to_nearest_keeps_each_weight_within_half_a_step() -> None:
