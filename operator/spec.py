@@ -144,7 +144,8 @@ class EngineSpec(CrdModel):
     quantization: Quantization | None = Field(
         default=None,
         description="fp8: quantize a bf16/fp16 checkpoint at load (GPUs of compute capability "
-        "8.9+); unset: the checkpoint's own quantization, if any",
+        "8.9+); rtn: INT4 weights rounded at load; awq, gptq: must agree with the checkpoint; "
+        "unset: the checkpoint's own quantization, if any",
     )
     kv_cache_dtype: KVCacheDtype = Field(
         default=KVCacheDtype.AUTO,

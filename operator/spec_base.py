@@ -90,6 +90,9 @@ class KVCacheDtype(enum.StrEnum):
 
 class Quantization(enum.StrEnum):
     FP8 = "fp8"  # linear layers quantized at load (FP8 weights and activations)
+    AWQ = "awq"  # an AWQ checkpoint (INT4 weights; the checkpoint says so without the field)
+    GPTQ = "gptq"  # a GPTQ checkpoint (INT4 weights; likewise)
+    RTN = "rtn"  # INT4 weights rounded to nearest at load (group 128, zero points)
 
 
 class RoutingPolicy(enum.StrEnum):

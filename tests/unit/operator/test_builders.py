@@ -145,11 +145,19 @@ def test_engine_args_parse_with_the_real_engine_command() -> None:
     assert parsed.kv_cache_dtype == "auto"
 
 
-def test_quantization_and_the_kv_cache_dtype_reach_the_engine() -> None:
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "rtn"])
+def test_quantization_and_the_kv_cache_dtype_reach_the_engine(method: str) -> None:
     spec = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
-            "engine": {"quantization": "fp8", "kvCacheDtype": "fp8"}}  # fmt: skip
+            "engine": {"quantization": method, "kvCacheDtype": "fp8"}}  # fmt: skip
     parsed = build_parser().parse_args(engine_args(parse_spec(spec), Mounts()))
-    assert (parsed.quantization, parsed.kv_cache_dtype) == ("fp8", "fp8")
+    assert (parsed.quantization, parsed.kv_cache_dtype) == (method, "fp8")
+
+
+def test_the_crd_offers_exactly_the_engines_quantization_methods() -> None:
+    from kvfleet.engine.layers.quantization.scheme import QUANTIZATION_METHODS
+    from kvfleet.operator.spec_base import Quantization
+
+    assert tuple(Quantization) == QUANTIZATION_METHODS
 
 
 def test_cpu_engine_has_no_gpu_and_uses_the_cpu_image() -> None:

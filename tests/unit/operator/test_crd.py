@@ -166,8 +166,9 @@ BAD_SPECS = [
     ),
     (
         "a quantization method the engine does not serve",
-        {"engine": {"quantization": "awq"}},
-        "spec.engine.quantization: Unsupported value: 'awq': supported values: \"fp8\"",
+        {"engine": {"quantization": "int8"}},
+        "spec.engine.quantization: Unsupported value: 'int8': supported values: \"fp8\", "
+        '"awq", "gptq", "rtn"',
         "spec.engine.quantization",
     ),
     (
