@@ -62,11 +62,11 @@ def main() -> None:
                     label = "/".join(map(str, tiles)) if tiles else "default"
                     line += f" | {label} {us:6.1f} ({err:.0e})"
             else:
-                for tiles in [GEMV_TILES, *SWEEP]:
-                    got = w4a16_gemv(x, weights[0], None, tiles).float()
+                for gemv_tiles in [GEMV_TILES, *SWEEP]:
+                    got = w4a16_gemv(x, weights[0], None, gemv_tiles).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    us = timed(lambda: [w4a16_gemv(x, w, None, tiles) for w in weights])
-                    line += f" | {'/'.join(map(str, tiles))} {us:6.1f} ({err:.0e})"
+                    us = timed(lambda: [w4a16_gemv(x, w, None, gemv_tiles) for w in weights])
+                    line += f" | {'/'.join(map(str, gemv_tiles))} {us:6.1f} ({err:.0e})"
             print(line, flush=True)
 
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.quantization.linear import make_linear_factory
-from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, QuantScheme
+from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, Int4Scheme, QuantScheme
 from kvfleet.engine.loader.source import ModelSource
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.parallel.partition import Slice
@@ -57,7 +57,7 @@ def load_model(
     if source.format == "dummy":
         weights = _dummy_weights(model, config, seed, slice_for)
     else:
-        weights = _weights(source, config, slice_for)
+        weights = _weights(source, config, slice_for, quantization)
     with torch.no_grad():
         model.load_weights(_with_progress(weights, f"loading {source.name}"))
     return model.eval()
@@ -76,12 +76,16 @@ def cut(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
 
 
 def _weights(
-    source: ModelSource, config: ModelConfig, slice_for: Callable[[str], Slice | None]
+    source: ModelSource,
+    config: ModelConfig,
+    slice_for: Callable[[str], Slice | None],
+    quantization: QuantScheme | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if source.format == "gguf":
         from kvfleet.engine.loader.gguf import iterate_gguf_weights
 
-        return iterate_gguf_weights(source.path, config, slice_for)
+        int4 = quantization if isinstance(quantization, Int4Scheme) else None
+        return iterate_gguf_weights(source.path, config, slice_for, int4)
     from kvfleet.engine.loader.safetensors_folder import iterate_safetensors_weights
 
     return iterate_safetensors_weights(source.path, slice_for)

@@ -97,6 +97,18 @@ def pick_quantization(
     checkpoint = model_config.quantization_config
     if source.format == "dummy" and checkpoint is None and method in ("awq", "gptq"):
         method = "rtn"
+    if method == "gguf" and source.format == "gguf":
+        # NOTE: asked for, not the default for GGUF files: the INT4 kernels are faster than
+        # bf16 for one sequence but slower for batches (bench/RESULTS.md, session 14)
+        from kvfleet.engine.loader.gguf import gguf_int4_scheme
+
+        gguf = gguf_int4_scheme(source.path)
+        if gguf is None:
+            raise ValueError(
+                f"quantization='gguf': {source.path.name} has no Q4_0 / Q4_1 projection layers "
+                "to keep 4-bit (other GGUF types are dequantized at load)"
+            )
+        return gguf
     scheme = resolve_quantization(method, checkpoint)
     if scheme is None:
         return None

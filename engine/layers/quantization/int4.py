@@ -203,9 +203,10 @@ class Int4Linear(QuantizedLinear):
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         source = self.scheme.source
-        parts: tuple[str, ...] = (
-            ("weight",) if source == "online" else ("qweight", "qzeros", "scales")
-        )
+        parts: tuple[str, ...] = {
+            "online": ("weight",),
+            "gguf": ("qweight", "scales", "zeros"),  # (kvfleet's layout: loader/gguf.py)
+        }.get(source, ("qweight", "qzeros", "scales"))
         if source == "gptq" and self.scheme.act_order:
             parts += ("g_idx",)
         return parts + (("bias",) if self.bias is not None else ())
@@ -222,10 +223,13 @@ class Int4Linear(QuantizedLinear):
         elif kind == "qweight" and source == "awq":
             _expect(name, tensor, (k, count // 8), torch.int32)
             self._fill(start, pack_rows(unpack_columns(tensor.to(device), AWQ_ORDER)))
-        elif kind == "qweight" and source == "gptq":
+        elif kind == "qweight" and source in ("gptq", "gguf"):
             _expect(name, tensor, (k // 8, count), torch.int32)
             self._fill(start, tensor.to(device))
-        elif kind == "qzeros" and source != "online":
+        elif kind == "zeros" and source == "gguf":
+            _expect(name, tensor, (k // g, count))
+            self._fill(start, zeros=tensor.to(device, self.dtype))
+        elif kind == "qzeros" and source in ("awq", "gptq"):
             _expect(name, tensor, (k // g, count // 8), torch.int32)
             order = AWQ_ORDER if source == "awq" else None
             zeros = unpack_columns(tensor.to(device), order) + self.scheme.zero_offset

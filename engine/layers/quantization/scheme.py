@@ -9,7 +9,8 @@ or `weight_block_size` [128, 128] with `weight_scale_inv`, as DeepSeek and Qwen 
 INT4 weight-only (W4A16) comes from AWQ checkpoints (`quant_method: "awq"`, GEMM packing, as
 AutoAWQ writes them), GPTQ checkpoints (`quant_method: "gptq"`, symmetric or not, any group
 size, `desc_act`, as AutoGPTQ / GPTQModel write them), or a bf16/fp16 checkpoint rounded to
-nearest at load (`quantization="rtn"`: group 128 with zero points, AWQ's form).
+nearest at load (`quantization="rtn"`: group 128 with zero points, AWQ's form), or a GGUF
+file's Q4_0 / Q4_1 projections kept 4-bit (`quantization="gguf"`: engine/loader/gguf.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "rtn")
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "rtn", "gguf")
 CHECKPOINT_FORMATS = ("compressed-tensors (float-quantized, 8-bit)", "fp8", "awq", "gptq")
 RTN_GROUP_SIZE = 128
 
@@ -142,6 +143,11 @@ def resolve_quantization(
             return None
         if method == "rtn":
             return Int4Scheme(source="online", group_size=RTN_GROUP_SIZE)
+        if method == "gguf":
+            raise ValueError(
+                "quantization='gguf' keeps a GGUF file's Q4_0 / Q4_1 layers 4-bit; this model "
+                "is not a GGUF file"
+            )
         if method != "fp8":
             raise ValueError(
                 f"quantization={method!r} serves {method.upper()} checkpoints, and this one is "

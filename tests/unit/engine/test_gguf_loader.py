@@ -155,3 +155,79 @@ def test_names_and_bad_files(tmp_path: Path) -> None:
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         read_gguf_config(junk)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_repack_into_the_int4_layout(kind: Q) -> None:
+    """Q4_0 / Q4_1 rows read into kvfleet's INT4 layout dequantize to what gguf's own
+    dequantizer gives (to float32 rounding: Q4_1's zero is -m / d), a constant block too."""
+    from gguf.quants import dequantize
+
+    from kvfleet.engine.layers.quantization.int4 import Int4Weights
+    from kvfleet.engine.loader.gguf import q4_to_int4
+
+    rng = np.random.default_rng(1)
+    weights = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    weights[3, 64:96] = 0.25  # (one block of equal values: Q4_1 stores d = 0)
+    data = quantize(weights, kind)
+    qweight, scales, zeros = q4_to_int4(data, kind)
+    got = Int4Weights(qweight, scales, zeros, 32).dequantize()
+    want = torch.from_numpy(dequantize(data, kind)).t()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
+    """The projections whose fused layer is all Q4_0 / Q4_1 load as INT4 layers (a fused layer
+    with a part of another type is dequantized whole), and the model computes what the
+    dequantized model computes (CPU, float32). `quantization="gguf"` asks for it; a file
+    without Q4 layers, or another format, is refused."""
+    from kvfleet.engine.layers.quantization.int4 import Int4Linear
+    from kvfleet.engine.loader.gguf import gguf_int4_scheme
+    from kvfleet.engine.loader.model_loader import load_model
+    from kvfleet.engine.loader.source import ModelSource
+    from kvfleet.engine.worker.setup import _attention_factory
+    from tests.unit.engine.quantization.test_fp8_checkpoints import _logits
+
+    global LAYER_TYPES  # noqa: PLW0603  (write_model reads it)
+    saved = LAYER_TYPES
+    # (layer l takes LAYER_TYPES[(i + 3 l) % 7] for q, k, v, o, gate, up, down: layer 0 q, k
+    # Q4_0 and v Q8_0 (so q, k, v dequantize), o Q4_1, gate Q4_1, up, down Q4_0; layer 1 q, k
+    # Q4_1, v, o, gate, up Q4_0, down Q8_0)
+    LAYER_TYPES = [Q.Q4_0, Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.Q4_1, Q.Q4_0, Q.Q4_0]
+    try:
+        path = tmp_path / "q4.gguf"
+        write_model(path, tied=False)
+    finally:
+        LAYER_TYPES = saved
+    scheme = gguf_int4_scheme(path)
+    assert scheme is not None
+    assert scheme.describe() == "int4 weight-only (gguf checkpoint; group 32)"
+    source = ModelSource("gguf", path, "q4")
+    config = source.read_config()
+
+    def load(quantization: object) -> torch.nn.Module:
+        return load_model(source, config, torch.float32, torch.device("cpu"),
+                          _attention_factory("torch"), quantization=quantization)  # fmt: skip
+
+    from kvfleet.engine.worker.setup import pick_quantization
+
+    assert pick_quantization("gguf", source, config, torch.device("cpu")) == scheme
+    assert pick_quantization(None, source, config, torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        pick_quantization("gguf", ModelSource("hf", tmp_path, "t"), config, torch.device("cpu"))
+    LAYER_TYPES = [Q.Q8_0] * 7
+    try:
+        other = tmp_path / "q8.gguf"
+        write_model(other, tied=True)
+    finally:
+        LAYER_TYPES = saved
+    with pytest.raises(ValueError, match="no Q4_0 / Q4_1 projection layers"):
+        pick_quantization("gguf", ModelSource("gguf", other, "t"), config, torch.device("cpu"))
+    ours, plain = load(scheme), load(None)
+    int4 = sorted(n for n, m in ours.named_modules() if isinstance(m, Int4Linear))
+    assert int4 == [
+        "layers.0.mlp.down_proj", "layers.0.mlp.gate_up_proj", "layers.0.self_attn.o_proj",
+        "layers.1.mlp.gate_up_proj", "layers.1.self_attn.o_proj", "layers.1.self_attn.qkv_proj",
+    ]  # fmt: skip
+    got, want = _logits(ours, True), _logits(plain, True)
+    assert (got - want).abs().max() < float32_bound(float(want.abs().max()))

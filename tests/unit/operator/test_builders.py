@@ -145,7 +145,7 @@ def test_engine_args_parse_with_the_real_engine_command() -> None:
     assert parsed.kv_cache_dtype == "auto"
 
 
-@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "rtn"])
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "rtn", "gguf"])
 def test_quantization_and_the_kv_cache_dtype_reach_the_engine(method: str) -> None:
     spec = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"},
             "engine": {"quantization": method, "kvCacheDtype": "fp8"}}  # fmt: skip

@@ -168,7 +168,7 @@ BAD_SPECS = [
         "a quantization method the engine does not serve",
         {"engine": {"quantization": "int8"}},
         "spec.engine.quantization: Unsupported value: 'int8': supported values: \"fp8\", "
-        '"awq", "gptq", "rtn"',
+        '"awq", "gptq", "rtn", "gguf"',
         "spec.engine.quantization",
     ),
     (
