@@ -118,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, help="fp8, or none")
+    parser.add_argument("--quantization", default=None, help="fp8, rtn, gguf, or none")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--calculate-kv-scales", action="store_true")
     parser.add_argument("--json", help="also write the result here")
