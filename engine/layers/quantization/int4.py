@@ -176,6 +176,8 @@ class Int4Linear(QuantizedLinear):
     ):
         super().__init__()
         group = in_features if scheme.group_size == -1 else scheme.group_size
+        if scheme.source == "online":  # (rounded here: a smaller group where the inputs need)
+            group = next((g for g in (group, 64, 32) if in_features % g == 0), group)
         if in_features % group or out_features % 8:
             raise ValueError(
                 f"an INT4 layer of {in_features} inputs and {out_features} outputs cannot take "

@@ -110,6 +110,8 @@ class Int4Scheme:
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        if self.source == "online":
+            group += " (64 or 32 where a layer's inputs need)"
         origin = (
             "rounded to nearest at load" if self.source == "online" else f"{self.source} checkpoint"
         )

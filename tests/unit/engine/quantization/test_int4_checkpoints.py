@@ -159,7 +159,10 @@ def test_rtn_quantizes_a_float_checkpoint_at_load(tmp_path: Path) -> None:
     config = source.read_config()
     scheme = resolve_quantization("rtn", config.quantization_config)
     assert scheme is not None
-    assert scheme.describe() == "int4 weight-only (rounded to nearest at load; group 128)"
+    assert scheme.describe() == (
+        "int4 weight-only (rounded to nearest at load; group 128 (64 or 32 where a layer's "
+        "inputs need))"
+    )
     ours = load_model(source, config, torch.float32, torch.device("cpu"),
                       _attention_factory("torch"), quantization=scheme)  # fmt: skip
     assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == 8
@@ -171,3 +174,14 @@ def test_rtn_quantizes_a_float_checkpoint_at_load(tmp_path: Path) -> None:
     }
     want = _logits(_load(tmp_path, rounded), True)
     torch.testing.assert_close(_logits(ours, True), want, rtol=1e-4, atol=1e-4)
+
+
+def test_rtn_takes_a_smaller_group_where_the_layer_needs_it() -> None:
+    """(SmolLM2's 576 inputs: 128 does not divide them, 64 does)"""
+    from kvfleet.engine.layers.quantization.scheme import Int4Scheme
+
+    online = Int4Scheme(source="online", group_size=128)
+    assert Int4Linear(576, 64, False, torch.float32, online).group_size == 64
+    assert Int4Linear(4096, 64, False, torch.float32, online).group_size == 128
+    with pytest.raises(ValueError, match="cannot take group size 128"):
+        Int4Linear(576, 64, False, torch.float32, Int4Scheme(source="awq", group_size=128))
