@@ -93,6 +93,11 @@ def gguf_int4_scheme(path: Path) -> Int4Scheme | None:
     return Int4Scheme(source="gguf", group_size=GGUF_GROUP_SIZE, ignore=ignore)
 
 
+def config_inputs(tensor: Any) -> int:
+    """A GGUF weight's inputs (its row length; gguf lists the shape innermost first)."""
+    return int(tensor.shape[0])
+
+
 def q4_to_int4(data: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 rows (uint8 [N, K / 32 x block bytes]) -> (qweight int32 [K / 8, N], scales
     [K / 32, N], zeros [K / 32, N]; float32) in kvfleet's INT4 layout."""
@@ -138,8 +143,16 @@ def iterate_gguf_weights(
             data = data[part[1] : part[1] + part[2]]
         module = hf_name.removesuffix(".weight")
         if int4 is not None and hf_name.endswith("_proj.weight") and int4.quantizes(module):
-            if part is not None:
-                raise ValueError("GGUF INT4 layers under tensor parallelism are not supported")
+            if part is not None and part[0] == 1:  # (whole blocks of 32 inputs)
+                block_bytes = data.shape[1] * GGUF_GROUP_SIZE // config_inputs(tensor)
+                if part[1] % GGUF_GROUP_SIZE or part[2] % GGUF_GROUP_SIZE:
+                    raise ValueError(
+                        f"{hf_name}: this rank's inputs {part[1]}..{part[1] + part[2]} do not "
+                        f"fall on the file's blocks of {GGUF_GROUP_SIZE}; choose a tensor "
+                        "parallel size that splits the layers on them"
+                    )
+                first, count = part[1] // GGUF_GROUP_SIZE, part[2] // GGUF_GROUP_SIZE
+                data = data[:, first * block_bytes : (first + count) * block_bytes]
             if config.architecture == "llama" and hf_name.endswith(
                 ("q_proj.weight", "k_proj.weight")
             ):

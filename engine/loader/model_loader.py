@@ -53,7 +53,14 @@ def load_model(
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
     block = quantization.block if isinstance(quantization, Fp8Scheme) else None
-    slice_for = _whole if tp is None else functools.partial(tp.plan.slice_for, block=block)
+    int4 = (
+        (quantization.source, quantization.group_size)
+        if isinstance(quantization, Int4Scheme) and quantization.source in ("awq", "gptq")
+        else None
+    )
+    slice_for = (
+        _whole if tp is None else functools.partial(tp.plan.slice_for, block=block, int4=int4)
+    )
     if source.format == "dummy":
         weights = _dummy_weights(model, config, seed, slice_for)
     else:

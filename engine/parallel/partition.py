@@ -94,13 +94,24 @@ class TPPlan:
             intermediate_size=self.intermediate.size,
         )
 
-    def slice_for(self, hf_name: str, block: tuple[int, int] | None = None) -> Slice | None:
+    def slice_for(
+        self,
+        hf_name: str,
+        block: tuple[int, int] | None = None,
+        int4: tuple[str, int] | None = None,
+    ) -> Slice | None:
         """The part of a checkpoint tensor this rank keeps; None: all of it (replicated).
         FP8 weight scales follow their weight: per-channel ones ([out, 1]) along its output
-        rows, block ones (`block` = (rows, cols) per scale) along either dimension, in blocks."""
+        rows, block ones (`block` = (rows, cols) per scale) along either dimension, in blocks.
+        INT4 tensors (`int4` = (source, group size) of an AWQ / GPTQ checkpoint) follow their
+        weight in their own layout: input rows first, packed eight to a word along one dimension
+        (_INT4_DIMS)."""
         for suffix in (".weight_scale", ".weight_scale_inv"):
             if hf_name.endswith(suffix):
                 return self._scale_slice(hf_name.removesuffix(suffix) + ".weight", block)
+        module, _, kind = hf_name.rpartition(".")
+        if int4 is not None and kind in ("qweight", "qzeros", "scales", "g_idx"):
+            return self._int4_slice(module, kind, *int4)
         hd = self.head_dim
         q = (self.q_heads.start * hd, self.q_heads.size * hd)
         kv = (self.kv_heads.start * hd, self.kv_heads.size * hd)
@@ -119,6 +130,28 @@ class TPPlan:
                 return dim, start, length
         return None
 
+    def _int4_slice(self, module: str, kind: str, source: str, group: int) -> Slice | None:
+        part = self.slice_for(module + ".weight")
+        if part is None:
+            return None
+        dim, start, length = part
+        place = _INT4_DIMS[(source if kind == "qweight" else "any", kind)][dim]
+        if place is None:
+            return None
+        tensor_dim, unit = place
+        if unit == 0:  # (one group: per group of all the inputs, or GPTQ's group -1)
+            if group == -1:
+                return None
+            unit = group
+        if start % unit or length % unit:
+            raise ValueError(
+                f"{module}.{kind}: this rank's {'outputs' if dim == 0 else 'inputs'} "
+                f"{start}..{start + length} do not fall on the checkpoint's units of {unit} "
+                f"({'packed words' if unit == 8 else 'quantization groups'}); choose a tensor "
+                "parallel size that splits the layers on them"
+            )
+        return tensor_dim, start // unit, length // unit
+
     def _scale_slice(self, weight: str, block: tuple[int, int] | None) -> Slice | None:
         part = self.slice_for(weight)
         if part is None:
@@ -134,3 +167,16 @@ class TPPlan:
                 "size that splits the layers on block boundaries"
             )
         return dim, start // unit, length // unit
+
+
+# Where an INT4 tensor holds its weight's outputs and inputs: (tensor dim, unit) per weight dim
+# (0: outputs, 1: inputs); unit 0 is the quantization group; None: not split (whole on every
+# rank). GPTQ's qweight is [K / 8, N], AWQ's [K, N / 8]; both qzeros [K / g, N / 8], scales
+# [K / g, N], g_idx [K].
+_INT4_DIMS: dict[tuple[str, str], tuple[tuple[int, int] | None, tuple[int, int] | None]] = {
+    ("gptq", "qweight"): ((1, 1), (0, 8)),
+    ("awq", "qweight"): ((1, 8), (0, 1)),
+    ("any", "qzeros"): ((1, 8), (0, 0)),
+    ("any", "scales"): ((1, 1), (0, 0)),
+    ("any", "g_idx"): (None, (0, 1)),
+}

@@ -115,10 +115,11 @@ def pick_quantization(
     if isinstance(scheme, Int4Scheme):
         if source.format == "dummy" and scheme.from_checkpoint:
             scheme = Int4Scheme(source="online", group_size=scheme.group_size)
-        if tensor_parallel_size > 1:
+        if tensor_parallel_size > 1 and scheme.act_order:
             raise ValueError(
-                f"{scheme.describe()} is not supported with tensor parallelism yet; serve it "
-                "with tensor_parallel_size 1, or use fp8"
+                f"{scheme.describe()}: act-order GPTQ checkpoints are not supported with tensor "
+                "parallelism (a rank's share of the inputs would mix every group); serve it "
+                "with tensor_parallel_size 1"
             )
         return scheme
     if source.format == "dummy" and scheme.from_checkpoint:

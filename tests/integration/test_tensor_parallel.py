@@ -43,9 +43,8 @@ def generate(
         model,
         dtype="float32",
         num_blocks=512,
-        max_model_len=512,
         tensor_parallel_size=tensor_parallel_size,
-        **extra,
+        **{"max_model_len": 512, **extra},
     )
     try:
         params = SamplingParams(temperature=0, max_tokens=64, logprobs=5, ignore_eos=True)
@@ -125,6 +124,46 @@ def test_vocabulary_race_over_two_ranks_equals_one(tiny_config: Callable[..., Pa
     torch_sampler = race_tokens(1, path, prompts, params, race=False)
     assert one[0::2] == torch_sampler[0::2]
     assert all(len(tokens) == 12 for tokens in one)
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("awq", 64), ("gptq", 128)])
+def test_int4_checkpoints_over_two_ranks_equal_one(tmp_path: Path, fmt: str, group: int) -> None:
+    """AWQ and GPTQ tensors split in their own layouts (packed words, groups) as each rank
+    loads them: greedy tokens equal, logprobs within float32 rounding."""
+    from tests.unit.engine.quantization.checkpoints import random_llama
+    from tests.unit.engine.quantization.test_int4_checkpoints import _write_int4
+
+    _write_int4(tmp_path, random_llama(), fmt, group, sym=False, act_order=False)
+    prompts = [list(range(1, 2 + 3 * i)) for i in range(4)]
+    extra: dict[str, Any] = {"skip_tokenizer_init": True}
+    one, two = (generate(size, str(tmp_path), prompts, **extra) for size in (1, 2))
+    for a, b in zip(one, two, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert abs(step_a.logprob - step_b.logprob) < 1e-3
+
+
+def test_a_gguf_kept_4_bit_over_two_ranks_equals_one(tmp_path: Path) -> None:
+    """quantization="gguf": Q4 rows cut before repacking, inputs in whole blocks of 32."""
+    from gguf import GGMLQuantizationType as Q
+
+    import tests.unit.engine.test_gguf_loader as tiny
+
+    saved = tiny.LAYER_TYPES
+    tiny.LAYER_TYPES = [Q.Q4_0, Q.Q4_1] * 3 + [Q.Q4_0]
+    try:
+        tiny.write_model(tmp_path / "q4.gguf", tied=False)
+    finally:
+        tiny.LAYER_TYPES = saved
+    prompts = [list(range(1, 2 + 3 * i)) for i in range(4)]
+    extra: dict[str, Any] = {
+        "skip_tokenizer_init": True,
+        "quantization": "gguf",
+        "max_model_len": 256,
+    }
+    one, two = (generate(size, str(tmp_path / "q4.gguf"), prompts, **extra) for size in (1, 2))
+    for a, b in zip(one, two, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 @pytest.fixture

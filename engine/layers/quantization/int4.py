@@ -265,7 +265,8 @@ class Int4Linear(QuantizedLinear):
                     "the GPTQ parts of a fused layer (q, k, v or gate, up) have different "
                     "g_idx; kvfleet runs them as one layer over one permuted input"
                 )
-            perm = act_order_permutation(g_idx[0], self.group_size)
+            # (a tensor-parallel rank's share of the inputs starts at its first group)
+            perm = act_order_permutation(g_idx[0] - g_idx[0].min(), self.group_size)
             if perm is not None:
                 self.qweight.data.copy_(pack_rows(unpack_rows(self.qweight.data)[perm]))
                 self.perm = perm

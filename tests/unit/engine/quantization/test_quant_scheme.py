@@ -137,3 +137,25 @@ def test_tensor_parallel_ranks_take_their_scales() -> None:
     assert plan.slice_for(f"{layer}.mlp.down_proj.weight_scale_inv", block) == (1, 2, 2)
     with pytest.raises(ValueError, match=r"do not fall on the checkpoint's 128x128 scale blocks"):
         plan.slice_for(f"{layer}.self_attn.k_proj.weight_scale_inv", block)
+
+
+def test_tensor_parallel_ranks_take_their_int4_tensors() -> None:
+    """AWQ / GPTQ tensors follow their weight in their own layouts (rank 1 of 2: q 128..256,
+    kv 64..128, MLP 256..512; o and down split their inputs)."""
+    from kvfleet.engine.config import ModelConfig
+
+    plan = TPPlan.build(ModelConfig.from_hf_config(TINY), 1, 2)
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    gptq, awq = ("gptq", 64), ("awq", 64)
+    assert plan.slice_for(f"{attn}.k_proj.qweight", int4=gptq) == (1, 64, 64)  # [K/8, N]
+    assert plan.slice_for(f"{attn}.k_proj.qweight", int4=awq) == (1, 8, 8)  # [K, N/8]
+    assert plan.slice_for(f"{attn}.k_proj.qzeros", int4=gptq) == (1, 8, 8)
+    assert plan.slice_for(f"{attn}.k_proj.scales", int4=gptq) == (1, 64, 64)
+    assert plan.slice_for(f"{attn}.k_proj.g_idx", int4=gptq) is None
+    assert plan.slice_for(f"{attn}.o_proj.qweight", int4=gptq) == (0, 16, 16)  # (inputs / 8)
+    assert plan.slice_for(f"{attn}.o_proj.qweight", int4=awq) == (0, 128, 128)
+    assert plan.slice_for(f"{attn}.o_proj.scales", int4=gptq) == (0, 2, 2)  # (groups of 64)
+    assert plan.slice_for(f"{attn}.o_proj.g_idx", int4=gptq) == (0, 128, 128)
+    assert plan.slice_for(f"{mlp}.down_proj.qzeros", int4=("gptq", -1)) is None  # (one group)
+    with pytest.raises(ValueError, match="do not fall on the checkpoint's units of 256"):
+        plan.slice_for(f"{attn}.o_proj.scales", int4=("gptq", 256))
