@@ -52,12 +52,13 @@ class LoRALinear(nn.Module):
             bounds.append(bounds[-1] + size)
         assert bounds[-1] == base.out_features
         self.slice_bounds = tuple(bounds)
-        weight: torch.Tensor = base.weight
-        # (a quantized base layer's weight is not in the activations' dtype: its `dtype` is)
-        dtype = base.dtype if isinstance(base, QuantizedLinear) else weight.dtype
+        # (a quantized base layer's weights are not in the activations' dtype, its `dtype` is;
+        # an INT4 one has no `weight` at all)
+        dtype = base.dtype if isinstance(base, QuantizedLinear) else base.weight.dtype
+        device = next(base.parameters()).device
         self.register_buffer(
             "slice_starts",
-            torch.tensor(bounds, dtype=torch.int32, device=weight.device),
+            torch.tensor(bounds, dtype=torch.int32, device=device),
             persistent=False,
         )
         self.register_buffer(
@@ -67,13 +68,13 @@ class LoRALinear(nn.Module):
                 len(targets) * max_rank,
                 base.in_features,
                 dtype=dtype,
-                device=weight.device,
+                device=device,
             ),
             persistent=False,
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(max_loras, base.out_features, max_rank, dtype=dtype, device=weight.device),
+            torch.zeros(max_loras, base.out_features, max_rank, dtype=dtype, device=device),
             persistent=False,
         )
 

@@ -21,7 +21,6 @@ class QuantizedLinear(nn.Module):
     in_features: int
     out_features: int
     dtype: torch.dtype
-    weight: nn.Parameter
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         """The tensor kinds (suffixes after the module name) the checkpoint must give."""

@@ -185,3 +185,32 @@ def test_rtn_takes_a_smaller_group_where_the_layer_needs_it() -> None:
     assert Int4Linear(4096, 64, False, torch.float32, online).group_size == 128
     with pytest.raises(ValueError, match="cannot take group size 128"):
         Int4Linear(576, 64, False, torch.float32, Int4Scheme(source="awq", group_size=128))
+
+
+def test_lora_adds_to_an_int4_projection(tmp_path: Path) -> None:
+    """A LoRA slot over an INT4 layer: its output plus x A^T B^T (slots in the model dtype)."""
+    import numpy as np
+
+    from kvfleet.engine.lora.adapter import LoRAAdapter
+    from kvfleet.engine.lora.layers import LoRAContext, attach_lora
+    from kvfleet.engine.lora.ops import LoRABatch
+
+    _write_int4(tmp_path, random_llama(), "awq", 64, False, False)
+    model = _load(tmp_path)
+    context = LoRAContext()
+    wrappers = attach_lora(model, max_loras=1, max_rank=4, context=context)
+    qkv = next(
+        w for w in wrappers if w.layer_index == 0 and w.targets == ("q_proj", "k_proj", "v_proj")
+    )
+    assert isinstance(qkv.base, Int4Linear)
+    assert qkv.lora_a.dtype == torch.float32
+    generator = torch.Generator().manual_seed(2)
+    a, b = torch.randn(4, 256, generator=generator), torch.randn(128, 4, generator=generator)
+    qkv.set_slot(0, LoRAAdapter("t", "t", 4, 1.0, {(0, "k_proj"): (a, b)}))
+    x = torch.randn(3, 256, generator=generator)
+    context.batch = LoRABatch.build(np.array([0, 1, 0]), 1, torch.device("cpu"))
+    out, base = qkv(x), qkv.base(x)
+    torch.testing.assert_close(out[1], base[1])
+    k = slice(256, 384)  # (k's rows in the fused q | k | v output)
+    torch.testing.assert_close(out[[0, 2]][:, k], base[[0, 2]][:, k] + x[[0, 2]] @ a.t() @ b.t())
+    torch.testing.assert_close(out[:, :256], base[:, :256])
