@@ -231,7 +231,7 @@ class EngineConfig:
         metadata=setting(
             "fp8: a bf16/fp16 checkpoint's linear layers quantized at load (FP8 weights and "
             "activations; needs a GPU of compute capability 8.9+); rtn: INT4 weights rounded "
-            "at load; gguf: a GGUF file's Q4_0/Q4_1 layers kept 4-bit; awq, gptq: must agree "
+            "at load; gguf: a GGUF file's Q4_0/Q4_1/Q4_K layers kept 4-bit; awq, gptq: must agree "
             "with the checkpoint; default: the checkpoint's own quantization_config, if any "
             "(compressed-tensors FP8, fp8 block, AWQ, GPTQ)",
             choices=QUANTIZATION_METHODS,

@@ -1,5 +1,5 @@
 """GGUF files: the model config from metadata, and weights to Hugging Face names: dequantized,
-or for Q4_0 / Q4_1 projections on a GPU kept 4-bit (repacked into kvfleet's INT4 layout,
+or for Q4_0 / Q4_1 / Q4_K projections on a GPU kept 4-bit (repacked into kvfleet's INT4 layout,
 engine/layers/quantization/int4.py), so a GGUF model keeps its memory there.
 
 llama.cpp's converter permutes the rows of Q and K projections of llama-architecture models
@@ -7,8 +7,10 @@ llama.cpp's converter permutes the rows of Q and K projections of llama-architec
 
 Q4_0 and Q4_1 blocks hold 32 weights of one row: a float16 scale d (Q4_1: then a float16 min
 m) and 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31; w = d (q - 8)
-(Q4_0), w = d q + m (Q4_1). Both are a scale and a zero point per group of 32 inputs: zero 8,
-or zero -m / d.
+(Q4_0), w = d q + m (Q4_1). Q4_K super-blocks hold 256: float16 d and dmin, eight 6-bit
+scales and mins packed in 12 bytes, then 4 x 32 bytes whose low nibbles are one group of 32
+and high nibbles the next; w = d sc q - dmin m. All are a scale and a zero point per group of
+32 inputs: zero 8, -m / d, or dmin m / (d sc).
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 GGUF_GROUP_SIZE = 32
+_BLOCK_INPUTS = {GGMLQuantizationType.Q4_0: 32, GGMLQuantizationType.Q4_1: 32,
+                 GGMLQuantizationType.Q4_K: 256}  # fmt: skip
 # (projections run as one fused layer: repacked all together or not at all)
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -74,7 +78,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
 
 
 def gguf_int4_scheme(path: Path) -> Int4Scheme | None:
-    """The INT4 scheme that keeps the file's Q4_0 / Q4_1 projections 4-bit (the others, and a
+    """The INT4 scheme that keeps the file's Q4_0 / Q4_1 / Q4_K projections 4-bit (the others, and a
     fused layer with any part of another type, are dequantized); None without any."""
     types = {}
     for tensor in _open(path).tensors:
@@ -99,28 +103,55 @@ def config_inputs(tensor: Any) -> int:
 
 
 def q4_to_int4(data: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 rows (uint8 [N, K / 32 x block bytes]) -> (qweight int32 [K / 8, N], scales
-    [K / 32, N], zeros [K / 32, N]; float32) in kvfleet's INT4 layout."""
-    q4_1 = kind == GGMLQuantizationType.Q4_1
+    """Q4_0 / Q4_1 / Q4_K rows (uint8 [N, blocks x block bytes]) -> (qweight int32 [K / 8, N],
+    scales [K / 32, N], zeros [K / 32, N]; float32) in kvfleet's INT4 layout."""
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, 20 if q4_1 else 18)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 4:] if q4_1 else blocks[..., 2:]
-    values = np.concatenate([packed & 0xF, packed >> 4], axis=-1).astype(np.int32)  # [N, G, 32]
-    if q4_1:  # w = d q + m = (q - zero) d with zero = -m / d
-        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        flat = scales == 0  # (a constant block: 1 x (0 + m))
-        zeros = np.where(flat, -mins, -mins / np.where(flat, 1.0, scales))
-        scales = np.where(flat, 1.0, scales)
-        values = np.where(flat[..., None], 0, values)
+    data = np.ascontiguousarray(data)
+    if kind == GGMLQuantizationType.Q4_K:
+        values, scales, offsets = _q4_k_groups(data.reshape(rows, -1, 144))
     else:
-        zeros = np.full_like(scales, 8.0)
+        q4_1 = kind == GGMLQuantizationType.Q4_1
+        blocks = data.reshape(rows, -1, 20 if q4_1 else 18)
+        scales = _halves(blocks[..., 0:2])
+        packed = blocks[..., 4:] if q4_1 else blocks[..., 2:]
+        values = np.concatenate([packed & 0xF, packed >> 4], axis=-1)  # [N, G, 32]
+        # (w = s q + offset: Q4_0's offset -8 s, Q4_1's the min m)
+        offsets = _halves(blocks[..., 2:4]) if q4_1 else -8.0 * scales
+    # w = s q + offset = (q - zero) s with zero = -offset / s; a constant block (s = 0) as
+    # 1 x (0 - zero)
+    flat = scales == 0
+    zeros = np.where(flat, -offsets, -offsets / np.where(flat, 1.0, scales))
+    scales = np.where(flat, 1.0, scales)
+    values = np.where(flat[..., None], 0, values).astype(np.int32)
     weights = torch.from_numpy(values.reshape(rows, -1)).t()
     return (
         pack_rows(weights),
-        torch.from_numpy(np.ascontiguousarray(scales.T)),
+        torch.from_numpy(np.ascontiguousarray(scales.T, dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(zeros.T, dtype=np.float32)),
     )
+
+
+def _halves(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes of float16 -> [...] float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [N, S, 144] -> (values [N, 8 S, 32], scales and offsets [N, 8 S]):
+    group g of super-block s is sub-block g % 8, w = (d sc) q - (dmin m)."""
+    rows, supers = blocks.shape[:2]
+    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
+    packed_scales = blocks[..., 4:16].reshape(rows, supers, 3, 4)
+    low, high, mixed = packed_scales[..., 0, :], packed_scales[..., 1, :], packed_scales[..., 2, :]
+    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], axis=-1)
+    qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(
+        1, 1, 1, 2, 1
+    )
+    values = (qs & 0x0F).reshape(rows, supers * 8, 32)
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, supers * 8)
+    offsets = -(dmin[..., None] * mins.astype(np.float32)).reshape(rows, supers * 8)
+    return values, scales, offsets
 
 
 def iterate_gguf_weights(
@@ -143,15 +174,16 @@ def iterate_gguf_weights(
             data = data[part[1] : part[1] + part[2]]
         module = hf_name.removesuffix(".weight")
         if int4 is not None and hf_name.endswith("_proj.weight") and int4.quantizes(module):
-            if part is not None and part[0] == 1:  # (whole blocks of 32 inputs)
-                block_bytes = data.shape[1] * GGUF_GROUP_SIZE // config_inputs(tensor)
-                if part[1] % GGUF_GROUP_SIZE or part[2] % GGUF_GROUP_SIZE:
+            if part is not None and part[0] == 1:  # (whole blocks of inputs)
+                unit = _BLOCK_INPUTS[GGMLQuantizationType(tensor.tensor_type)]
+                block_bytes = data.shape[1] * unit // config_inputs(tensor)
+                if part[1] % unit or part[2] % unit:
                     raise ValueError(
                         f"{hf_name}: this rank's inputs {part[1]}..{part[1] + part[2]} do not "
-                        f"fall on the file's blocks of {GGUF_GROUP_SIZE}; choose a tensor "
-                        "parallel size that splits the layers on them"
+                        f"fall on the file's blocks of {unit}; choose a tensor parallel size "
+                        "that splits the layers on them"
                     )
-                first, count = part[1] // GGUF_GROUP_SIZE, part[2] // GGUF_GROUP_SIZE
+                first, count = part[1] // unit, part[2] // unit
                 data = data[:, first * block_bytes : (first + count) * block_bytes]
             if config.architecture == "llama" and hf_name.endswith(
                 ("q_proj.weight", "k_proj.weight")

@@ -10,7 +10,7 @@ INT4 weight-only (W4A16) comes from AWQ checkpoints (`quant_method: "awq"`, GEMM
 AutoAWQ writes them), GPTQ checkpoints (`quant_method: "gptq"`, symmetric or not, any group
 size, `desc_act`, as AutoGPTQ / GPTQModel write them), or a bf16/fp16 checkpoint rounded to
 nearest at load (`quantization="rtn"`: group 128 with zero points, AWQ's form), or a GGUF
-file's Q4_0 / Q4_1 projections kept 4-bit (`quantization="gguf"`: engine/loader/gguf.py).
+file's Q4_0 / Q4_1 / Q4_K projections kept 4-bit (`quantization="gguf"`: engine/loader/gguf.py).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def resolve_quantization(
             return Int4Scheme(source="online", group_size=RTN_GROUP_SIZE)
         if method == "gguf":
             raise ValueError(
-                "quantization='gguf' keeps a GGUF file's Q4_0 / Q4_1 layers 4-bit; this model "
-                "is not a GGUF file"
+                "quantization='gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q4_K layers 4-bit; this "
+                "model is not a GGUF file"
             )
         if method != "fp8":
             raise ValueError(

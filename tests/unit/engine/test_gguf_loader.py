@@ -157,10 +157,11 @@ def test_names_and_bad_files(tmp_path: Path) -> None:
         read_gguf_config(junk)
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
 def test_q4_blocks_repack_into_the_int4_layout(kind: Q) -> None:
-    """Q4_0 / Q4_1 rows read into kvfleet's INT4 layout dequantize to what gguf's own
-    dequantizer gives (to float32 rounding: Q4_1's zero is -m / d), a constant block too."""
+    """Q4_0 / Q4_1 / Q4_K rows read into kvfleet's INT4 layout dequantize to what gguf's own
+    dequantizer gives (to float32 rounding: the zero is -m / d or dmin m / (d sc)), a
+    constant Q4_1 block too (Q4_K: random super-blocks, gguf cannot write them)."""
     from gguf.quants import dequantize
 
     from kvfleet.engine.layers.quantization.int4 import Int4Weights
@@ -169,7 +170,7 @@ def test_q4_blocks_repack_into_the_int4_layout(kind: Q) -> None:
     rng = np.random.default_rng(1)
     weights = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
     weights[3, 64:96] = 0.25  # (one block of equal values: Q4_1 stores d = 0)
-    data = quantize(weights, kind)
+    data = encode(weights, kind, rng)
     qweight, scales, zeros = q4_to_int4(data, kind)
     got = Int4Weights(qweight, scales, zeros, 32).dequantize()
     want = torch.from_numpy(dequantize(data, kind)).t()
@@ -177,9 +178,9 @@ def test_q4_blocks_repack_into_the_int4_layout(kind: Q) -> None:
 
 
 def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
-    """The projections whose fused layer is all Q4_0 / Q4_1 load as INT4 layers (a fused layer
-    with a part of another type is dequantized whole), and the model computes what the
-    dequantized model computes (CPU, float32). `quantization="gguf"` asks for it; a file
+    """The projections whose fused layer is all Q4_0 / Q4_1 / Q4_K load as INT4 layers (a
+    fused layer with a part of another type is dequantized whole), and the model computes what
+    the dequantized model computes (CPU, float32). `quantization="gguf"` asks for it; a file
     without Q4 layers, or another format, is refused."""
     from kvfleet.engine.layers.quantization.int4 import Int4Linear
     from kvfleet.engine.loader.gguf import gguf_int4_scheme
@@ -190,10 +191,10 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
 
     global LAYER_TYPES  # noqa: PLW0603  (write_model reads it)
     saved = LAYER_TYPES
-    # (layer l takes LAYER_TYPES[(i + 3 l) % 7] for q, k, v, o, gate, up, down: layer 0 q, k
-    # Q4_0 and v Q8_0 (so q, k, v dequantize), o Q4_1, gate Q4_1, up, down Q4_0; layer 1 q, k
-    # Q4_1, v, o, gate, up Q4_0, down Q8_0)
-    LAYER_TYPES = [Q.Q4_0, Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.Q4_1, Q.Q4_0, Q.Q4_0]
+    # (layer l takes LAYER_TYPES[(i + 3 l) % 7] for q, k, v, o, gate, up, down: layer 0 q Q4_K,
+    # k Q4_0 and v Q8_0 (so q, k, v dequantize), o, gate Q4_1, up Q4_0, down Q4_K; layer 1 q, k
+    # Q4_1, v Q4_0, o Q4_K, gate Q4_K, up Q4_0, down Q8_0)
+    LAYER_TYPES = [Q.Q4_K, Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.Q4_1, Q.Q4_0, Q.Q4_K]
     try:
         path = tmp_path / "q4.gguf"
         write_model(path, tied=False)
@@ -221,7 +222,7 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
         write_model(other, tied=True)
     finally:
         LAYER_TYPES = saved
-    with pytest.raises(ValueError, match="no Q4_0 / Q4_1 projection layers"):
+    with pytest.raises(ValueError, match="no Q4_0 / Q4_1 / Q4_K projection layers"):
         pick_quantization("gguf", ModelSource("gguf", other, "t"), config, torch.device("cpu"))
     ours, plain = load(scheme), load(None)
     int4 = sorted(n for n, m in ours.named_modules() if isinstance(m, Int4Linear))
