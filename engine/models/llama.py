@@ -18,6 +18,7 @@ from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.quantization.linear import (
     LinearFactory,
     QuantizedLinear,
+    expect_shape,
     layer_bias,
     linear_without_bias,
     make_linear_factory,
@@ -284,11 +285,7 @@ class LlamaForCausalLM(nn.Module):
             if self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight"):
                 dest[tensor.shape[0] :].zero_()  # the padding rows of the last vocabulary shard
                 dest = dest[: tensor.shape[0]]
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(dest.shape)}"
-                )
+            expect_shape(hf_name, tensor, tuple(dest.shape))
             dest.copy_(tensor)
             loaded.add(f"{name}:{shard}")
         missing = sorted(

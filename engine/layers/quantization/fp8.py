@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows
+from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -171,7 +171,7 @@ class Fp8Linear(QuantizedLinear):
     def load_part(self, kind: str, tensor: torch.Tensor, rows: Rows, name: str) -> None:
         start, count = rows if rows is not None else (0, self.out_features)
         if kind == "weight":
-            _expect_shape(name, tensor, (count, self.in_features))
+            expect_shape(name, tensor, (count, self.in_features))
             if self.online:
                 values, scales = quantize_rows(tensor.to(self.weight.device))
                 self.weight.data.narrow(0, start, count).copy_(values)
@@ -184,7 +184,7 @@ class Fp8Linear(QuantizedLinear):
             if tensor.numel() == 1:  # (per-tensor)
                 dest.fill_(float(tensor.reshape(())))
             else:
-                _expect_shape(name, tensor.reshape(-1, 1), (count, 1))
+                expect_shape(name, tensor.reshape(-1, 1), (count, 1))
                 dest.copy_(tensor.reshape(-1, 1))
         elif kind == "input_scale" and self.input_scale is not None:
             if tensor.numel() != 1:
@@ -282,7 +282,7 @@ class BlockFp8Linear(QuantizedLinear):
             )
         blocks = -(-count // block_rows)
         if kind == "weight":
-            _expect_shape(name, tensor, (count, self.in_features))
+            expect_shape(name, tensor, (count, self.in_features))
             if self.online:
                 values, scales = quantize_blocks(tensor.to(self.weight.device), self.block)
                 self.weight.data.narrow(0, start, count).copy_(values)
@@ -291,7 +291,7 @@ class BlockFp8Linear(QuantizedLinear):
             _expect_fp8(name, tensor)
             self.weight.data.narrow(0, start, count).copy_(tensor)
         elif kind == self.scale_name and not self.online:
-            _expect_shape(name, tensor, (blocks, self.in_features // self.block[1]))
+            expect_shape(name, tensor, (blocks, self.in_features // self.block[1]))
             self.weight_scale.data.narrow(0, start // block_rows, blocks).copy_(tensor)
         else:
             self.load_bias_or_refuse(kind, tensor, rows, name)
@@ -312,13 +312,6 @@ class BlockFp8Linear(QuantizedLinear):
         else:
             out = block_fp8_reference(x2, self.weight, self.weight_scale, self.block, bias)
         return out.reshape(*shape[:-1], self.out_features)
-
-
-def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {shape}"
-        )
 
 
 def _expect_fp8(name: str, tensor: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows
+from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 from kvfleet.engine.layers.quantization.scheme import Int4Scheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -219,28 +219,28 @@ class Int4Linear(QuantizedLinear):
         source = self.scheme.source
         device = self.qweight.device
         if kind == "weight" and source == "online":
-            _expect(name, tensor, (count, k))
+            expect_shape(name, tensor, (count, k))
             weights = quantize_rtn(tensor.to(device), g, self.dtype)
             self._fill(start, weights.qweight, weights.scales, weights.zeros)
         elif kind == "qweight" and source == "awq":
-            _expect(name, tensor, (k, count // 8), torch.int32)
+            expect_shape(name, tensor, (k, count // 8), torch.int32)
             self._fill(start, pack_rows(unpack_columns(tensor.to(device), AWQ_ORDER)))
         elif kind == "qweight" and source in ("gptq", "gguf"):
-            _expect(name, tensor, (k // 8, count), torch.int32)
+            expect_shape(name, tensor, (k // 8, count), torch.int32)
             self._fill(start, tensor.to(device))
         elif kind == "zeros" and source == "gguf":
-            _expect(name, tensor, (k // g, count))
+            expect_shape(name, tensor, (k // g, count))
             self._fill(start, zeros=tensor.to(device, self.dtype))
         elif kind == "qzeros" and source in ("awq", "gptq"):
-            _expect(name, tensor, (k // g, count // 8), torch.int32)
+            expect_shape(name, tensor, (k // g, count // 8), torch.int32)
             order = AWQ_ORDER if source == "awq" else None
             zeros = unpack_columns(tensor.to(device), order) + self.scheme.zero_offset
             self._fill(start, zeros=zeros.to(self.dtype))
         elif kind == "scales" and source != "online":
-            _expect(name, tensor, (k // g, count))
+            expect_shape(name, tensor, (k // g, count))
             self._fill(start, scales=tensor.to(device, self.dtype))
         elif kind == "g_idx" and source == "gptq":
-            _expect(name, tensor, (k,))
+            expect_shape(name, tensor, (k,))
             self._g_idx[start] = tensor.to(device)
         else:
             self.load_bias_or_refuse(kind, tensor, rows, name)
@@ -295,14 +295,3 @@ class Int4Linear(QuantizedLinear):
         else:
             out = int4_linear_reference(x2, self.weights(), bias)
         return out.reshape(*shape[:-1], self.out_features)
-
-
-def _expect(
-    name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
-) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {shape}"
-        )
-    if dtype is not None and tensor.dtype != dtype:
-        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, expected {dtype}")

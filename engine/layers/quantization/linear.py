@@ -45,12 +45,20 @@ class QuantizedLinear(nn.Module):
                 f"checkpoint tensor {name!r} has no place in a {type(self).__name__} layer"
             )
         start, count = rows if rows is not None else (0, self.out_features)
-        if tuple(tensor.shape) != (count,):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                f"expects {(count,)}"
-            )
+        expect_shape(name, tensor, (count,))
         bias.data.narrow(0, start, count).copy_(tensor)
+
+
+def expect_shape(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> None:
+    """ValueError naming the checkpoint tensor unless it has `shape` (and `dtype`)."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {shape}"
+        )
+    if dtype is not None and tensor.dtype != dtype:
+        raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, expected {dtype}")
 
 
 LinearFactory = Callable[[tuple[str, ...], int, int, bool], nn.Module]
