@@ -141,11 +141,7 @@ class Fp8Linear(QuantizedLinear):
             if static_input
             else None
         )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            if bias
-            else None
-        )
+        self.make_bias(bias)
         self._input_scale_seen: float | None = None
 
     @classmethod
@@ -260,11 +256,7 @@ class BlockFp8Linear(QuantizedLinear):
             torch.empty(-(-out_features // block[0]), in_features // block[1], dtype=torch.float32),
             requires_grad=False,
         )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            if bias
-            else None
-        )
+        self.make_bias(bias)
         self.scale_name = scale_name
         self.online = online
 

@@ -195,13 +195,10 @@ class Int4Linear(QuantizedLinear):
         self.zeros = nn.Parameter(
             torch.empty(groups, out_features, dtype=dtype), requires_grad=False
         )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            if bias
-            else None
-        )
+        self.make_bias(bias)
         self.perm: torch.Tensor | None = None
         self._g_idx: dict[int, torch.Tensor] = {}
+        self._weights: Int4Weights | None = None
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         source = self.scheme.source
@@ -257,6 +254,7 @@ class Int4Linear(QuantizedLinear):
                 dest.data.narrow(1, start, part.shape[1]).copy_(part)
 
     def finish_loading(self) -> None:
+        self._weights = None
         g_idx = list(self._g_idx.values())
         self._g_idx = {}
         if g_idx:
@@ -280,9 +278,12 @@ class Int4Linear(QuantizedLinear):
             shared_workspace(self.qweight.device, *sizes)
 
     def weights(self) -> Int4Weights:
-        return Int4Weights(
-            self.qweight.data, self.scales.data, self.zeros.data, self.group_size, self.perm
-        )
+        """The layer's tensors as the kernels take them (built once loading has finished)."""
+        if self._weights is None:
+            self._weights = Int4Weights(
+                self.qweight.data, self.scales.data, self.zeros.data, self.group_size, self.perm
+            )
+        return self._weights
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         shape = x.shape

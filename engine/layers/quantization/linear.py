@@ -36,6 +36,14 @@ class QuantizedLinear(nn.Module):
     def finish_loading(self) -> None:
         """Called once every checkpoint tensor has loaded (what needs all the parts)."""
 
+    def make_bias(self, bias: bool) -> None:
+        """`self.bias`: the out_features bias rows in the model dtype, or None."""
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_features, dtype=self.dtype), requires_grad=False)
+            if bias
+            else None
+        )
+
     def load_bias_or_refuse(self, kind: str, tensor: torch.Tensor, rows: Rows, name: str) -> None:
         """The part every quantized layer reads alike: its bias rows (kept in the model
         dtype); any other tensor kind has no place in the layer."""
