@@ -91,7 +91,13 @@ def _weights(
     if source.format == "gguf":
         from kvfleet.engine.loader.gguf import iterate_gguf_weights
 
-        int4 = quantization if isinstance(quantization, Int4Scheme) else None
+        # (only quantization='gguf' reads Q4 blocks as they are; 'rtn' rounds the dequantized
+        # weights like any other checkpoint's)
+        int4 = (
+            quantization
+            if isinstance(quantization, Int4Scheme) and quantization.source == "gguf"
+            else None
+        )
         return iterate_gguf_weights(source.path, config, slice_for, int4)
     from kvfleet.engine.loader.safetensors_folder import iterate_safetensors_weights
 

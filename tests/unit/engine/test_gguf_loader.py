@@ -181,8 +181,9 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     """The projections whose fused layer is all Q4_0 / Q4_1 / Q4_K load as INT4 layers (a
     fused layer with a part of another type is dequantized whole), and the model computes what
     the dequantized model computes (CPU, float32). `quantization="gguf"` asks for it; a file
-    without Q4 layers, or another format, is refused."""
-    from kvfleet.engine.layers.quantization.int4 import Int4Linear
+    without Q4 layers, or another format, is refused; `quantization="rtn"` rounds every
+    projection from the dequantized weights instead."""
+    from kvfleet.engine.layers.quantization.int4 import Int4Linear, quantize_rtn
     from kvfleet.engine.loader.gguf import gguf_int4_scheme
     from kvfleet.engine.loader.model_loader import load_model
     from kvfleet.engine.loader.source import ModelSource
@@ -232,3 +233,12 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     ]  # fmt: skip
     got, want = _logits(ours, True), _logits(plain, True)
     assert (got - want).abs().max() < float32_bound(float(want.abs().max()))
+    # 'rtn' rounds the dequantized weights, as it does any checkpoint's (the Q4 blocks are not
+    # read as they are: that is 'gguf')
+    rounded = load(pick_quantization("rtn", source, config, torch.device("cpu")))
+    layers = {n: m for n, m in rounded.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) == 4 * LAYERS
+    dense = dict(plain.named_modules())
+    for name, layer in layers.items():
+        want_weight = quantize_rtn(dense[name].weight, 128, torch.float32).dequantize()
+        torch.testing.assert_close(layer.weights().dequantize(), want_weight, rtol=0, atol=0)
