@@ -145,7 +145,7 @@ class EngineSpec(CrdModel):
         default=None,
         description="fp8: quantize a bf16/fp16 checkpoint at load (GPUs of compute capability "
         "8.9+); rtn: INT4 weights rounded at load; gguf: a GGUF file's Q4_0/Q4_1/Q4_K layers kept "
-        "4-bit; awq, gptq: must agree with the checkpoint; "
+        "4-bit and Q8_0 layers 8-bit; awq, gptq: must agree with the checkpoint; "
         "unset: the checkpoint's own quantization, if any",
     )
     kv_cache_dtype: KVCacheDtype = Field(

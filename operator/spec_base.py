@@ -93,7 +93,7 @@ class Quantization(enum.StrEnum):
     AWQ = "awq"  # an AWQ checkpoint (INT4 weights; the checkpoint says so without the field)
     GPTQ = "gptq"  # a GPTQ checkpoint (INT4 weights; likewise)
     RTN = "rtn"  # INT4 weights rounded to nearest at load (group 128, zero points)
-    GGUF = "gguf"  # a GGUF file's Q4_0 / Q4_1 / Q4_K layers kept 4-bit (others dequantized)
+    GGUF = "gguf"  # a GGUF file's Q4_0 / Q4_1 / Q4_K layers kept 4-bit, Q8_0 8-bit
 
 
 class RoutingPolicy(enum.StrEnum):

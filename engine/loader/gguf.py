@@ -1,6 +1,7 @@
 """GGUF files: the model config from metadata, and weights to Hugging Face names: dequantized,
-or for Q4_0 / Q4_1 / Q4_K projections on a GPU kept 4-bit (repacked into kvfleet's INT4 layout,
-engine/layers/quantization/int4.py), so a GGUF model keeps its memory there.
+or with quantization='gguf' the Q4_0 / Q4_1 / Q4_K projections kept 4-bit and the Q8_0 ones
+8-bit (repacked into kvfleet's packed-integer layout, engine/layers/quantization/int4.py), so
+a GGUF model keeps its memory on the GPU.
 
 llama.cpp's converter permutes the rows of Q and K projections of llama-architecture models
 (interleaved rotary pairs); reading them back undoes that permutation.
@@ -10,7 +11,8 @@ m) and 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31; w = d
 (Q4_0), w = d q + m (Q4_1). Q4_K super-blocks hold 256: float16 d and dmin, eight 6-bit
 scales and mins packed in 12 bytes, then 4 x 32 bytes whose low nibbles are one group of 32
 and high nibbles the next; w = d sc q - dmin m. All are a scale and a zero point per group of
-32 inputs: zero 8, -m / d, or dmin m / (d sc).
+32 inputs: zero 8, -m / d, or dmin m / (d sc). Q8_0 blocks hold 32 weights: a float16 scale
+d and 32 signed bytes, w = d q: stored as q + 128 with zero 128.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
+                  GGMLQuantizationType.Q8_0)  # fmt: skip
 GGUF_GROUP_SIZE = 32
 _BLOCK_INPUTS = {GGMLQuantizationType.Q4_0: 32, GGMLQuantizationType.Q4_1: 32,
-                 GGMLQuantizationType.Q4_K: 256}  # fmt: skip
-# (projections run as one fused layer: repacked all together or not at all)
+                 GGMLQuantizationType.Q4_K: 256, GGMLQuantizationType.Q8_0: 32}  # fmt: skip
+# (projections run as one fused layer: repacked all together or not at all, in 8-bit words
+# when any part is Q8_0)
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -78,8 +82,9 @@ def read_gguf_config(path: Path) -> ModelConfig:
 
 
 def gguf_int4_scheme(path: Path) -> Int4Scheme | None:
-    """The INT4 scheme that keeps the file's Q4_0 / Q4_1 / Q4_K projections 4-bit (the others, and a
-    fused layer with any part of another type, are dequantized); None without any."""
+    """The scheme that keeps the file's Q4_0 / Q4_1 / Q4_K projections 4-bit and its Q8_0 ones
+    8-bit (the others, and a fused layer with any part of another type, are dequantized); None
+    without any."""
     types = {}
     for tensor in _open(path).tensors:
         name = gguf_to_hf_name(tensor.name)
@@ -94,7 +99,18 @@ def gguf_int4_scheme(path: Path) -> Int4Scheme | None:
     if not kept:
         return None
     ignore = tuple(sorted(module for module in types if module not in kept))
-    return Int4Scheme(source="gguf", group_size=GGUF_GROUP_SIZE, ignore=ignore)
+    eight_bit = set()
+    for module in kept:
+        owner, _, proj = module.rpartition(".")
+        siblings = next((group for group in _FUSED if proj in group), (proj,))
+        if any(types[f"{owner}.{sibling}"] == GGMLQuantizationType.Q8_0 for sibling in siblings):
+            eight_bit.add(module)
+    return Int4Scheme(
+        source="gguf",
+        group_size=GGUF_GROUP_SIZE,
+        ignore=ignore,
+        eight_bit=tuple(sorted(eight_bit)),
+    )
 
 
 def config_inputs(tensor: Any) -> int:
@@ -102,12 +118,22 @@ def config_inputs(tensor: Any) -> int:
     return int(tensor.shape[0])
 
 
-def q4_to_int4(data: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q4_K rows (uint8 [N, blocks x block bytes]) -> (qweight int32 [K / 8, N],
-    scales [K / 32, N], zeros [K / 32, N]; float32) in kvfleet's INT4 layout."""
+def gguf_to_packed(
+    data: np.ndarray, kind: int, bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q4_K / Q8_0 rows (uint8 [N, blocks x block bytes]) -> (qweight int32
+    [K / (32 / bits), N], scales [K / 32, N], zeros [K / 32, N]; float32) in kvfleet's layout of
+    `bits`-bit values (a Q8_0 layer needs 8; a Q4 one takes either)."""
     rows = data.shape[0]
     data = np.ascontiguousarray(data)
-    if kind == GGMLQuantizationType.Q4_K:
+    if kind == GGMLQuantizationType.Q8_0:
+        if bits != 8:
+            raise ValueError("Q8_0 blocks need 8-bit words")
+        blocks = data.reshape(rows, -1, 34)
+        scales = _halves(blocks[..., 0:2])
+        values = blocks[..., 2:].view(np.int8).astype(np.int32) + 128  # [N, G, 32]
+        offsets = -128.0 * scales
+    elif kind == GGMLQuantizationType.Q4_K:
         values, scales, offsets = _q4_k_groups(data.reshape(rows, -1, 144))
     else:
         q4_1 = kind == GGMLQuantizationType.Q4_1
@@ -125,7 +151,7 @@ def q4_to_int4(data: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor,
     values = np.where(flat[..., None], 0, values).astype(np.int32)
     weights = torch.from_numpy(values.reshape(rows, -1)).t()
     return (
-        pack_rows(weights),
+        pack_rows(weights, bits),
         torch.from_numpy(np.ascontiguousarray(scales.T, dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(zeros.T, dtype=np.float32)),
     )
@@ -161,10 +187,10 @@ def iterate_gguf_weights(
     int4: Int4Scheme | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized, but for
-    the projections `int4` (`gguf_int4_scheme`) keeps 4-bit: their `qweight`, `scales` and
-    `zeros`. With `slice_for` (tensor parallelism) only that (dim, start, length) slice is
-    returned: row slices are cut from the quantized rows before dequantizing; column slices
-    after."""
+    the projections `int4` (`gguf_int4_scheme`) keeps packed (4- or 8-bit): their `qweight`,
+    `scales` and `zeros`. With `slice_for` (tensor parallelism) only that (dim, start,
+    length) slice is returned: row slices are cut from the quantized rows before
+    dequantizing; column slices after."""
     reader = _open(path)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
@@ -189,7 +215,8 @@ def iterate_gguf_weights(
                 ("q_proj.weight", "k_proj.weight")
             ):
                 data = reverse_permute_qk(data, data.shape[0] // config.head_dim)
-            qweight, scales, zeros = q4_to_int4(data, tensor.tensor_type)
+            bits = int4.bits_for((module,))
+            qweight, scales, zeros = gguf_to_packed(data, tensor.tensor_type, bits)
             yield f"{module}.qweight", qweight
             yield f"{module}.scales", scales
             yield f"{module}.zeros", zeros

@@ -105,8 +105,8 @@ def pick_quantization(
         gguf = gguf_int4_scheme(source.path)
         if gguf is None:
             raise ValueError(
-                f"quantization='gguf': {source.path.name} has no Q4_0 / Q4_1 / Q4_K projection "
-                "layers to keep 4-bit (other GGUF types are dequantized at load)"
+                f"quantization='gguf': {source.path.name} has no Q4_0 / Q4_1 / Q4_K / Q8_0 "
+                "projection layers to keep packed (other GGUF types are dequantized at load)"
             )
         return gguf
     scheme = resolve_quantization(method, checkpoint)

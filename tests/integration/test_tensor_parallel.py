@@ -143,14 +143,15 @@ def test_int4_checkpoints_over_two_ranks_equal_one(tmp_path: Path, fmt: str, gro
             assert abs(step_a.logprob - step_b.logprob) < 1e-3
 
 
-def test_a_gguf_kept_4_bit_over_two_ranks_equals_one(tmp_path: Path) -> None:
-    """quantization="gguf": Q4 rows cut before repacking, inputs in whole blocks of 32."""
+def test_a_gguf_kept_packed_over_two_ranks_equals_one(tmp_path: Path) -> None:
+    """quantization="gguf": Q4 and Q8_0 rows cut before repacking, inputs in whole blocks of
+    32 (4-bit layers and 8-bit ones, some with Q4 parts)."""
     from gguf import GGMLQuantizationType as Q
 
     import tests.unit.engine.test_gguf_loader as tiny
 
     saved = tiny.LAYER_TYPES
-    tiny.LAYER_TYPES = [Q.Q4_0, Q.Q4_1] * 3 + [Q.Q4_0]
+    tiny.LAYER_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.Q8_0]
     try:
         tiny.write_model(tmp_path / "q4.gguf", tied=False)
     finally:

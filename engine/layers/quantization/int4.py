@@ -33,50 +33,60 @@ from kvfleet.engine.layers.quantization.scheme import Int4Scheme
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
+def _shifts(device: torch.device, bits: int) -> torch.Tensor:
     # (made per call: a module-level tensor would be born on the meta device when this module
     # is first imported while a model is built there)
-    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] holding eight 4-bit values along dim 0 -> int32 [8 R, C] (0..15)."""
-    values = (packed[:, None, :] >> _shifts(packed.device)[None, :, None]) & 0xF
-    return values.reshape(packed.shape[0] * 8, packed.shape[1])
+def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C] holding 32 / bits values along dim 0 -> int32 [32 / bits R, C]
+    (0 .. 2^bits - 1)."""
+    values = (packed[:, None, :] >> _shifts(packed.device, bits)[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0] * 32 // bits, packed.shape[1])
 
 
-def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C] holding eight 4-bit values along dim 1 -> int32 [R, 8 C]; `order`: the
-    column each nibble holds within its eight (AWQ's interleave), default in sequence."""
-    nibbles = (packed[:, :, None] >> _shifts(packed.device)[None, None, :]) & 0xF
+def unpack_columns(
+    packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4
+) -> torch.Tensor:
+    """int32 [R, C] holding 32 / bits values along dim 1 -> int32 [R, 32 / bits C]; `order`:
+    the column each value holds within its word (AWQ's interleave), default in sequence."""
+    values = (packed[:, :, None] >> _shifts(packed.device, bits)[None, None, :]) & ((1 << bits) - 1)
     if order is not None:
-        placed = torch.empty_like(nibbles)
-        placed[:, :, list(order)] = nibbles
-        nibbles = placed
-    return nibbles.reshape(packed.shape[0], packed.shape[1] * 8)
+        placed = torch.empty_like(values)
+        placed[:, :, list(order)] = values
+        values = placed
+    return values.reshape(packed.shape[0], packed.shape[1] * 32 // bits)
 
 
-def pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """int [8 R, C] of 0..15 -> int32 [R, C], eight values along dim 0 per int32 (kvfleet's
-    `qweight` from the integer weight [K, N])."""
+def pack_rows(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int [32 / bits R, C] of 0 .. 2^bits - 1 -> int32 [R, C], 32 / bits values along dim 0
+    per int32 (kvfleet's `qweight` from the integer weight [K, N])."""
     rows, cols = values.shape
-    grouped = values.to(torch.int32).reshape(rows // 8, 8, cols)
-    shifted = grouped << _shifts(values.device)[None, :, None]
+    per = 32 // bits
+    grouped = values.to(torch.int32).reshape(rows // per, per, cols)
+    shifted = grouped << _shifts(values.device, bits)[None, :, None]
     packed = shifted[:, 0]
-    for i in range(1, 8):
+    for i in range(1, per):
         packed = packed | shifted[:, i]
     return packed.contiguous()
 
 
 @dataclass
 class Int4Weights:
-    """One linear layer's 4-bit weights in kvfleet's layout (see the module docstring)."""
+    """One linear layer's 4-bit (or 8-bit) weights in kvfleet's layout (see the module
+    docstring)."""
 
-    qweight: torch.Tensor  # int32 [K / 8, N]
+    qweight: torch.Tensor  # int32 [K / (32 / bits), N]
     scales: torch.Tensor  # [K / g, N], the activations' dtype
     zeros: torch.Tensor  # [K / g, N], in integer units, the scales' dtype
     group_size: int
     perm: torch.Tensor | None = None  # int64 [K]: x[:, perm] meets the words in group order
+    bits: int = 4
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0] * 32 // self.bits
 
     def __post_init__(self) -> None:  # (the kernels index rows by their length)
         self.qweight = self.qweight.contiguous()
@@ -85,7 +95,7 @@ class Int4Weights:
 
     def dequantize(self) -> torch.Tensor:
         """W [K, N] in float32, its inputs in the (permuted) order of `qweight`."""
-        q = unpack_rows(self.qweight).float()
+        q = unpack_rows(self.qweight, self.bits).float()
         g = self.group_size
         scales = self.scales.float().repeat_interleave(g, dim=0)
         zeros = self.zeros.float().repeat_interleave(g, dim=0)
@@ -160,9 +170,10 @@ def quantize_rtn(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> I
 
 
 class Int4Linear(QuantizedLinear):
-    """INT4 weight-only: `qweight`, `scales`, `zeros` in int4.py's layout, activations in the
-    model dtype. Filled from an AWQ or GPTQ checkpoint's tensors (each fused part into its
-    output columns) or, online, from a bf16/fp16 weight rounded to nearest. GPTQ's act-order
+    """INT4 (or 8-bit: `bits`) weight-only: `qweight`, `scales`, `zeros` in int4.py's layout,
+    activations in the model dtype. Filled from an AWQ or GPTQ checkpoint's tensors (each fused
+    part into its output columns), a GGUF file's blocks (loader/gguf.py) or, online, from a
+    bf16/fp16 weight rounded to nearest. GPTQ's act-order
     permutation is applied once every part has loaded (`finish_loading`): the parts of a fused
     layer share their input, so they must share their `g_idx`."""
 
@@ -173,6 +184,7 @@ class Int4Linear(QuantizedLinear):
         bias: bool,
         dtype: torch.dtype,
         scheme: Int4Scheme,
+        bits: int = 4,
     ):
         super().__init__()
         group = in_features if scheme.group_size == -1 else scheme.group_size
@@ -184,10 +196,11 @@ class Int4Linear(QuantizedLinear):
                 f"group size {group} (it must divide the inputs; outputs come in eights)"
             )
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
-        self.scheme, self.group_size = scheme, group
+        self.scheme, self.group_size, self.bits = scheme, group, bits
         groups = in_features // group
         self.qweight = nn.Parameter(
-            torch.empty(in_features // 8, out_features, dtype=torch.int32), requires_grad=False
+            torch.empty(in_features * bits // 32, out_features, dtype=torch.int32),
+            requires_grad=False,
         )
         self.scales = nn.Parameter(
             torch.empty(groups, out_features, dtype=dtype), requires_grad=False
@@ -223,7 +236,7 @@ class Int4Linear(QuantizedLinear):
             expect_shape(name, tensor, (k, count // 8), torch.int32)
             self._fill(start, pack_rows(unpack_columns(tensor.to(device), AWQ_ORDER)))
         elif kind == "qweight" and source in ("gptq", "gguf"):
-            expect_shape(name, tensor, (k // 8, count), torch.int32)
+            expect_shape(name, tensor, (k * self.bits // 32, count), torch.int32)
             self._fill(start, tensor.to(device))
         elif kind == "zeros" and source == "gguf":
             expect_shape(name, tensor, (k // g, count))
@@ -266,7 +279,8 @@ class Int4Linear(QuantizedLinear):
             # (a tensor-parallel rank's share of the inputs starts at its first group)
             perm = act_order_permutation(g_idx[0] - g_idx[0].min(), self.group_size)
             if perm is not None:
-                self.qweight.data.copy_(pack_rows(unpack_rows(self.qweight.data)[perm]))
+                values = unpack_rows(self.qweight.data, self.bits)[perm]
+                self.qweight.data.copy_(pack_rows(values, self.bits))
                 self.perm = perm
         if self.qweight.is_cuda:  # (before any CUDA graph is captured)
             from kvfleet.engine.layers.quantization.triton_int4 import (
@@ -274,14 +288,19 @@ class Int4Linear(QuantizedLinear):
                 workspace_sizes,
             )
 
-            sizes = workspace_sizes(self.out_features, self.in_features, self.group_size)
+            sizes = workspace_sizes(self.out_features, self.in_features, self.group_size, self.bits)
             shared_workspace(self.qweight.device, *sizes)
 
     def weights(self) -> Int4Weights:
         """The layer's tensors as the kernels take them (built once loading has finished)."""
         if self._weights is None:
             self._weights = Int4Weights(
-                self.qweight.data, self.scales.data, self.zeros.data, self.group_size, self.perm
+                self.qweight.data,
+                self.scales.data,
+                self.zeros.data,
+                self.group_size,
+                self.perm,
+                self.bits,
             )
         return self._weights
 

@@ -98,7 +98,8 @@ def make_linear_factory(scheme: QuantScheme | None, dtype: torch.dtype) -> Linea
         if isinstance(scheme, Int4Scheme):
             from kvfleet.engine.layers.quantization.int4 import Int4Linear
 
-            return Int4Linear(in_features, out_features, bias, dtype, scheme)
+            bits = scheme.bits_for(modules)
+            return Int4Linear(in_features, out_features, bias, dtype, scheme, bits)
         from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, Fp8Linear
 
         if scheme.block is not None:

@@ -10,7 +10,8 @@ INT4 weight-only (W4A16) comes from AWQ checkpoints (`quant_method: "awq"`, GEMM
 AutoAWQ writes them), GPTQ checkpoints (`quant_method: "gptq"`, symmetric or not, any group
 size, `desc_act`, as AutoGPTQ / GPTQModel write them), or a bf16/fp16 checkpoint rounded to
 nearest at load (`quantization="rtn"`: group 128 with zero points, AWQ's form), or a GGUF
-file's Q4_0 / Q4_1 / Q4_K projections kept 4-bit (`quantization="gguf"`: engine/loader/gguf.py).
+file's Q4_0 / Q4_1 / Q4_K projections kept 4-bit and Q8_0 ones 8-bit (`quantization="gguf"`:
+engine/loader/gguf.py).
 """
 
 from __future__ import annotations
@@ -89,13 +90,20 @@ class Int4Scheme:
     """INT4 weights (W4A16): `group_size` inputs share a scale and zero point (-1: all of a
     layer's inputs); `source` "awq", "gptq" or "online" (rounded to nearest at load);
     `zero_offset` 1 where a GPTQ checkpoint stores zeros minus one (its original format);
-    `act_order`: GPTQ's desc_act (the input permuted by `g_idx`)."""
+    `act_order`: GPTQ's desc_act (the input permuted by `g_idx`); `eight_bit`: the modules
+    held in 8-bit words instead (a GGUF file's Q8_0 layers, and the fused layers they share
+    with Q4 parts: a 4-bit value fits 8 bits exactly)."""
 
     source: str
     group_size: int
     zero_offset: int = 0
     act_order: bool = False
     ignore: tuple[str, ...] = ()
+    eight_bit: tuple[str, ...] = ()
+
+    def bits_for(self, modules: tuple[str, ...]) -> int:
+        """The bits per value of the layer holding these checkpoint modules."""
+        return 8 if any(_listed(module, self.eight_bit) for module in modules) else 4
 
     @property
     def method(self) -> str:
@@ -106,10 +114,12 @@ class Int4Scheme:
         return self.source != "online"
 
     def quantizes(self, module: str) -> bool:
-        return not any(module == entry or module.endswith("." + entry) for entry in self.ignore)
+        return not _listed(module, self.ignore)
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        if self.eight_bit:
+            group += f"; {len(self.eight_bit)} projections 8-bit"
         if self.source == "online":
             group += " (64 or 32 where a layer's inputs need)"
         origin = (
@@ -147,8 +157,8 @@ def resolve_quantization(
             return Int4Scheme(source="online", group_size=RTN_GROUP_SIZE)
         if method == "gguf":
             raise ValueError(
-                "quantization='gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q4_K layers 4-bit; this "
-                "model is not a GGUF file"
+                "quantization='gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q4_K layers 4-bit and "
+                "Q8_0 layers 8-bit; this model is not a GGUF file"
             )
         if method != "fp8":
             raise ValueError(
@@ -349,3 +359,7 @@ def _names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise ValueError(f"a list of ignored modules is a list of names, got {value!r}")
     return tuple(str(v) for v in value)
+
+
+def _listed(module: str, entries: tuple[str, ...]) -> bool:
+    return any(module == entry or module.endswith("." + entry) for entry in entries)

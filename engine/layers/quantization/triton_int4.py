@@ -30,7 +30,8 @@ import triton.language as tl
 from kvfleet.engine.layers.quantization.int4 import Int4Weights
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
-# inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md)
+# inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md):
+# with groups of 32 (GGUF's), 8 steps of 32 inputs, 4-bit and 8-bit alike
 GEMV_TILES = (64, 128, 2, 4)
 # (BLOCK_M, BLOCK_N, R, STEPS, warps) of the slice GEMM by row count (up to 16, up to 32), and
 # the most rows it takes (above: the dequantizing pass and cuBLAS, faster there). Short
@@ -79,47 +80,56 @@ def _split_k_store(
 def _w4a16_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
     out_ptr, N, K, group_size,
-    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
-    """out [N] = x [K] . W (+ bias). BLOCK_K divides the group size (a step is in one group)."""
+    """out [N] = x [K] . W (+ bias), W of BITS (4 or 8) bit values, 32 / BITS to a word.
+    BLOCK_K divides the group size (a step is in one group)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    eights = tl.arange(0, BLOCK_K // 8) * 8
-    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    firsts = tl.arange(0, BLOCK_K * BITS // 32) * (32 // BITS)  # each word row's first input
+    acc = tl.zeros((BLOCK_K * BITS // 32, BLOCK_N), dtype=tl.float32)
     for step in tl.static_range(STEPS):
         k0 = (pid_k * STEPS + step) * BLOCK_K
-        ok = k0 + eights < K
+        ok = k0 + firsts < K
         packed = tl.load(
-            qweight_ptr + (k0 // 8 + eights // 8)[:, None] * N + cols[None, :],
+            qweight_ptr + ((k0 + firsts) // (32 // BITS))[:, None] * N + cols[None, :],
             mask=ok[:, None] & col_ok[None, :],
             other=0,
         )
-        high = packed >> 20
         # (a step past K, in the last program, has its words and inputs masked to 0)
         group = tl.minimum(k0 // group_size, K // group_size - 1)
         scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        ks = k0 + eights
+        ks = k0 + firsts
         x0 = _x(x_ptr, perm_ptr, ks, ok, HAS_PERM)
         x1 = _x(x_ptr, perm_ptr, ks + 1, ok, HAS_PERM)
         x2 = _x(x_ptr, perm_ptr, ks + 2, ok, HAS_PERM)
         x3 = _x(x_ptr, perm_ptr, ks + 3, ok, HAS_PERM)
-        x4 = _x(x_ptr, perm_ptr, ks + 4, ok, HAS_PERM)
-        x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
-        x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
-        x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
-        xq = x0[:, None] * _placed(packed, 0xF)
-        xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0)
-        xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00)
-        xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000)
-        xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000)
-        xq += x5[:, None] * _placed(high, 0xF)
-        xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0)
-        xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00)
-        x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        if BITS == 4:
+            high = packed >> 20
+            x4 = _x(x_ptr, perm_ptr, ks + 4, ok, HAS_PERM)
+            x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
+            x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
+            x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
+            xq = x0[:, None] * _placed(packed, 0xF)
+            xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0)
+            xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00)
+            xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000)
+            xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000)
+            xq += x5[:, None] * _placed(high, 0xF)
+            xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0)
+            xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00)
+            x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
+            high = packed >> 16
+            xq = x0[:, None] * _placed(packed, 0xFF)
+            xq += (x1 * 0.00390625)[:, None] * _placed(packed, 0xFF00)
+            xq += x2[:, None] * _placed(high, 0xFF)
+            xq += (x3 * 0.00390625)[:, None] * _placed(high, 0xFF00)
+            x_sum = x0 + x1 + x2 + x3
         acc += xq * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -134,11 +144,11 @@ def _w4a16_gemv_kernel(
 def _w4a16_gemm_kernel(
     xs_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
     M, N, K, group_size,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    R: tl.constexpr, STEPS: tl.constexpr,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, R: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
-    """out [M, N] = x . W (+ bias), x given regrouped: xs[m, j, w] = x[m, 8 w + j]. Program
-    (m, n, s) takes STEPS x R words of K."""
+    """out [M, N] = x . W (+ bias), x given regrouped: xs[m, j, w] = x[m, P w + j] with P =
+    32 / BITS values to a word. Program (m, n, s) takes STEPS x R words of K."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -149,19 +159,19 @@ def _w4a16_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in tl.static_range(STEPS):
         words = (pid_k * STEPS + step) * R + tl.arange(0, R)
-        word_ok = words < K // 8
+        word_ok = words < K * BITS // 32
         ok = word_ok[:, None] & col_ok[None, :]
         packed = tl.load(qweight_ptr + words[:, None] * N + cols[None, :], mask=ok, other=0)
-        at = (words * 8 // group_size)[:, None] * N + cols[None, :]
+        at = (words * (32 // BITS) // group_size)[:, None] * N + cols[None, :]
         scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
         zero_scale = tl.load(zeros_ptr + at, mask=ok, other=0.0).to(tl.float32) * scale
-        for j in tl.static_range(8):
+        for j in tl.static_range(32 // BITS):
             x = tl.load(
-                xs_ptr + rows[:, None] * K + (j * (K // 8) + words)[None, :],
+                xs_ptr + rows[:, None] * K + (j * (K * BITS // 32) + words)[None, :],
                 mask=row_ok[:, None] & word_ok[None, :],
                 other=0.0,
             )
-            w = (_placed(packed >> (4 * j), 0xF) * scale - zero_scale).to(x.dtype)
+            w = (_placed(packed >> (BITS * j), (1 << BITS) - 1) * scale - zero_scale).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision="ieee" if x.dtype == tl.float32 else "tf32")
     bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
@@ -176,23 +186,25 @@ def _w4a16_gemm_kernel(
 @triton.jit
 def _dequantize_kernel(
     qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, group_size,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out [K, N] = W in out's dtype."""
     k0 = tl.program_id(0) * BLOCK_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    eights = tl.arange(0, BLOCK_K // 8) * 8
-    ok = (k0 + eights < K)[:, None] & col_ok[None, :]
-    packed = tl.load(qweight_ptr + (k0 // 8 + eights // 8)[:, None] * N + cols[None, :], mask=ok)
-    groups = (k0 + eights) // group_size
+    firsts = tl.arange(0, BLOCK_K * BITS // 32) * (32 // BITS)
+    ok = (k0 + firsts < K)[:, None] & col_ok[None, :]
+    packed = tl.load(
+        qweight_ptr + ((k0 + firsts) // (32 // BITS))[:, None] * N + cols[None, :], mask=ok
+    )
+    groups = (k0 + firsts) // group_size
     at = groups[:, None] * N + cols[None, :]
     scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
     zero = tl.load(zeros_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(8):
-        q = _placed(packed >> (4 * j), 0xF)
+    for j in tl.static_range(32 // BITS):
+        q = _placed(packed >> (BITS * j), (1 << BITS) - 1)
         tl.store(
-            out_ptr + (k0 + eights + j)[:, None] * N + cols[None, :],
+            out_ptr + (k0 + firsts + j)[:, None] * N + cols[None, :],
             ((q - zero) * scale).to(out_ptr.dtype.element_ty),
             mask=ok,
         )
@@ -233,29 +245,34 @@ def shared_workspace(device: torch.device, partials: int, counters: int) -> Spli
 def gemv_plan(
     k: int, group_size: int, tiles: tuple[int, int, int, int] | None = None
 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the one-row kernel for K inputs: BLOCK_K a
-    power of two dividing the group size, SPLIT the programs sharing a column block."""
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the one-row kernel for K inputs (of either
+    width): BLOCK_K a power of two dividing the group size (where the group is smaller than the
+    tiles' BLOCK_K, more steps keep the inputs per program), SPLIT the programs sharing a
+    column block."""
     block_n, block_k, steps, warps = tiles or GEMV_TILES
+    inputs = block_k * steps
     while group_size % block_k:
         block_k //= 2
+    if tiles is None:
+        steps = inputs // block_k
     return block_n, block_k, steps, triton.cdiv(k, block_k * steps), warps
 
 
 def gemm_plan(
-    m: int, k: int, tiles: tuple[int, int, int, int, int] | None = None
+    m: int, k: int, bits: int = 4, tiles: tuple[int, int, int, int, int] | None = None
 ) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, R, STEPS, SPLIT, warps) of the slice GEMM for M rows and K inputs;
-    `tiles` (BLOCK_M, BLOCK_N, R, STEPS, warps) fixes them."""
+    """(BLOCK_M, BLOCK_N, R, STEPS, SPLIT, warps) of the slice GEMM for M rows and K inputs
+    of `bits`-bit words; `tiles` (BLOCK_M, BLOCK_N, R, STEPS, warps) fixes them."""
     block_m, block_n, r, steps, warps = tiles or GEMM_TILES[16 if m <= 16 else 32]
-    return block_m, block_n, r, steps, triton.cdiv(k // 8, r * steps), warps
+    return block_m, block_n, r, steps, triton.cdiv(k * bits // 32, r * steps), warps
 
 
-def workspace_sizes(n: int, k: int, group_size: int) -> tuple[int, int]:
+def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, int]:
     """(partials, counters) a layer of N outputs and K inputs needs on either kernel."""
     block_n, _, _, split, _ = gemv_plan(k, group_size)
     partials, counters = split * n, triton.cdiv(n, block_n)
     for m in range(2, FUSED_ROWS + 1):
-        block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k)
+        block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
         m_blocks = triton.cdiv(m, block_m)
         partials = max(partials, gemm_split * m_blocks * block_m * n)
         counters = max(counters, m_blocks * triton.cdiv(n, gemm_n))
@@ -268,7 +285,7 @@ def w4a16_gemv(
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """One row x [1, K] (bf16/fp16/fp32) times the 4-bit weight (+ bias): [1, N] in x's
+    """One row x [1, K] (bf16/fp16/fp32) times the packed weight (+ bias): [1, N] in x's
     dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
     k = x.shape[1]
     n = weights.qweight.shape[1]
@@ -279,7 +296,7 @@ def w4a16_gemv(
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
-        out, n, k, weights.group_size,
+        out, n, k, weights.group_size, BITS=weights.bits,
         HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, num_warps=warps,
     )  # fmt: skip
@@ -288,13 +305,13 @@ def w4a16_gemv(
 
 def dequantize_triton(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
     """W [K, N] in `dtype` (the permuted input order), in one pass."""
-    k = weights.qweight.shape[0] * 8
+    k = weights.in_features
     n = weights.qweight.shape[1]
     out = torch.empty((k, n), dtype=dtype, device=weights.qweight.device)
     block_k = 64
     _dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, 128))](
         weights.qweight, weights.scales, weights.zeros, out, n, k, weights.group_size,
-        BLOCK_N=128, BLOCK_K=block_k, num_warps=4,
+        BITS=weights.bits, BLOCK_N=128, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -305,23 +322,24 @@ def w4a16_gemm(
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] times the 4-bit weight (+ bias) in the split-K slice GEMM; `tiles` (BLOCK_M,
+    """x [M, K] times the packed weight (+ bias) in the split-K slice GEMM; `tiles` (BLOCK_M,
     BLOCK_N, R, STEPS, warps)."""
     m, k = x.shape
     n = weights.qweight.shape[1]
     if weights.perm is not None:
         x = x[:, weights.perm]
-    xs = x.reshape(m, k // 8, 8).transpose(1, 2).contiguous()
+    per = 32 // weights.bits
+    xs = x.reshape(m, k // per, per).transpose(1, 2).contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, r, steps, split, warps = gemm_plan(m, k, tiles)
+    block_m, block_n, r, steps, split, warps = gemm_plan(m, k, weights.bits, tiles)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     space = shared_workspace(x.device, split * grid[0] * block_m * n, grid[0] * grid[1])
     _w4a16_gemm_kernel[grid](
         xs, weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters, out,
         m, n, k, weights.group_size,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, R=r,
-        STEPS=steps, num_warps=warps, num_stages=2,
+        BITS=weights.bits, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m,
+        BLOCK_N=block_n, R=r, STEPS=steps, num_warps=warps, num_stages=2,
     )  # fmt: skip
     return out
 
@@ -329,7 +347,7 @@ def w4a16_gemm(
 def w4a16_matmul(
     x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] times the 4-bit weight [K, N] (+ bias): [M, N] in x's dtype. One row: the
+    """x [M, K] times the packed weight [K, N] (+ bias): [M, N] in x's dtype. One row: the
     split-K kernel; up to FUSED_ROWS: the slice GEMM; more: the weight dequantized in one pass,
     then cuBLAS."""
     if x.shape[0] == 1:

@@ -157,30 +157,39 @@ def test_names_and_bad_files(tmp_path: Path) -> None:
         read_gguf_config(junk)
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
-def test_q4_blocks_repack_into_the_int4_layout(kind: Q) -> None:
-    """Q4_0 / Q4_1 / Q4_K rows read into kvfleet's INT4 layout dequantize to what gguf's own
+@pytest.mark.parametrize(
+    ("kind", "bits"), [(Q.Q4_0, 4), (Q.Q4_1, 4), (Q.Q4_K, 4), (Q.Q8_0, 8), (Q.Q4_K, 8)]
+)
+def test_gguf_blocks_repack_into_the_packed_layout(kind: Q, bits: int) -> None:
+    """Q4_0 / Q4_1 / Q4_K / Q8_0 rows read into kvfleet's packed layout (4-bit words, or 8-bit
+    ones: a Q4 part of a fused layer with a Q8_0 part) dequantize to what gguf's own
     dequantizer gives (to float32 rounding: the zero is -m / d or dmin m / (d sc)), a
-    constant Q4_1 block too (Q4_K: random super-blocks, gguf cannot write them)."""
+    constant Q4_1 block too (Q4_K: random super-blocks, gguf cannot write them); Q8_0 does not
+    fit 4-bit words."""
     from gguf.quants import dequantize
 
     from kvfleet.engine.layers.quantization.int4 import Int4Weights
-    from kvfleet.engine.loader.gguf import q4_to_int4
+    from kvfleet.engine.loader.gguf import gguf_to_packed
 
     rng = np.random.default_rng(1)
     weights = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
     weights[3, 64:96] = 0.25  # (one block of equal values: Q4_1 stores d = 0)
     data = encode(weights, kind, rng)
-    qweight, scales, zeros = q4_to_int4(data, kind)
-    got = Int4Weights(qweight, scales, zeros, 32).dequantize()
+    qweight, scales, zeros = gguf_to_packed(data, kind, bits)
+    assert qweight.shape == (256 * bits // 32, 48)
+    got = Int4Weights(qweight, scales, zeros, 32, bits=bits).dequantize()
     want = torch.from_numpy(dequantize(data, kind)).t()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    if kind == Q.Q8_0:
+        with pytest.raises(ValueError, match="8-bit words"):
+            gguf_to_packed(data, kind, 4)
 
 
 def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
-    """The projections whose fused layer is all Q4_0 / Q4_1 / Q4_K load as INT4 layers (a
-    fused layer with a part of another type is dequantized whole), and the model computes what
-    the dequantized model computes (CPU, float32). `quantization="gguf"` asks for it; a file
+    """The projections whose fused layer is all Q4_0 / Q4_1 / Q4_K load as 4-bit layers, those
+    with a Q8_0 part (and the rest Q4 or Q8_0) as 8-bit ones (a fused layer with a part of
+    another type is dequantized whole), and the model computes what the dequantized model
+    computes (CPU, float32). `quantization="gguf"` asks for it; a file
     without Q4 layers, or another format, is refused; `quantization="rtn"` rounds every
     projection from the dequantized weights instead."""
     from kvfleet.engine.layers.quantization.int4 import Int4Linear, quantize_rtn
@@ -193,9 +202,9 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     global LAYER_TYPES  # noqa: PLW0603  (write_model reads it)
     saved = LAYER_TYPES
     # (layer l takes LAYER_TYPES[(i + 3 l) % 7] for q, k, v, o, gate, up, down: layer 0 q Q4_K,
-    # k Q4_0 and v Q8_0 (so q, k, v dequantize), o, gate Q4_1, up Q4_0, down Q4_K; layer 1 q, k
-    # Q4_1, v Q4_0, o Q4_K, gate Q4_K, up Q4_0, down Q8_0)
-    LAYER_TYPES = [Q.Q4_K, Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.Q4_1, Q.Q4_0, Q.Q4_K]
+    # k Q4_0 and v Q8_0 (so q, k, v 8-bit), o Q4_1, gate F16 and up Q4_0 (dequantized), down
+    # Q4_K; layer 1 q Q4_1, k F16, v Q4_0 (dequantized), o Q4_K, gate Q4_K, up Q4_0, down Q8_0)
+    LAYER_TYPES = [Q.Q4_K, Q.Q4_0, Q.Q8_0, Q.Q4_1, Q.F16, Q.Q4_0, Q.Q4_K]
     try:
         path = tmp_path / "q4.gguf"
         write_model(path, tied=False)
@@ -203,7 +212,9 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
         LAYER_TYPES = saved
     scheme = gguf_int4_scheme(path)
     assert scheme is not None
-    assert scheme.describe() == "int4 weight-only (gguf checkpoint; group 32)"
+    assert scheme.describe() == (
+        "int4 weight-only (gguf checkpoint; group 32; 4 projections 8-bit)"
+    )
     source = ModelSource("gguf", path, "q4")
     config = source.read_config()
 
@@ -217,20 +228,21 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     assert pick_quantization(None, source, config, torch.device("cpu")) is None
     with pytest.raises(ValueError, match="not a GGUF file"):
         pick_quantization("gguf", ModelSource("hf", tmp_path, "t"), config, torch.device("cpu"))
-    LAYER_TYPES = [Q.Q8_0] * 7
+    LAYER_TYPES = [Q.F16, Q.Q6_K] * 3 + [Q.F16]
     try:
-        other = tmp_path / "q8.gguf"
+        other = tmp_path / "f16.gguf"
         write_model(other, tied=True)
     finally:
         LAYER_TYPES = saved
-    with pytest.raises(ValueError, match="no Q4_0 / Q4_1 / Q4_K projection layers"):
+    with pytest.raises(ValueError, match="no Q4_0 / Q4_1 / Q4_K / Q8_0 projection layers"):
         pick_quantization("gguf", ModelSource("gguf", other, "t"), config, torch.device("cpu"))
     ours, plain = load(scheme), load(None)
-    int4 = sorted(n for n, m in ours.named_modules() if isinstance(m, Int4Linear))
-    assert int4 == [
-        "layers.0.mlp.down_proj", "layers.0.mlp.gate_up_proj", "layers.0.self_attn.o_proj",
-        "layers.1.mlp.gate_up_proj", "layers.1.self_attn.o_proj", "layers.1.self_attn.qkv_proj",
-    ]  # fmt: skip
+    packed = {n: m.bits for n, m in ours.named_modules() if isinstance(m, Int4Linear)}
+    assert packed == {
+        "layers.0.self_attn.qkv_proj": 8, "layers.0.self_attn.o_proj": 4,
+        "layers.0.mlp.down_proj": 4, "layers.1.self_attn.o_proj": 4,
+        "layers.1.mlp.gate_up_proj": 4, "layers.1.mlp.down_proj": 8,
+    }  # fmt: skip
     got, want = _logits(ours, True), _logits(plain, True)
     assert (got - want).abs().max() < float32_bound(float(want.abs().max()))
     # 'rtn' rounds the dequantized weights, as it does any checkpoint's (the Q4 blocks are not

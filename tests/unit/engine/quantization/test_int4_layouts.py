@@ -147,12 +147,64 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
     for _ in range(2):
         if rows == 1:
             got = w4a16_gemv(x, weights, bias, gemv_tiles)
-            assert gemv_plan(K, group, gemv_tiles)[3] == {"one": 1, "uneven": 3, "fine": 16}[split]
+            split_count = gemv_plan(K, group, gemv_tiles)[3]
+            assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
         else:
             got = w4a16_gemm(x, weights, bias, gemm_tiles)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert not shared_workspace(x.device, 0, 0).counters.any()
     torch.testing.assert_close(w4a16_matmul(x, weights, bias), want, rtol=1e-5, atol=1e-4)
+    big = torch.randn(40, K, generator=torch.Generator().manual_seed(40))  # (dequantizing)
+    torch.testing.assert_close(
+        w4a16_matmul(big, weights, bias), int4_linear_reference(big, weights, bias),
+        rtol=1e-5, atol=1e-4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("split", ["one", "uneven", "fine"])
+def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
+    """The same kernels over 8-bit values (four to a word: GGUF's Q8_0 layers), in the
+    interpreter, float32, against the dequantized reference: unsplit, split unevenly and
+    finely, the slice GEMM and the dequantizing path; every byte value 0..255 occurs. The
+    default plan for groups of 32 takes 8 steps of 32 inputs."""
+    from kvfleet.engine.layers.quantization.int4 import Int4Weights, pack_rows, unpack_rows
+    from kvfleet.engine.layers.quantization.triton_int4 import (
+        gemv_plan,
+        w4a16_gemm,
+        w4a16_gemv,
+        w4a16_matmul,
+    )
+
+    group = 32
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 256, (K, N), generator=generator)
+    q[:, 0] = torch.arange(K)  # (0..255 in one column)
+    zeros = torch.randint(0, 256, (K // group, N), generator=generator).float()
+    scales = torch.rand(K // group, N, generator=generator) * 0.002 + 1e-4
+    packed = pack_rows(q, bits=8)
+    assert packed.shape == (K // 4, N)
+    assert torch.equal(unpack_rows(packed, bits=8), q.int())
+    weights = Int4Weights(packed, scales, zeros, group, bits=8)
+    per_input = (zeros.repeat_interleave(group, 0), scales.repeat_interleave(group, 0))
+    assert torch.equal(weights.dequantize(), (q - per_input[0]) * per_input[1])
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
+    want = int4_linear_reference(x, weights, bias)
+    # (K = 256: 64 words of four)
+    gemv_tiles, gemm_tiles = {
+        "one": ((32, 32, 8, 4), (16, 32, 32, 2, 4)),
+        "uneven": ((16, 32, 3, 2), (16, 16, 16, 3, 4)),  # (3 x 32 inputs; 3 x 16 words)
+        "fine": ((64, 16, 1, 4), (16, 32, 16, 1, 4)),
+    }[split]
+    assert gemv_plan(K, group)[1:4] == (32, 8, 1)
+    if rows == 1:
+        got = w4a16_gemv(x, weights, bias, gemv_tiles)
+        split_count = gemv_plan(K, group, gemv_tiles)[3]
+        assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
+    else:
+        got = w4a16_gemm(x, weights, bias, gemm_tiles)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     big = torch.randn(40, K, generator=torch.Generator().manual_seed(40))  # (dequantizing)
     torch.testing.assert_close(
         w4a16_matmul(big, weights, bias), int4_linear_reference(big, weights, bias),
