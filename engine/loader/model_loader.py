@@ -54,7 +54,7 @@ def load_model(
     model = model.to_empty(device=device)
     block = quantization.block if isinstance(quantization, Fp8Scheme) else None
     int4 = (
-        (quantization.source, quantization.group_size)
+        (quantization.source, quantization.group_size, quantization.bits)
         if isinstance(quantization, Int4Scheme) and quantization.source in ("awq", "gptq")
         else None
     )

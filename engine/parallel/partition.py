@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from kvfleet.engine.config import ModelConfig
 
@@ -98,14 +99,14 @@ class TPPlan:
         self,
         hf_name: str,
         block: tuple[int, int] | None = None,
-        int4: tuple[str, int] | None = None,
+        int4: tuple[str, int, int] | None = None,
     ) -> Slice | None:
         """The part of a checkpoint tensor this rank keeps; None: all of it (replicated).
         FP8 weight scales follow their weight: per-channel ones ([out, 1]) along its output
         rows, block ones (`block` = (rows, cols) per scale) along either dimension, in blocks.
-        INT4 tensors (`int4` = (source, group size) of an AWQ / GPTQ checkpoint) follow their
-        weight in their own layout: input rows first, packed eight to a word along one dimension
-        (_INT4_DIMS)."""
+        INT4 tensors (`int4` = (source, group size, bits) of an AWQ / GPTQ checkpoint) follow
+        their weight in their own layout: input rows first, packed 32 / bits to a word along one
+        dimension (_INT4_DIMS)."""
         for suffix in (".weight_scale", ".weight_scale_inv"):
             if hf_name.endswith(suffix):
                 return self._scale_slice(hf_name.removesuffix(suffix) + ".weight", block)
@@ -130,7 +131,9 @@ class TPPlan:
                 return dim, start, length
         return None
 
-    def _int4_slice(self, module: str, kind: str, source: str, group: int) -> Slice | None:
+    def _int4_slice(
+        self, module: str, kind: str, source: str, group: int, bits: int
+    ) -> Slice | None:
         part = self.slice_for(module + ".weight")
         if part is None:
             return None
@@ -138,17 +141,16 @@ class TPPlan:
         place = _INT4_DIMS[(source if kind == "qweight" else "any", kind)][dim]
         if place is None:
             return None
-        tensor_dim, unit = place
-        if unit == 0:  # (one group: per group of all the inputs, or GPTQ's group -1)
-            if group == -1:
-                return None
-            unit = group
+        tensor_dim, along = place
+        if along == "group" and group == -1:  # (one group of all the inputs: GPTQ's -1)
+            return None
+        unit = {"packed": 32 // bits, "group": group, "each": 1}[along]
         if start % unit or length % unit:
             raise ValueError(
                 f"{module}.{kind}: this rank's {'outputs' if dim == 0 else 'inputs'} "
                 f"{start}..{start + length} do not fall on the checkpoint's units of {unit} "
-                f"({'packed words' if unit == 8 else 'quantization groups'}); choose a tensor "
-                "parallel size that splits the layers on them"
+                f"({'packed words' if along == 'packed' else 'quantization groups'}); choose a "
+                "tensor parallel size that splits the layers on them"
             )
         return tensor_dim, start // unit, length // unit
 
@@ -170,13 +172,14 @@ class TPPlan:
 
 
 # Where an INT4 tensor holds its weight's outputs and inputs: (tensor dim, unit) per weight dim
-# (0: outputs, 1: inputs); unit 0 is the quantization group; None: not split (whole on every
-# rank). GPTQ's qweight is [K / 8, N], AWQ's [K, N / 8]; both qzeros [K / g, N / 8], scales
-# [K / g, N], g_idx [K].
-_INT4_DIMS: dict[tuple[str, str], tuple[tuple[int, int] | None, tuple[int, int] | None]] = {
-    ("gptq", "qweight"): ((1, 1), (0, 8)),
-    ("awq", "qweight"): ((1, 8), (0, 1)),
-    ("any", "qzeros"): ((1, 8), (0, 0)),
-    ("any", "scales"): ((1, 1), (0, 0)),
-    ("any", "g_idx"): (None, (0, 1)),
+# (0: outputs, 1: inputs); units "packed" (32 / bits values to a word), "group" (the
+# quantization group) or "each"; None: not split (whole on every rank). GPTQ's qweight is
+# [K / P, N], AWQ's [K, N / 8]; both qzeros [K / g, N / P], scales [K / g, N], g_idx [K].
+_Place = tuple[int, Literal["packed", "group", "each"]] | None
+_INT4_DIMS: dict[tuple[str, str], tuple[_Place, _Place]] = {
+    ("gptq", "qweight"): ((1, "each"), (0, "packed")),
+    ("awq", "qweight"): ((1, "packed"), (0, "each")),
+    ("any", "qzeros"): ((1, "packed"), (0, "group")),
+    ("any", "scales"): ((1, "each"), (0, "group")),
+    ("any", "g_idx"): (None, (0, "each")),
 }

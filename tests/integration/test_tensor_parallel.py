@@ -126,14 +126,18 @@ def test_vocabulary_race_over_two_ranks_equals_one(tiny_config: Callable[..., Pa
     assert all(len(tokens) == 12 for tokens in one)
 
 
-@pytest.mark.parametrize(("fmt", "group"), [("awq", 64), ("gptq", 128)])
-def test_int4_checkpoints_over_two_ranks_equal_one(tmp_path: Path, fmt: str, group: int) -> None:
-    """AWQ and GPTQ tensors split in their own layouts (packed words, groups) as each rank
-    loads them: greedy tokens equal, logprobs within float32 rounding."""
+@pytest.mark.parametrize(
+    ("fmt", "group", "bits"), [("awq", 64, 4), ("gptq", 128, 4), ("gptq", 64, 8)]
+)
+def test_int4_checkpoints_over_two_ranks_equal_one(
+    tmp_path: Path, fmt: str, group: int, bits: int
+) -> None:
+    """AWQ and GPTQ (4- and 8-bit) tensors split in their own layouts (packed words, groups)
+    as each rank loads them: greedy tokens equal, logprobs within float32 rounding."""
     from tests.unit.engine.quantization.checkpoints import random_llama
     from tests.unit.engine.quantization.test_int4_checkpoints import _write_int4
 
-    _write_int4(tmp_path, random_llama(), fmt, group, sym=False, act_order=False)
+    _write_int4(tmp_path, random_llama(), fmt, group, sym=False, act_order=False, bits=bits)
     prompts = [list(range(1, 2 + 3 * i)) for i in range(4)]
     extra: dict[str, Any] = {"skip_tokenizer_init": True}
     one, two = (generate(size, str(tmp_path), prompts, **extra) for size in (1, 2))

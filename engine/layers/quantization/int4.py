@@ -242,9 +242,9 @@ class Int4Linear(QuantizedLinear):
             expect_shape(name, tensor, (k // g, count))
             self._fill(start, zeros=tensor.to(device, self.dtype))
         elif kind == "qzeros" and source in ("awq", "gptq"):
-            expect_shape(name, tensor, (k // g, count // 8), torch.int32)
+            expect_shape(name, tensor, (k // g, count * self.bits // 32), torch.int32)
             order = AWQ_ORDER if source == "awq" else None
-            zeros = unpack_columns(tensor.to(device), order) + self.scheme.zero_offset
+            zeros = unpack_columns(tensor.to(device), order, self.bits) + self.scheme.zero_offset
             self._fill(start, zeros=zeros.to(self.dtype))
         elif kind == "scales" and source != "online":
             expect_shape(name, tensor, (k // g, count))

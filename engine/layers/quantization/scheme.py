@@ -90,20 +90,24 @@ class Int4Scheme:
     """INT4 weights (W4A16): `group_size` inputs share a scale and zero point (-1: all of a
     layer's inputs); `source` "awq", "gptq" or "online" (rounded to nearest at load);
     `zero_offset` 1 where a GPTQ checkpoint stores zeros minus one (its original format);
-    `act_order`: GPTQ's desc_act (the input permuted by `g_idx`); `eight_bit`: the modules
-    held in 8-bit words instead (a GGUF file's Q8_0 layers, and the fused layers they share
-    with Q4 parts: a 4-bit value fits 8 bits exactly)."""
+    `act_order`: GPTQ's desc_act (the input permuted by `g_idx`); `bits` 8: a GPTQ checkpoint
+    of 8-bit values (W8A16, four to a word); `eight_bit`: modules held in 8-bit words in a
+    4-bit scheme (a GGUF file's Q8_0 layers, and the fused layers they share with Q4 parts: a
+    4-bit value fits 8 bits exactly)."""
 
     source: str
     group_size: int
     zero_offset: int = 0
     act_order: bool = False
     ignore: tuple[str, ...] = ()
+    bits: int = 4
     eight_bit: tuple[str, ...] = ()
 
     def bits_for(self, modules: tuple[str, ...]) -> int:
         """The bits per value of the layer holding these checkpoint modules."""
-        return 8 if any(_listed(module, self.eight_bit) for module in modules) else 4
+        if self.bits == 8 or any(_listed(module, self.eight_bit) for module in modules):
+            return 8
+        return 4
 
     @property
     def method(self) -> str:
@@ -126,13 +130,13 @@ class Int4Scheme:
             "rounded to nearest at load" if self.source == "online" else f"{self.source} checkpoint"
         )
         order = ", act-order" if self.act_order else ""
-        return f"int4 weight-only ({origin}; {group}{order})"
+        return f"int{self.bits} weight-only ({origin}; {group}{order})"
 
     def labels(self) -> dict[str, str]:
         return {
             "method": self.method,
             "source": self.source,
-            "weights": "int4",
+            "weights": f"int{self.bits}",
             "activations": "none",
         }
 
@@ -222,10 +226,11 @@ def _fp8_format(config: Mapping[str, Any]) -> Fp8Scheme:
 def _int4_format(quant_method: str, config: Mapping[str, Any]) -> Int4Scheme:
     """AutoAWQ's and AutoGPTQ's `quantization_config`."""
     bits = config.get("bits", config.get("w_bit"))
-    if bits != 4:
+    widths = (4, 8) if quant_method == "gptq" else (4,)
+    if bits not in widths:
         raise ValueError(
             f"{quant_method} checkpoints with {bits} bits are not supported; kvfleet reads "
-            "4-bit ones"
+            f"{' and '.join(map(str, widths))}-bit ones"
         )
     group = config.get("group_size", config.get("q_group_size"))
     if not isinstance(group, int) or not (group == -1 or (group > 0 and group % 8 == 0)):
@@ -251,6 +256,7 @@ def _int4_format(quant_method: str, config: Mapping[str, Any]) -> Int4Scheme:
         zero_offset=1 if fmt == "gptq" else 0,
         act_order=bool(config.get("desc_act", False)),
         ignore=ignore,
+        bits=bits,
     )
 
 

@@ -26,23 +26,32 @@ INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o",
             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "down"}  # fmt: skip
 
 
-def _quantize(weight: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, ...]:
+def _quantize(
+    weight: torch.Tensor, group: int, sym: bool, bits: int = 4
+) -> tuple[torch.Tensor, ...]:
     """Round to nearest as the tools do: w [out, in] -> q [in, out], zeros and scales
     [in / g, out] (fp16 scales)."""
+    top = 2**bits - 1
     w = weight.t().reshape(-1, group, weight.shape[0])  # [groups, g, out]
     if sym:
-        scales = (w.abs().amax(dim=1) / 7.5).clamp_min(1e-6).half()
-        zeros = torch.full_like(scales, 8, dtype=torch.int64)
+        scales = (w.abs().amax(dim=1) / (top / 2)).clamp_min(1e-6).half()
+        zeros = torch.full_like(scales, (top + 1) // 2, dtype=torch.int64)
     else:
         low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
-        scales = ((high - low) / 15).clamp_min(1e-6).half()
-        zeros = (-low / scales.float()).round().clamp(0, 15).long()
-    q = (w / scales.float()[:, None] + zeros[:, None]).round().clamp(0, 15).long()
+        scales = ((high - low) / top).clamp_min(1e-6).half()
+        zeros = (-low / scales.float()).round().clamp(0, top).long()
+    q = (w / scales.float()[:, None] + zeros[:, None]).round().clamp(0, top).long()
     return q.reshape(weight.shape[1], weight.shape[0]), zeros, scales
 
 
 def _write_int4(
-    folder: Path, state: dict[str, torch.Tensor], fmt: str, group: int, sym: bool, act_order: bool
+    folder: Path,
+    state: dict[str, torch.Tensor],
+    fmt: str,
+    group: int,
+    sym: bool,
+    act_order: bool,
+    bits: int = 4,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint and the float32 weights it holds (dequantized, [out, in])."""
     tensors: dict[str, torch.Tensor] = {}
@@ -65,7 +74,7 @@ def _write_int4(
             g_idx = g_idx[perms[key]]
         # (each input row k quantized with its group g_idx[k]'s scale and zero)
         sorted_w = weight[:, torch.argsort(g_idx, stable=True)]
-        q_sorted, zeros, scales = _quantize(sorted_w, group, sym)
+        q_sorted, zeros, scales = _quantize(sorted_w, group, sym, bits)
         q = torch.empty_like(q_sorted)
         q[torch.argsort(g_idx, stable=True)] = q_sorted
         dense[name] = ((q - zeros[g_idx]).float() * scales.float()[g_idx]).t().contiguous()
@@ -74,15 +83,15 @@ def _write_int4(
             tensors[f"{module}.qzeros"] = _pack_columns(zeros, AWQ_ORDER)
         else:
             stored = zeros - 1 if fmt == "gptq" else zeros
-            tensors[f"{module}.qweight"] = _gptq_pack_rows(q)
-            tensors[f"{module}.qzeros"] = _pack_columns(stored, list(range(8)))
+            tensors[f"{module}.qweight"] = _gptq_pack_rows(q, bits)
+            tensors[f"{module}.qzeros"] = _pack_columns(stored, list(range(32 // bits)), bits)
             tensors[f"{module}.g_idx"] = g_idx.to(torch.int32)
         tensors[f"{module}.scales"] = scales
     if fmt == "awq":
         config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                   "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
     else:
-        config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
                   "sym": sym, "checkpoint_format": fmt, "static_groups": False,
                   "true_sequential": True}  # fmt: skip
     _write(folder, tensors, config)
@@ -102,22 +111,26 @@ def _load(folder: Path, dense: dict[str, torch.Tensor] | None = None) -> torch.n
 
 
 CASES = [
-    ("awq", 64, False, False),
-    ("gptq", 128, True, False),  # (symmetric: zero 8, stored as 7 in the v1 format)
-    ("gptq", 64, False, True),  # (act-order)
-    ("gptq_v2", 32, False, True),
+    ("awq", 64, False, False, 4),
+    ("gptq", 128, True, False, 4),  # (symmetric: zero 8, stored as 7 in the v1 format)
+    ("gptq", 64, False, True, 4),  # (act-order)
+    ("gptq_v2", 32, False, True, 4),
+    ("gptq", 128, True, False, 8),  # (8-bit: zero 128, stored as 127)
+    ("gptq_v2", 64, False, True, 8),
 ]
 
 
-@pytest.mark.parametrize(("fmt", "group", "sym", "act_order"), CASES)
+@pytest.mark.parametrize(("fmt", "group", "sym", "act_order", "bits"), CASES)
 def test_an_int4_checkpoint_computes_what_its_dequantized_weights_compute(
-    tmp_path: Path, fmt: str, group: int, sym: bool, act_order: bool
+    tmp_path: Path, fmt: str, group: int, sym: bool, act_order: bool, bits: int
 ) -> None:
+    """(and GPTQ's 8-bit checkpoints: W8A16, four values to a word)"""
     state = random_llama()
-    dense = _write_int4(tmp_path, state, fmt, group, sym, act_order)
+    dense = _write_int4(tmp_path, state, fmt, group, sym, act_order, bits)
     ours = _load(tmp_path)
     layers = [m for m in ours.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 8  # (qkv, o, gate_up, down in each of 2 layers)
+    assert {layer.bits for layer in layers} == {bits}
     assert (layers[0].perm is not None) == act_order
     reference = _load(tmp_path, dense)
     got, want = _logits(ours, True), _logits(reference, True)
@@ -131,8 +144,10 @@ def test_int4_checkpoint_errors(tmp_path: Path) -> None:
     _write_int4(tmp_path, state, "gptq", 64, False, True)
     with pytest.raises(ValueError, match="disagrees with the checkpoint"):
         resolve_quantization("awq", {"quant_method": "gptq", "bits": 4, "group_size": 64})
-    with pytest.raises(ValueError, match="with 8 bits are not supported"):
-        resolve_quantization(None, {"quant_method": "gptq", "bits": 8, "group_size": 64})
+    with pytest.raises(ValueError, match="with 3 bits are not supported; kvfleet reads 4 and 8"):
+        resolve_quantization(None, {"quant_method": "gptq", "bits": 3, "group_size": 64})
+    with pytest.raises(ValueError, match="awq checkpoints with 8 bits are not supported"):
+        resolve_quantization(None, {"quant_method": "awq", "bits": 8, "group_size": 64})
     with pytest.raises(ValueError, match="version 'gemv' is not supported"):
         resolve_quantization(None, {"quant_method": "awq", "bits": 4, "group_size": 64,
                                     "version": "gemv"})  # fmt: skip

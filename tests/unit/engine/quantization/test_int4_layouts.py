@@ -13,21 +13,25 @@ from kvfleet.engine.layers.quantization.int4 import from_awq, from_gptq, int4_li
 K, N = 256, 64
 
 
-def _gptq_pack_rows(intweight: torch.Tensor) -> torch.Tensor:
-    """AutoGPTQ's qweight packing: eight input rows per int32 row, row j at bits 4 (j % 8)."""
-    packed = torch.zeros(intweight.shape[0] // 8, intweight.shape[1], dtype=torch.int64)
+def _gptq_pack_rows(intweight: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """AutoGPTQ's qweight packing: 32 / bits input rows per int32 row, row j at bits
+    bits (j % (32 / bits))."""
+    per = 32 // bits
+    packed = torch.zeros(intweight.shape[0] // per, intweight.shape[1], dtype=torch.int64)
     for row in range(packed.shape[0]):
-        for j in range(8):
-            packed[row] |= intweight[row * 8 + j].long() << (4 * j)
+        for j in range(per):
+            packed[row] |= intweight[row * per + j].long() << (bits * j)
     return _as_int32(packed)
 
 
-def _pack_columns(values: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """qzeros (GPTQ, order 0..7) and AWQ's qweight/qzeros (order 0, 2, 4, 6, 1, 3, 5, 7)."""
-    packed = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
+def _pack_columns(values: torch.Tensor, order: list[int], bits: int = 4) -> torch.Tensor:
+    """qzeros (GPTQ, order 0..7, or 0..3 at 8 bits) and AWQ's qweight/qzeros (order 0, 2, 4,
+    6, 1, 3, 5, 7)."""
+    per = 32 // bits
+    packed = torch.zeros(values.shape[0], values.shape[1] // per, dtype=torch.int64)
     for col in range(packed.shape[1]):
-        for i in range(8):
-            packed[:, col] |= values[:, col * 8 + order[i]].long() << (4 * i)
+        for i in range(per):
+            packed[:, col] |= values[:, col * per + order[i]].long() << (bits * i)
     return _as_int32(packed)
 
 

@@ -141,12 +141,13 @@ def test_tensor_parallel_ranks_take_their_scales() -> None:
 
 def test_tensor_parallel_ranks_take_their_int4_tensors() -> None:
     """AWQ / GPTQ tensors follow their weight in their own layouts (rank 1 of 2: q 128..256,
-    kv 64..128, MLP 256..512; o and down split their inputs)."""
+    kv 64..128, MLP 256..512; o and down split their inputs); 8-bit GPTQ packs four to a
+    word."""
     from kvfleet.engine.config import ModelConfig
 
     plan = TPPlan.build(ModelConfig.from_hf_config(TINY), 1, 2)
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
-    gptq, awq = ("gptq", 64), ("awq", 64)
+    gptq, awq, gptq8 = ("gptq", 64, 4), ("awq", 64, 4), ("gptq", 64, 8)
     assert plan.slice_for(f"{attn}.k_proj.qweight", int4=gptq) == (1, 64, 64)  # [K/8, N]
     assert plan.slice_for(f"{attn}.k_proj.qweight", int4=awq) == (1, 8, 8)  # [K, N/8]
     assert plan.slice_for(f"{attn}.k_proj.qzeros", int4=gptq) == (1, 8, 8)
@@ -156,6 +157,8 @@ def test_tensor_parallel_ranks_take_their_int4_tensors() -> None:
     assert plan.slice_for(f"{attn}.o_proj.qweight", int4=awq) == (0, 128, 128)
     assert plan.slice_for(f"{attn}.o_proj.scales", int4=gptq) == (0, 2, 2)  # (groups of 64)
     assert plan.slice_for(f"{attn}.o_proj.g_idx", int4=gptq) == (0, 128, 128)
-    assert plan.slice_for(f"{mlp}.down_proj.qzeros", int4=("gptq", -1)) is None  # (one group)
+    assert plan.slice_for(f"{attn}.k_proj.qzeros", int4=gptq8) == (1, 16, 16)  # [K/g, N/4]
+    assert plan.slice_for(f"{attn}.o_proj.qweight", int4=gptq8) == (0, 32, 32)  # (inputs / 4)
+    assert plan.slice_for(f"{mlp}.down_proj.qzeros", int4=("gptq", -1, 4)) is None  # (1 group)
     with pytest.raises(ValueError, match="do not fall on the checkpoint's units of 256"):
-        plan.slice_for(f"{attn}.o_proj.scales", int4=("gptq", 256))
+        plan.slice_for(f"{attn}.o_proj.scales", int4=("gptq", 256, 4))
