@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
-"""The Triton W4A16 kernels (engine/layers/quantization/triton_int4.py) against bf16 F.linear at
+"""The Triton W4A16 kernels (engine/layers/quantization/triton_packed.py) against bf16 F.linear at
 Llama-3-8B's shapes, each timed inside a CUDA graph over 20 weight copies (so the weights come
 from HBM, not L2), beside the 4-bit weights' bytes floor (values, scales and zeros; group 128):
 the one-row split-K kernel over a sweep of (BLOCK_N, BLOCK_K, STEPS, warps), more rows
@@ -19,16 +19,16 @@ import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
 from kvfleet.bench.fp8_linear import graphed
-from kvfleet.engine.layers.quantization.int4 import (
-    Int4Weights,
-    int4_linear_reference,
+from kvfleet.engine.layers.quantization.packed import (
+    PackedWeights,
     pack_rows,
+    packed_linear_reference,
     quantize_rtn,
 )
-from kvfleet.engine.layers.quantization.triton_int4 import (
+from kvfleet.engine.layers.quantization.triton_packed import (
     dequantize_triton,
-    w4a16_gemm,
-    w4a16_gemv,
+    packed_gemm,
+    packed_gemv,
 )
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -40,7 +40,7 @@ SWEEP_32 = [(64, 32, 4, 4), (64, 32, 8, 4), (128, 32, 4, 4), (128, 32, 8, 4), (6
             (32, 32, 8, 2), (256, 32, 4, 8)]  # fmt: skip
 
 
-def q8_0_like(dense: torch.Tensor) -> Int4Weights:
+def q8_0_like(dense: torch.Tensor) -> PackedWeights:
     """`dense` [N, K] as GGUF's Q8_0 holds it: a scale per 32 inputs, bytes q + 128."""
     n, k = dense.shape
     grouped = dense.float().t().reshape(k // 32, 32, n)
@@ -48,7 +48,7 @@ def q8_0_like(dense: torch.Tensor) -> Int4Weights:
     q = (grouped / scales[:, None, :]).round().clamp(-128, 127) + 128
     zeros = torch.full_like(scales, 128.0)
     bf16 = torch.bfloat16
-    return Int4Weights(pack_rows(q.reshape(k, n), 8), scales.to(bf16), zeros.to(bf16), 32, bits=8)
+    return PackedWeights(pack_rows(q.reshape(k, n), 8), scales.to(bf16), zeros.to(bf16), 32, bits=8)
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
 
         for m in (1, 2, 8, 16, 32, 64):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            want = int4_linear_reference(x, weights[0]).float()
+            want = packed_linear_reference(x, weights[0]).float()
             bf16 = timed(lambda: [F.linear(x, w) for w in dense])
             line = f"{name:8s} M={m:4d}: floor {floor:5.1f} | bf16 {bf16:6.1f}"
             if m > 1:
@@ -86,16 +86,16 @@ def main() -> None:
                 for tiles in [None, *(GEMM_SWEEP if bits == 4 else [])]:
                     if tiles is not None and tiles[0] > max(16, 2 * m):
                         continue
-                    got = w4a16_gemm(x, weights[0], None, tiles).float()
+                    got = packed_gemm(x, weights[0], None, tiles).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    us = timed(lambda: [w4a16_gemm(x, w, None, tiles) for w in weights])
+                    us = timed(lambda: [packed_gemm(x, w, None, tiles) for w in weights])
                     label = "/".join(map(str, tiles)) if tiles else "default"
                     line += f" | {label} {us:6.1f} ({err:.0e})"
             else:
                 for gemv_tiles in [None, *sweep]:
-                    got = w4a16_gemv(x, weights[0], None, gemv_tiles).float()
+                    got = packed_gemv(x, weights[0], None, gemv_tiles).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    us = timed(lambda: [w4a16_gemv(x, w, None, gemv_tiles) for w in weights])
+                    us = timed(lambda: [packed_gemv(x, w, None, gemv_tiles) for w in weights])
                     label = "/".join(map(str, gemv_tiles)) if gemv_tiles else "default"
                     line += f" | {label} {us:6.1f} ({err:.0e})"
             print(line, flush=True)

@@ -1,6 +1,6 @@
 """GGUF files: the model config from metadata, and weights to Hugging Face names: dequantized,
 or with quantization='gguf' the Q4_0 / Q4_1 / Q4_K projections kept 4-bit and the Q8_0 ones
-8-bit (repacked into kvfleet's packed-integer layout, engine/layers/quantization/int4.py), so
+8-bit (repacked into kvfleet's packed-integer layout, engine/layers/quantization/packed.py), so
 a GGUF model keeps its memory on the GPU.
 
 llama.cpp's converter permutes the rows of Q and K projections of llama-architecture models
@@ -28,8 +28,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvfleet.engine.config import ModelConfig
-from kvfleet.engine.layers.quantization.int4 import pack_rows
-from kvfleet.engine.layers.quantization.scheme import Int4Scheme
+from kvfleet.engine.layers.quantization.packed import pack_rows
+from kvfleet.engine.layers.quantization.scheme import PackedScheme
 
 # Types kvfleet has tested end to end; others the gguf package can dequantize are accepted too.
 TESTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -81,7 +81,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_gguf_fields(read_fields(reader), "output.weight" in names)
 
 
-def gguf_int4_scheme(path: Path) -> Int4Scheme | None:
+def gguf_packed_scheme(path: Path) -> PackedScheme | None:
     """The scheme that keeps the file's Q4_0 / Q4_1 / Q4_K projections 4-bit and its Q8_0 ones
     8-bit (the others, and a fused layer with any part of another type, are dequantized); None
     without any."""
@@ -105,7 +105,7 @@ def gguf_int4_scheme(path: Path) -> Int4Scheme | None:
         siblings = next((group for group in _FUSED if proj in group), (proj,))
         if any(types[f"{owner}.{sibling}"] == GGMLQuantizationType.Q8_0 for sibling in siblings):
             eight_bit.add(module)
-    return Int4Scheme(
+    return PackedScheme(
         source="gguf",
         group_size=GGUF_GROUP_SIZE,
         ignore=ignore,
@@ -184,10 +184,10 @@ def iterate_gguf_weights(
     path: Path,
     config: ModelConfig,
     slice_for: Callable[[str], tuple[int, int, int] | None] | None = None,
-    int4: Int4Scheme | None = None,
+    packed: PackedScheme | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized, but for
-    the projections `int4` (`gguf_int4_scheme`) keeps packed (4- or 8-bit): their `qweight`,
+    the projections `packed` (`gguf_packed_scheme`) keeps packed (4- or 8-bit): their `qweight`,
     `scales` and `zeros`. With `slice_for` (tensor parallelism) only that (dim, start,
     length) slice is returned: row slices are cut from the quantized rows before
     dequantizing; column slices after."""
@@ -199,7 +199,7 @@ def iterate_gguf_weights(
         if part is not None and part[0] == 0:  # whole rows (and whole heads): quantized as is
             data = data[part[1] : part[1] + part[2]]
         module = hf_name.removesuffix(".weight")
-        if int4 is not None and hf_name.endswith("_proj.weight") and int4.quantizes(module):
+        if packed is not None and hf_name.endswith("_proj.weight") and packed.quantizes(module):
             if part is not None and part[0] == 1:  # (whole blocks of inputs)
                 unit = _BLOCK_INPUTS[GGMLQuantizationType(tensor.tensor_type)]
                 block_bytes = data.shape[1] * unit // config_inputs(tensor)
@@ -215,7 +215,7 @@ def iterate_gguf_weights(
                 ("q_proj.weight", "k_proj.weight")
             ):
                 data = reverse_permute_qk(data, data.shape[0] // config.head_dim)
-            bits = int4.bits_for((module,))
+            bits = packed.bits_for((module,))
             qweight, scales, zeros = gguf_to_packed(data, tensor.tensor_type, bits)
             yield f"{module}.qweight", qweight
             yield f"{module}.scales", scales

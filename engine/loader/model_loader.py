@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.quantization.linear import make_linear_factory
-from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, Int4Scheme, QuantScheme
+from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, PackedScheme, QuantScheme
 from kvfleet.engine.loader.source import ModelSource
 from kvfleet.engine.models.llama import AttentionFactory, LlamaForCausalLM
 from kvfleet.engine.parallel.partition import Slice
@@ -53,13 +53,13 @@ def load_model(
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
     block = quantization.block if isinstance(quantization, Fp8Scheme) else None
-    int4 = (
+    packed = (
         (quantization.source, quantization.group_size, quantization.bits)
-        if isinstance(quantization, Int4Scheme) and quantization.source in ("awq", "gptq")
+        if isinstance(quantization, PackedScheme) and quantization.source in ("awq", "gptq")
         else None
     )
     slice_for = (
-        _whole if tp is None else functools.partial(tp.plan.slice_for, block=block, int4=int4)
+        _whole if tp is None else functools.partial(tp.plan.slice_for, block=block, packed=packed)
     )
     if source.format == "dummy":
         weights = _dummy_weights(model, config, seed, slice_for)
@@ -93,12 +93,12 @@ def _weights(
 
         # (only quantization='gguf' reads Q4 blocks as they are; 'rtn' rounds the dequantized
         # weights like any other checkpoint's)
-        int4 = (
+        packed = (
             quantization
-            if isinstance(quantization, Int4Scheme) and quantization.source == "gguf"
+            if isinstance(quantization, PackedScheme) and quantization.source == "gguf"
             else None
         )
-        return iterate_gguf_weights(source.path, config, slice_for, int4)
+        return iterate_gguf_weights(source.path, config, slice_for, packed)
     from kvfleet.engine.loader.safetensors_folder import iterate_safetensors_weights
 
     return iterate_safetensors_weights(source.path, slice_for)

@@ -99,20 +99,20 @@ class TPPlan:
         self,
         hf_name: str,
         block: tuple[int, int] | None = None,
-        int4: tuple[str, int, int] | None = None,
+        packed: tuple[str, int, int] | None = None,
     ) -> Slice | None:
         """The part of a checkpoint tensor this rank keeps; None: all of it (replicated).
         FP8 weight scales follow their weight: per-channel ones ([out, 1]) along its output
         rows, block ones (`block` = (rows, cols) per scale) along either dimension, in blocks.
-        INT4 tensors (`int4` = (source, group size, bits) of an AWQ / GPTQ checkpoint) follow
-        their weight in their own layout: input rows first, packed 32 / bits to a word along one
-        dimension (_INT4_DIMS)."""
+        AWQ / GPTQ tensors (`packed` = the checkpoint's (source, group size, bits)) follow their
+        weight in their own layout: input rows first, packed 32 / bits to a word along one
+        dimension (_PACKED_DIMS)."""
         for suffix in (".weight_scale", ".weight_scale_inv"):
             if hf_name.endswith(suffix):
                 return self._scale_slice(hf_name.removesuffix(suffix) + ".weight", block)
         module, _, kind = hf_name.rpartition(".")
-        if int4 is not None and kind in ("qweight", "qzeros", "scales", "g_idx"):
-            return self._int4_slice(module, kind, *int4)
+        if packed is not None and kind in ("qweight", "qzeros", "scales", "g_idx"):
+            return self._packed_slice(module, kind, *packed)
         hd = self.head_dim
         q = (self.q_heads.start * hd, self.q_heads.size * hd)
         kv = (self.kv_heads.start * hd, self.kv_heads.size * hd)
@@ -131,14 +131,14 @@ class TPPlan:
                 return dim, start, length
         return None
 
-    def _int4_slice(
+    def _packed_slice(
         self, module: str, kind: str, source: str, group: int, bits: int
     ) -> Slice | None:
         part = self.slice_for(module + ".weight")
         if part is None:
             return None
         dim, start, length = part
-        place = _INT4_DIMS[(source if kind == "qweight" else "any", kind)][dim]
+        place = _PACKED_DIMS[(source if kind == "qweight" else "any", kind)][dim]
         if place is None:
             return None
         tensor_dim, along = place
@@ -176,7 +176,7 @@ class TPPlan:
 # quantization group) or "each"; None: not split (whole on every rank). GPTQ's qweight is
 # [K / P, N], AWQ's [K, N / 8]; both qzeros [K / g, N / P], scales [K / g, N], g_idx [K].
 _Place = tuple[int, Literal["packed", "group", "each"]] | None
-_INT4_DIMS: dict[tuple[str, str], tuple[_Place, _Place]] = {
+_PACKED_DIMS: dict[tuple[str, str], tuple[_Place, _Place]] = {
     ("gptq", "qweight"): ((1, "each"), (0, "packed")),
     ("awq", "qweight"): ((1, "packed"), (0, "each")),
     ("any", "qzeros"): ((1, "packed"), (0, "group")),

@@ -19,7 +19,7 @@ from kvfleet.engine.attention.metadata import AttentionLayer
 from kvfleet.engine.attention.torch_backend import TorchAttention
 from kvfleet.engine.config import EngineConfig, ModelConfig
 from kvfleet.engine.layers.quantization.scheme import (
-    Int4Scheme,
+    PackedScheme,
     QuantScheme,
     resolve_quantization,
 )
@@ -100,9 +100,9 @@ def pick_quantization(
     if method == "gguf" and source.format == "gguf":
         # NOTE: asked for, not the default for GGUF files: the INT4 kernels are faster than
         # bf16 for one sequence but slower for batches (bench/RESULTS.md, session 14)
-        from kvfleet.engine.loader.gguf import gguf_int4_scheme
+        from kvfleet.engine.loader.gguf import gguf_packed_scheme
 
-        gguf = gguf_int4_scheme(source.path)
+        gguf = gguf_packed_scheme(source.path)
         if gguf is None:
             raise ValueError(
                 f"quantization='gguf': {source.path.name} has no Q4_0 / Q4_1 / Q4_K / Q8_0 "
@@ -112,9 +112,9 @@ def pick_quantization(
     scheme = resolve_quantization(method, checkpoint)
     if scheme is None:
         return None
-    if isinstance(scheme, Int4Scheme):
+    if isinstance(scheme, PackedScheme):
         if source.format == "dummy" and scheme.from_checkpoint:
-            scheme = Int4Scheme(source="online", group_size=scheme.group_size)
+            scheme = PackedScheme(source="online", group_size=scheme.group_size)
         if tensor_parallel_size > 1 and scheme.act_order:
             raise ValueError(
                 f"{scheme.describe()}: act-order GPTQ checkpoints are not supported with tensor "

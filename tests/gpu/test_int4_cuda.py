@@ -10,11 +10,11 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from kvfleet.engine.layers.quantization.int4 import (  # noqa: E402
-    int4_linear_reference,
+from kvfleet.engine.layers.quantization.packed import (  # noqa: E402
+    packed_linear_reference,
     quantize_rtn,
 )
-from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul  # noqa: E402
+from kvfleet.engine.layers.quantization.triton_packed import packed_matmul  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 
@@ -28,8 +28,8 @@ def test_w4a16_matches_its_reference(n: int, k: int, act_order: bool) -> None:
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     for m in (1, 1, 7, 7, 32, 64, 512):  # (twice: the split-K counters reset)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        got = w4a16_matmul(x, weights, bias).float()
-        want = int4_linear_reference(x.float(), weights, bias.float())
+        got = packed_matmul(x, weights, bias).float()
+        want = packed_linear_reference(x.float(), weights, bias.float())
         # (bf16 dequantized weights in the tensor-core path and a bf16 output: bf16's rounding)
         assert (got - want).norm() / want.norm() < 1e-2, m
 
@@ -37,16 +37,16 @@ def test_w4a16_matches_its_reference(n: int, k: int, act_order: bool) -> None:
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_8_bit_words_match_their_reference(n: int, k: int) -> None:
     """The same kernels over 8-bit values (GGUF Q8_0's: group 32, zero 128)."""
-    from kvfleet.engine.layers.quantization.int4 import Int4Weights, pack_rows
+    from kvfleet.engine.layers.quantization.packed import PackedWeights, pack_rows
 
     q = torch.randint(0, 256, (k, n), device="cuda")
     scales = (torch.rand(k // 32, n, device="cuda") * 2e-4 + 1e-5).to(torch.bfloat16)
     zeros = torch.full((k // 32, n), 128.0, device="cuda", dtype=torch.bfloat16)
-    weights = Int4Weights(pack_rows(q, bits=8), scales, zeros, 32, bits=8)
+    weights = PackedWeights(pack_rows(q, bits=8), scales, zeros, 32, bits=8)
     for m in (1, 1, 7, 32, 64):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        got = w4a16_matmul(x, weights).float()
-        want = int4_linear_reference(x.float(), weights)
+        got = packed_matmul(x, weights).float()
+        want = packed_linear_reference(x.float(), weights)
         assert (got - want).norm() / want.norm() < 1e-2, m
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.quantization.scheme import Int4Scheme, QuantScheme
+from kvfleet.engine.layers.quantization.scheme import PackedScheme, QuantScheme
 
 # (first output row, rows) of a fused layer one checkpoint tensor fills; None: all of it
 Rows = tuple[int, int] | None
@@ -95,11 +95,11 @@ def make_linear_factory(scheme: QuantScheme | None, dtype: torch.dtype) -> Linea
             )
         if kept:
             return plain(modules, in_features, out_features, bias)
-        if isinstance(scheme, Int4Scheme):
-            from kvfleet.engine.layers.quantization.int4 import Int4Linear
+        if isinstance(scheme, PackedScheme):
+            from kvfleet.engine.layers.quantization.packed import PackedLinear
 
             bits = scheme.bits_for(modules)
-            return Int4Linear(in_features, out_features, bias, dtype, scheme, bits)
+            return PackedLinear(in_features, out_features, bias, dtype, scheme, bits)
         from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, Fp8Linear
 
         if scheme.block is not None:

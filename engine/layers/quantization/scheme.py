@@ -6,12 +6,12 @@ a compressed-tensors checkpoint as llm-compressor writes it (`quant_method:
 "compressed-tensors"`, float-quantized), or the `quant_method: "fp8"` format (per-tensor scales,
 or `weight_block_size` [128, 128] with `weight_scale_inv`, as DeepSeek and Qwen publish).
 
-INT4 weight-only (W4A16) comes from AWQ checkpoints (`quant_method: "awq"`, GEMM packing, as
-AutoAWQ writes them), GPTQ checkpoints (`quant_method: "gptq"`, symmetric or not, any group
-size, `desc_act`, as AutoGPTQ / GPTQModel write them), or a bf16/fp16 checkpoint rounded to
-nearest at load (`quantization="rtn"`: group 128 with zero points, AWQ's form), or a GGUF
-file's Q4_0 / Q4_1 / Q4_K projections kept 4-bit and Q8_0 ones 8-bit (`quantization="gguf"`:
-engine/loader/gguf.py).
+Integer weight-only (W4A16, W8A16) comes from AWQ checkpoints (`quant_method: "awq"`, GEMM
+packing, as AutoAWQ writes them), GPTQ checkpoints (`quant_method: "gptq"`, 4 or 8 bits,
+symmetric or not, any group size, `desc_act`, as AutoGPTQ / GPTQModel write them), or a
+bf16/fp16 checkpoint rounded to 4 bits at load (`quantization="rtn"`: group 128 with zero
+points, AWQ's form), or a GGUF file's Q4_0 / Q4_1 / Q4_K projections kept 4-bit and Q8_0 ones
+8-bit (`quantization="gguf"`: engine/loader/gguf.py).
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ class Fp8Scheme:
 
 
 @dataclass(frozen=True)
-class Int4Scheme:
-    """INT4 weights (W4A16): `group_size` inputs share a scale and zero point (-1: all of a
-    layer's inputs); `source` "awq", "gptq" or "online" (rounded to nearest at load);
+class PackedScheme:
+    """Packed integer weights (W4A16, or W8A16): `group_size` inputs share a scale and zero
+    point (-1: all of a layer's inputs); `source` "awq", "gptq", "gguf" or "online" (rounded
+    to nearest at load);
     `zero_offset` 1 where a GPTQ checkpoint stores zeros minus one (its original format);
     `act_order`: GPTQ's desc_act (the input permuted by `g_idx`); `bits` 8: a GPTQ checkpoint
     of 8-bit values (W8A16, four to a word); `eight_bit`: modules held in 8-bit words in a
@@ -141,7 +142,7 @@ class Int4Scheme:
         }
 
 
-QuantScheme = Fp8Scheme | Int4Scheme
+QuantScheme = Fp8Scheme | PackedScheme
 
 
 def resolve_quantization(
@@ -158,7 +159,7 @@ def resolve_quantization(
         if method is None:
             return None
         if method == "rtn":
-            return Int4Scheme(source="online", group_size=RTN_GROUP_SIZE)
+            return PackedScheme(source="online", group_size=RTN_GROUP_SIZE)
         if method == "gguf":
             raise ValueError(
                 "quantization='gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q4_K layers 4-bit and "
@@ -223,7 +224,7 @@ def _fp8_format(config: Mapping[str, Any]) -> Fp8Scheme:
     )
 
 
-def _int4_format(quant_method: str, config: Mapping[str, Any]) -> Int4Scheme:
+def _int4_format(quant_method: str, config: Mapping[str, Any]) -> PackedScheme:
     """AutoAWQ's and AutoGPTQ's `quantization_config`."""
     bits = config.get("bits", config.get("w_bit"))
     widths = (4, 8) if quant_method == "gptq" else (4,)
@@ -246,11 +247,11 @@ def _int4_format(quant_method: str, config: Mapping[str, Any]) -> Int4Scheme:
             )
         if config.get("zero_point", True) is not True:
             raise ValueError("AWQ checkpoints without zero points are not supported")
-        return Int4Scheme(source="awq", group_size=group, ignore=ignore)
+        return PackedScheme(source="awq", group_size=group, ignore=ignore)
     fmt = config.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported: gptq, gptq_v2")
-    return Int4Scheme(
+    return PackedScheme(
         source="gptq",
         group_size=group,
         zero_offset=1 if fmt == "gptq" else 0,

@@ -168,7 +168,7 @@ def test_gguf_blocks_repack_into_the_packed_layout(kind: Q, bits: int) -> None:
     fit 4-bit words."""
     from gguf.quants import dequantize
 
-    from kvfleet.engine.layers.quantization.int4 import Int4Weights
+    from kvfleet.engine.layers.quantization.packed import PackedWeights
     from kvfleet.engine.loader.gguf import gguf_to_packed
 
     rng = np.random.default_rng(1)
@@ -177,7 +177,7 @@ def test_gguf_blocks_repack_into_the_packed_layout(kind: Q, bits: int) -> None:
     data = encode(weights, kind, rng)
     qweight, scales, zeros = gguf_to_packed(data, kind, bits)
     assert qweight.shape == (256 * bits // 32, 48)
-    got = Int4Weights(qweight, scales, zeros, 32, bits=bits).dequantize()
+    got = PackedWeights(qweight, scales, zeros, 32, bits=bits).dequantize()
     want = torch.from_numpy(dequantize(data, kind)).t()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     if kind == Q.Q8_0:
@@ -192,8 +192,8 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     computes (CPU, float32). `quantization="gguf"` asks for it; a file
     without Q4 layers, or another format, is refused; `quantization="rtn"` rounds every
     projection from the dequantized weights instead."""
-    from kvfleet.engine.layers.quantization.int4 import Int4Linear, quantize_rtn
-    from kvfleet.engine.loader.gguf import gguf_int4_scheme
+    from kvfleet.engine.layers.quantization.packed import PackedLinear, quantize_rtn
+    from kvfleet.engine.loader.gguf import gguf_packed_scheme
     from kvfleet.engine.loader.model_loader import load_model
     from kvfleet.engine.loader.source import ModelSource
     from kvfleet.engine.worker.setup import _attention_factory
@@ -210,7 +210,7 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
         write_model(path, tied=False)
     finally:
         LAYER_TYPES = saved
-    scheme = gguf_int4_scheme(path)
+    scheme = gguf_packed_scheme(path)
     assert scheme is not None
     assert scheme.describe() == (
         "int4 weight-only (gguf checkpoint; group 32; 4 projections 8-bit)"
@@ -237,7 +237,7 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no Q4_0 / Q4_1 / Q4_K / Q8_0 projection layers"):
         pick_quantization("gguf", ModelSource("gguf", other, "t"), config, torch.device("cpu"))
     ours, plain = load(scheme), load(None)
-    packed = {n: m.bits for n, m in ours.named_modules() if isinstance(m, Int4Linear)}
+    packed = {n: m.bits for n, m in ours.named_modules() if isinstance(m, PackedLinear)}
     assert packed == {
         "layers.0.self_attn.qkv_proj": 8, "layers.0.self_attn.o_proj": 4,
         "layers.0.mlp.down_proj": 4, "layers.1.self_attn.o_proj": 4,
@@ -248,7 +248,7 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     # 'rtn' rounds the dequantized weights, as it does any checkpoint's (the Q4 blocks are not
     # read as they are: that is 'gguf')
     rounded = load(pick_quantization("rtn", source, config, torch.device("cpu")))
-    layers = {n: m for n, m in rounded.named_modules() if isinstance(m, Int4Linear)}
+    layers = {n: m for n, m in rounded.named_modules() if isinstance(m, PackedLinear)}
     assert len(layers) == 4 * LAYERS
     dense = dict(plain.named_modules())
     for name, layer in layers.items():

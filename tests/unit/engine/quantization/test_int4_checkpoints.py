@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfleet.engine.layers.quantization.int4 import Int4Linear, quantize_rtn
+from kvfleet.engine.layers.quantization.packed import PackedLinear, quantize_rtn
 from kvfleet.engine.layers.quantization.scheme import resolve_quantization
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import ModelSource
@@ -128,7 +128,7 @@ def test_an_int4_checkpoint_computes_what_its_dequantized_weights_compute(
     state = random_llama()
     dense = _write_int4(tmp_path, state, fmt, group, sym, act_order, bits)
     ours = _load(tmp_path)
-    layers = [m for m in ours.modules() if isinstance(m, Int4Linear)]
+    layers = [m for m in ours.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 8  # (qkv, o, gate_up, down in each of 2 layers)
     assert {layer.bits for layer in layers} == {bits}
     assert (layers[0].perm is not None) == act_order
@@ -180,7 +180,7 @@ def test_rtn_quantizes_a_float_checkpoint_at_load(tmp_path: Path) -> None:
     )
     ours = load_model(source, config, torch.float32, torch.device("cpu"),
                       _attention_factory("torch"), quantization=scheme)  # fmt: skip
-    assert sum(isinstance(m, Int4Linear) for m in ours.modules()) == 8
+    assert sum(isinstance(m, PackedLinear) for m in ours.modules()) == 8
     rounded = {
         name: quantize_rtn(w, 128, torch.float32).dequantize().t().contiguous()
         if name.endswith("proj.weight")
@@ -193,13 +193,13 @@ def test_rtn_quantizes_a_float_checkpoint_at_load(tmp_path: Path) -> None:
 
 def test_rtn_takes_a_smaller_group_where_the_layer_needs_it() -> None:
     """(SmolLM2's 576 inputs: 128 does not divide them, 64 does)"""
-    from kvfleet.engine.layers.quantization.scheme import Int4Scheme
+    from kvfleet.engine.layers.quantization.scheme import PackedScheme
 
-    online = Int4Scheme(source="online", group_size=128)
-    assert Int4Linear(576, 64, False, torch.float32, online).group_size == 64
-    assert Int4Linear(4096, 64, False, torch.float32, online).group_size == 128
+    online = PackedScheme(source="online", group_size=128)
+    assert PackedLinear(576, 64, False, torch.float32, online).group_size == 64
+    assert PackedLinear(4096, 64, False, torch.float32, online).group_size == 128
     with pytest.raises(ValueError, match="cannot take group size 128"):
-        Int4Linear(576, 64, False, torch.float32, Int4Scheme(source="awq", group_size=128))
+        PackedLinear(576, 64, False, torch.float32, PackedScheme(source="awq", group_size=128))
 
 
 def test_lora_adds_to_an_int4_projection(tmp_path: Path) -> None:
@@ -217,7 +217,7 @@ def test_lora_adds_to_an_int4_projection(tmp_path: Path) -> None:
     qkv = next(
         w for w in wrappers if w.layer_index == 0 and w.targets == ("q_proj", "k_proj", "v_proj")
     )
-    assert isinstance(qkv.base, Int4Linear)
+    assert isinstance(qkv.base, PackedLinear)
     assert qkv.lora_a.dtype == torch.float32
     generator = torch.Generator().manual_seed(2)
     a, b = torch.randn(4, 256, generator=generator), torch.randn(128, 4, generator=generator)

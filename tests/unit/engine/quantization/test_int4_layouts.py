@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfleet.engine.layers.quantization.int4 import from_awq, from_gptq, int4_linear_reference
+from kvfleet.engine.layers.quantization.packed import from_awq, from_gptq, packed_linear_reference
 
 K, N = 256, 64
 
@@ -87,7 +87,7 @@ def test_gptq_act_order_sorts_the_input_by_group() -> None:
     assert weights.perm is not None
     w = (q - zeros[g_idx.long()]).float() * scales.float()[g_idx.long()]  # [K, N], original order
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(int4_linear_reference(x, weights), x @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_linear_reference(x, weights), x @ w, rtol=1e-5, atol=1e-5)
     uneven = g_idx.clone()
     uneven[0] = (uneven[0] + 1) % (K // group)
     with pytest.raises(ValueError, match=r"exactly 32 input rows"):
@@ -105,7 +105,7 @@ def test_awq_weights_dequantize_exactly(group: int) -> None:
     )
     assert torch.equal(weights.dequantize(), want)
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(int4_linear_reference(x, weights), x @ want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_linear_reference(x, weights), x @ want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -118,12 +118,12 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
     one-row kernel and the slice GEMM unsplit, split unevenly (the last program partly past
     K, masked) and finely, each twice (the split counters reset); the dequantizing path for
     more rows; act-order and a bias."""
-    from kvfleet.engine.layers.quantization.triton_int4 import (
+    from kvfleet.engine.layers.quantization.triton_packed import (
         gemv_plan,
+        packed_gemm,
+        packed_gemv,
+        packed_matmul,
         shared_workspace,
-        w4a16_gemm,
-        w4a16_gemv,
-        w4a16_matmul,
     )
 
     group = 32
@@ -140,7 +140,7 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
     )  # fmt: skip
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
-    want = int4_linear_reference(x, weights, bias)
+    want = packed_linear_reference(x, weights, bias)
     # (K = 256: 32 words. GEMV (BLOCK_N, BLOCK_K, STEPS, warps), GEMM (BLOCK_M, BLOCK_N, R,
     # STEPS, warps))
     gemv_tiles, gemm_tiles = {
@@ -150,17 +150,17 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
     }[split]
     for _ in range(2):
         if rows == 1:
-            got = w4a16_gemv(x, weights, bias, gemv_tiles)
+            got = packed_gemv(x, weights, bias, gemv_tiles)
             split_count = gemv_plan(K, group, gemv_tiles)[3]
             assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
         else:
-            got = w4a16_gemm(x, weights, bias, gemm_tiles)
+            got = packed_gemm(x, weights, bias, gemm_tiles)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert not shared_workspace(x.device, 0, 0).counters.any()
-    torch.testing.assert_close(w4a16_matmul(x, weights, bias), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed_matmul(x, weights, bias), want, rtol=1e-5, atol=1e-4)
     big = torch.randn(40, K, generator=torch.Generator().manual_seed(40))  # (dequantizing)
     torch.testing.assert_close(
-        w4a16_matmul(big, weights, bias), int4_linear_reference(big, weights, bias),
+        packed_matmul(big, weights, bias), packed_linear_reference(big, weights, bias),
         rtol=1e-5, atol=1e-4,
     )  # fmt: skip
 
@@ -172,12 +172,12 @@ def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
     interpreter, float32, against the dequantized reference: unsplit, split unevenly and
     finely, the slice GEMM and the dequantizing path; every byte value 0..255 occurs. The
     default plan for groups of 32 takes 8 steps of 32 inputs."""
-    from kvfleet.engine.layers.quantization.int4 import Int4Weights, pack_rows, unpack_rows
-    from kvfleet.engine.layers.quantization.triton_int4 import (
+    from kvfleet.engine.layers.quantization.packed import PackedWeights, pack_rows, unpack_rows
+    from kvfleet.engine.layers.quantization.triton_packed import (
         gemv_plan,
-        w4a16_gemm,
-        w4a16_gemv,
-        w4a16_matmul,
+        packed_gemm,
+        packed_gemv,
+        packed_matmul,
     )
 
     group = 32
@@ -189,12 +189,12 @@ def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
     packed = pack_rows(q, bits=8)
     assert packed.shape == (K // 4, N)
     assert torch.equal(unpack_rows(packed, bits=8), q.int())
-    weights = Int4Weights(packed, scales, zeros, group, bits=8)
+    weights = PackedWeights(packed, scales, zeros, group, bits=8)
     per_input = (zeros.repeat_interleave(group, 0), scales.repeat_interleave(group, 0))
     assert torch.equal(weights.dequantize(), (q - per_input[0]) * per_input[1])
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
-    want = int4_linear_reference(x, weights, bias)
+    want = packed_linear_reference(x, weights, bias)
     # (K = 256: 64 words of four)
     gemv_tiles, gemm_tiles = {
         "one": ((32, 32, 8, 4), (16, 32, 32, 2, 4)),
@@ -203,21 +203,21 @@ def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
     }[split]
     assert gemv_plan(K, group)[1:4] == (32, 8, 1)
     if rows == 1:
-        got = w4a16_gemv(x, weights, bias, gemv_tiles)
+        got = packed_gemv(x, weights, bias, gemv_tiles)
         split_count = gemv_plan(K, group, gemv_tiles)[3]
         assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
     else:
-        got = w4a16_gemm(x, weights, bias, gemm_tiles)
+        got = packed_gemm(x, weights, bias, gemm_tiles)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     big = torch.randn(40, K, generator=torch.Generator().manual_seed(40))  # (dequantizing)
     torch.testing.assert_close(
-        w4a16_matmul(big, weights, bias), int4_linear_reference(big, weights, bias),
+        packed_matmul(big, weights, bias), packed_linear_reference(big, weights, bias),
         rtol=1e-5, atol=1e-4,
     )  # fmt: skip
 
 
 def test_round_to_nearest_keeps_each_weight_within_half_a_step() -> None:
-    from kvfleet.engine.layers.quantization.int4 import quantize_rtn
+    from kvfleet.engine.layers.quantization.packed import quantize_rtn
 
     weight = torch.randn(N, K, generator=torch.Generator().manual_seed(2))
     weights = quantize_rtn(weight, 64, torch.float32)

@@ -148,17 +148,17 @@ def test_tensor_parallel_ranks_take_their_int4_tensors() -> None:
     plan = TPPlan.build(ModelConfig.from_hf_config(TINY), 1, 2)
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
     gptq, awq, gptq8 = ("gptq", 64, 4), ("awq", 64, 4), ("gptq", 64, 8)
-    assert plan.slice_for(f"{attn}.k_proj.qweight", int4=gptq) == (1, 64, 64)  # [K/8, N]
-    assert plan.slice_for(f"{attn}.k_proj.qweight", int4=awq) == (1, 8, 8)  # [K, N/8]
-    assert plan.slice_for(f"{attn}.k_proj.qzeros", int4=gptq) == (1, 8, 8)
-    assert plan.slice_for(f"{attn}.k_proj.scales", int4=gptq) == (1, 64, 64)
-    assert plan.slice_for(f"{attn}.k_proj.g_idx", int4=gptq) is None
-    assert plan.slice_for(f"{attn}.o_proj.qweight", int4=gptq) == (0, 16, 16)  # (inputs / 8)
-    assert plan.slice_for(f"{attn}.o_proj.qweight", int4=awq) == (0, 128, 128)
-    assert plan.slice_for(f"{attn}.o_proj.scales", int4=gptq) == (0, 2, 2)  # (groups of 64)
-    assert plan.slice_for(f"{attn}.o_proj.g_idx", int4=gptq) == (0, 128, 128)
-    assert plan.slice_for(f"{attn}.k_proj.qzeros", int4=gptq8) == (1, 16, 16)  # [K/g, N/4]
-    assert plan.slice_for(f"{attn}.o_proj.qweight", int4=gptq8) == (0, 32, 32)  # (inputs / 4)
-    assert plan.slice_for(f"{mlp}.down_proj.qzeros", int4=("gptq", -1, 4)) is None  # (1 group)
+    assert plan.slice_for(f"{attn}.k_proj.qweight", packed=gptq) == (1, 64, 64)  # [K/8, N]
+    assert plan.slice_for(f"{attn}.k_proj.qweight", packed=awq) == (1, 8, 8)  # [K, N/8]
+    assert plan.slice_for(f"{attn}.k_proj.qzeros", packed=gptq) == (1, 8, 8)
+    assert plan.slice_for(f"{attn}.k_proj.scales", packed=gptq) == (1, 64, 64)
+    assert plan.slice_for(f"{attn}.k_proj.g_idx", packed=gptq) is None
+    assert plan.slice_for(f"{attn}.o_proj.qweight", packed=gptq) == (0, 16, 16)  # (inputs / 8)
+    assert plan.slice_for(f"{attn}.o_proj.qweight", packed=awq) == (0, 128, 128)
+    assert plan.slice_for(f"{attn}.o_proj.scales", packed=gptq) == (0, 2, 2)  # (groups of 64)
+    assert plan.slice_for(f"{attn}.o_proj.g_idx", packed=gptq) == (0, 128, 128)
+    assert plan.slice_for(f"{attn}.k_proj.qzeros", packed=gptq8) == (1, 16, 16)  # [K/g, N/4]
+    assert plan.slice_for(f"{attn}.o_proj.qweight", packed=gptq8) == (0, 32, 32)  # (inputs / 4)
+    assert plan.slice_for(f"{mlp}.down_proj.qzeros", packed=("gptq", -1, 4)) is None  # (1 group)
     with pytest.raises(ValueError, match="do not fall on the checkpoint's units of 256"):
-        plan.slice_for(f"{attn}.o_proj.scales", int4=("gptq", 256, 4))
+        plan.slice_for(f"{attn}.o_proj.scales", packed=("gptq", 256, 4))

@@ -1,6 +1,7 @@
-"""Triton W4A16 kernels over engine/layers/quantization/int4.py's layout (qweight [K / 8, N]).
+"""Triton W4A16 / W8A16 kernels over engine/layers/quantization/packed.py's layout (qweight
+[K / P, N], P = 8 four-bit or 4 eight-bit values to a word; described below for 4 bits).
 
-- `_w4a16_gemv_kernel`, one row (decode of one sequence): split-K. Program (n, s) takes
+- `_packed_gemv_kernel`, one row (decode of one sequence): split-K. Program (n, s) takes
   BLOCK_N output columns over STEPS x BLOCK_K inputs; the SPLIT programs of a column block each
   write a float32 partial and count themselves in; the last to arrive adds the partials in a
   fixed order (the result does not depend on which program finishes last), adds the bias,
@@ -11,7 +12,7 @@
   that is 16^j q exactly, and the activation it meets is pre-divided by 16^j (exact: a power of
   two). Values 5-7 come from the word shifted right by 20 (the mantissa has 23 bits). The scale
   and zero apply once per word row: sum_k x w = s (sum_k x q) - s zero (sum_k x).
-- `_w4a16_gemm_kernel`, a few rows (batched decode): per step R rows of words (8 R inputs) as
+- `_packed_gemm_kernel`, a few rows (batched decode): per step R rows of words (8 R inputs) as
   eight `tl.dot`s of K = R, slice j pairing value j of each word with inputs 8 w + j. The
   activations are regrouped once per call so that each slice is contiguous ([M, 8, K / 8]:
   a strided gather inside the kernel made it 3x slower).
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.layers.quantization.int4 import Int4Weights
+from kvfleet.engine.layers.quantization.packed import PackedWeights
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
 # inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md):
@@ -77,7 +78,7 @@ def _split_k_store(
 
 
 @triton.jit
-def _w4a16_gemv_kernel(
+def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
     out_ptr, N, K, group_size,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
@@ -141,7 +142,7 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _w4a16_gemm_kernel(
+def _packed_gemm_kernel(
     xs_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
     M, N, K, group_size,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -279,9 +280,9 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
     return partials, counters
 
 
-def w4a16_gemv(
+def packed_gemv(
     x: torch.Tensor,
-    weights: Int4Weights,
+    weights: PackedWeights,
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
@@ -292,7 +293,7 @@ def w4a16_gemv(
     block_n, block_k, steps, split, warps = gemv_plan(k, weights.group_size, tiles)
     space = shared_workspace(x.device, split * n, triton.cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _w4a16_gemv_kernel[(triton.cdiv(n, block_n), split)](
+    _packed_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
@@ -303,7 +304,7 @@ def w4a16_gemv(
     return out
 
 
-def dequantize_triton(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_triton(weights: PackedWeights, dtype: torch.dtype) -> torch.Tensor:
     """W [K, N] in `dtype` (the permuted input order), in one pass."""
     k = weights.in_features
     n = weights.qweight.shape[1]
@@ -316,9 +317,9 @@ def dequantize_triton(weights: Int4Weights, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def w4a16_gemm(
+def packed_gemm(
     x: torch.Tensor,
-    weights: Int4Weights,
+    weights: PackedWeights,
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
@@ -334,7 +335,7 @@ def w4a16_gemm(
     block_m, block_n, r, steps, split, warps = gemm_plan(m, k, weights.bits, tiles)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     space = shared_workspace(x.device, split * grid[0] * block_m * n, grid[0] * grid[1])
-    _w4a16_gemm_kernel[grid](
+    _packed_gemm_kernel[grid](
         xs, weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters, out,
         m, n, k, weights.group_size,
@@ -344,16 +345,16 @@ def w4a16_gemm(
     return out
 
 
-def w4a16_matmul(
-    x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None = None
+def packed_matmul(
+    x: torch.Tensor, weights: PackedWeights, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] times the packed weight [K, N] (+ bias): [M, N] in x's dtype. One row: the
     split-K kernel; up to FUSED_ROWS: the slice GEMM; more: the weight dequantized in one pass,
     then cuBLAS."""
     if x.shape[0] == 1:
-        return w4a16_gemv(x, weights, bias)
+        return packed_gemv(x, weights, bias)
     if x.shape[0] <= FUSED_ROWS:
-        return w4a16_gemm(x, weights, bias)
+        return packed_gemm(x, weights, bias)
     if weights.perm is not None:
         x = x[:, weights.perm]
     w = dequantize_triton(weights, x.dtype)

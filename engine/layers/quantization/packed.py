@@ -1,6 +1,7 @@
-"""INT4 weight-only (W4A16) weights as AWQ and GPTQ checkpoints publish them, read into one
-layout, GPTQ's: 4-bit values packed eight to an int32 along the input dimension (`qweight`
-[K / 8, N]: value k of column n at bits 4 (k % 8) of row k // 8), a scale and a zero point per
+"""Integer weight-only weights (W4A16, W8A16) as AWQ, GPTQ and GGUF files publish them, read
+into one layout, GPTQ's: b-bit values (b = 4 or 8) packed P = 32 / b to an int32 along the input
+dimension (`qweight` [K / P, N]: value k of column n at bits b (k % P) of row k // P; below
+with b = 4, P = 8), a scale and a zero point per
 group of `group_size` inputs and output column ([K / g, N]; the zero in integer units, held in
 the scales' dtype so that GGUF's Q4_1 offsets fit too), and for GPTQ's act-order checkpoints
 the permutation of the input that makes the groups contiguous.
@@ -8,13 +9,14 @@ the permutation of the input that makes the groups contiguous.
     W[k, n] = (q[k, n] - zero[k // g, n]) * scale[k // g, n];  y = x[:, perm] @ W
 
 Rows of words run along the output (N contiguous): the decode kernel reads each row of words
-coalesced and many programs split K between them (triton_int4.py).
+coalesced and many programs split K between them (triton_packed.py).
 
 The published layouts, as AutoGPTQ / GPTQModel and AutoAWQ write them:
 - GPTQ: `qweight` int32 [K / 8, N], value k at bits 4 (k % 8) of row k // 8; `qzeros` int32
   [K / g, N / 8], column n at bits 4 (n % 8); `scales` [K / g, N]; `g_idx` int32 [K] (the group
   of each input row; not k // g when `desc_act`). The original format stores each zero minus
-  one (`checkpoint_format` "gptq"); "gptq_v2" stores it as it is. Symmetric: zero 8.
+  one (`checkpoint_format` "gptq"); "gptq_v2" stores it as it is. Symmetric: zero 8. With
+  `bits: 8` the same with four values to a word (symmetric zero 128).
 - AWQ (GEMM): `qweight` int32 [K, N / 8] packed along the output dimension in the order
   0, 2, 4, 6, 1, 3, 5, 7 (bits 4 i hold column AWQ_ORDER[i] of each eight); `qzeros` int32
   [K / g, N / 8] the same way; `scales` [K / g, N].
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
-from kvfleet.engine.layers.quantization.scheme import Int4Scheme
+from kvfleet.engine.layers.quantization.scheme import PackedScheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -73,7 +75,7 @@ def pack_rows(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
 
 
 @dataclass
-class Int4Weights:
+class PackedWeights:
     """One linear layer's 4-bit (or 8-bit) weights in kvfleet's layout (see the module
     docstring)."""
 
@@ -102,8 +104,8 @@ class Int4Weights:
         return (q - zeros) * scales
 
 
-def int4_linear_reference(
-    x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None = None
+def packed_linear_reference(
+    x: torch.Tensor, weights: PackedWeights, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The torch reference: the weight dequantized, multiplied in float32; out in x's dtype."""
     if weights.perm is not None:
@@ -135,7 +137,7 @@ def from_gptq(
     g_idx: torch.Tensor | None,
     group_size: int,
     zero_offset: int = 1,
-) -> Int4Weights:
+) -> PackedWeights:
     """A GPTQ layer's tensors (`zero_offset` 1 for the original checkpoint format, 0 for
     gptq_v2). With act-order (`g_idx` not k // g) the input rows are sorted by group."""
     values = unpack_rows(qweight)  # [K, N]
@@ -143,21 +145,21 @@ def from_gptq(
     perm = act_order_permutation(g_idx, group_size) if g_idx is not None else None
     if perm is not None:
         values = values[perm]
-    return Int4Weights(pack_rows(values), scales, zeros, group_size, perm)
+    return PackedWeights(pack_rows(values), scales, zeros, group_size, perm)
 
 
 def from_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
-) -> Int4Weights:
+) -> PackedWeights:
     """An AWQ (GEMM) layer's tensors."""
     values = unpack_columns(qweight, AWQ_ORDER)  # [K, N]
     zeros = unpack_columns(qzeros, AWQ_ORDER).to(scales.dtype)
-    return Int4Weights(pack_rows(values), scales, zeros, group_size)
+    return PackedWeights(pack_rows(values), scales, zeros, group_size)
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> Int4Weights:
+def quantize_rtn(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> PackedWeights:
     """Round-to-nearest, asymmetric, per row and group of `group_size` inputs (the form AWQ
-    loads into, without AWQ's activation-aware scaling): weight [N, K] -> Int4Weights with
+    loads into, without AWQ's activation-aware scaling): weight [N, K] -> PackedWeights with
     scales and zeros in `dtype`."""
     n, k = weight.shape
     grouped = weight.float().t().reshape(k // group_size, group_size, n)
@@ -166,11 +168,11 @@ def quantize_rtn(weight: torch.Tensor, group_size: int, dtype: torch.dtype) -> I
     scales = ((high - low) / 15).clamp_min(1e-10).to(dtype).float()
     zeros = (-low / scales).round().clamp(0, 15)
     q = (grouped / scales[:, None, :] + zeros[:, None, :]).round().clamp(0, 15)
-    return Int4Weights(pack_rows(q.reshape(k, n)), scales.to(dtype), zeros.to(dtype), group_size)
+    return PackedWeights(pack_rows(q.reshape(k, n)), scales.to(dtype), zeros.to(dtype), group_size)
 
 
-class Int4Linear(QuantizedLinear):
-    """INT4 (or 8-bit: `bits`) weight-only: `qweight`, `scales`, `zeros` in int4.py's layout,
+class PackedLinear(QuantizedLinear):
+    """INT4 (or 8-bit: `bits`) weight-only: `qweight`, `scales`, `zeros` in packed.py's layout,
     activations in the model dtype. Filled from an AWQ or GPTQ checkpoint's tensors (each fused
     part into its output columns), a GGUF file's blocks (loader/gguf.py) or, online, from a
     bf16/fp16 weight rounded to nearest. GPTQ's act-order
@@ -183,7 +185,7 @@ class Int4Linear(QuantizedLinear):
         out_features: int,
         bias: bool,
         dtype: torch.dtype,
-        scheme: Int4Scheme,
+        scheme: PackedScheme,
         bits: int = 4,
     ):
         super().__init__()
@@ -211,7 +213,7 @@ class Int4Linear(QuantizedLinear):
         self.make_bias(bias)
         self.perm: torch.Tensor | None = None
         self._g_idx: dict[int, torch.Tensor] = {}
-        self._weights: Int4Weights | None = None
+        self._weights: PackedWeights | None = None
 
     def checkpoint_parts(self) -> tuple[str, ...]:
         source = self.scheme.source
@@ -283,7 +285,7 @@ class Int4Linear(QuantizedLinear):
                 self.qweight.data.copy_(pack_rows(values, self.bits))
                 self.perm = perm
         if self.qweight.is_cuda:  # (before any CUDA graph is captured)
-            from kvfleet.engine.layers.quantization.triton_int4 import (
+            from kvfleet.engine.layers.quantization.triton_packed import (
                 shared_workspace,
                 workspace_sizes,
             )
@@ -291,10 +293,10 @@ class Int4Linear(QuantizedLinear):
             sizes = workspace_sizes(self.out_features, self.in_features, self.group_size, self.bits)
             shared_workspace(self.qweight.device, *sizes)
 
-    def weights(self) -> Int4Weights:
+    def weights(self) -> PackedWeights:
         """The layer's tensors as the kernels take them (built once loading has finished)."""
         if self._weights is None:
-            self._weights = Int4Weights(
+            self._weights = PackedWeights(
                 self.qweight.data,
                 self.scales.data,
                 self.zeros.data,
@@ -309,9 +311,9 @@ class Int4Linear(QuantizedLinear):
         x2 = x.reshape(-1, shape[-1])
         bias = self.bias if with_bias else None
         if x2.is_cuda:
-            from kvfleet.engine.layers.quantization.triton_int4 import w4a16_matmul
+            from kvfleet.engine.layers.quantization.triton_packed import packed_matmul
 
-            out = w4a16_matmul(x2, self.weights(), bias)
+            out = packed_matmul(x2, self.weights(), bias)
         else:
-            out = int4_linear_reference(x2, self.weights(), bias)
+            out = packed_linear_reference(x2, self.weights(), bias)
         return out.reshape(*shape[:-1], self.out_features)
