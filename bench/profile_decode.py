@@ -6,7 +6,8 @@ Prints the step time (steps overlapped as the engine runs them); each host phase
 one at a time (schedule, the runner up to its device-to-host copy, scheduler update and output
 processing); the GPU time of one graph replay and of the LM head + sampler (one GPU only); then
 the top operators by host and by GPU time on rank 0 (`--trace`: its Chrome trace too).
-`--prompt-len 600` puts the contexts near those of the 256-request throughput workload.
+`--prompt-len 600` puts the contexts near those of the 256-request throughput workload;
+`--quantization` and `--kv-cache-dtype` as the engine takes them.
 """
 
 import argparse
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--quantization", help="fp8, rtn (INT4), ...; default none")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
     parser.add_argument("--trace", help="also profile, and write rank 0's Chrome trace here")
     parser.add_argument(
@@ -63,6 +66,8 @@ def main() -> None:
         max_model_len=args.prompt_len + 900,
         max_num_seqs=max(args.batch_size, 8),
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = llm.engine
     params = SamplingParams(temperature=args.temperature, max_tokens=800, ignore_eos=True)
