@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata, kv_cache_is_fp8
-from kvfleet.engine.attention.triton_decode import decode_attention, load_kv_tile
+from kvfleet.engine.attention.triton_decode import decode_attention, fp8_query, load_kv_tile
 from kvfleet.engine.layers.triton_layers import kv_cache_value, rotary_and_write_kv
 
 if TYPE_CHECKING:
@@ -143,6 +143,9 @@ def _paged_attention_kernel(
     # Absolute positions of this program's queries; padding rows sit past the last one.
     q_pos = seq_len - q_len + offs_m
 
+    if FP8:
+        q = fp8_query(q)
+        scale *= tl.load(kv_scales_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -168,7 +171,6 @@ def _paged_attention_kernel(
             stride_cs,
             stride_ch,
             BLOCK_SIZE,
-            kv_scales_ptr,
             FP8,
             q.dtype,
         )
@@ -189,6 +191,8 @@ def _paged_attention_kernel(
         m_i = m_new
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:
+        acc *= tl.load(kv_scales_ptr + 1)
     tl.store(
         out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         acc.to(out_ptr.dtype.element_ty),
