@@ -175,9 +175,9 @@ class PackedLinear(QuantizedLinear):
     """INT4 (or 8-bit: `bits`) weight-only: `qweight`, `scales`, `zeros` in packed.py's layout,
     activations in the model dtype. Filled from an AWQ or GPTQ checkpoint's tensors (each fused
     part into its output columns), a GGUF file's blocks (loader/gguf.py) or, online, from a
-    bf16/fp16 weight rounded to nearest. GPTQ's act-order
-    permutation is applied once every part has loaded (`finish_loading`): the parts of a fused
-    layer share their input, so they must share their `g_idx`."""
+    bf16/fp16 weight rounded to nearest. GPTQ's act-order permutation is applied once every
+    part has loaded (`finish_loading`): the parts of a fused layer share their input, so they
+    must share their `g_idx`."""
 
     def __init__(
         self,
