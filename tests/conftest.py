@@ -135,6 +135,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "llama2-tied": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
     "qwen2-qkv-bias": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
+    # (head_dim 32, not hidden / heads = 16, as Qwen3's small models have it)
+    "qwen3-qk-norm": (
+        "Qwen3Config",
+        {"tie_word_embeddings": True, "rope_theta": 1000000.0, "head_dim": 32},
+    ),
     "mistral-sliding-window": (
         "MistralConfig",
         {"tie_word_embeddings": False, "sliding_window": 24, "num_key_value_heads": 1},

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -28,6 +28,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     rope_scaling: Mapping[str, Any] | None = None
     sliding_window: int | None = None
@@ -60,7 +61,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _hf_rope(config)
         is_qwen2 = model_type == "qwen2"
         sliding_window = config.get("sliding_window")
-        if is_qwen2 and not config.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
             sliding_window = None
         eos = config.get("eos_token_id")
         return cls(
@@ -80,6 +81,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or bool(config.get("attention_bias", False)),
             o_bias=not is_qwen2 and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_int_tuple(eos),
@@ -91,8 +93,10 @@ class ModelConfig:
     def from_gguf_fields(cls, fields: Mapping[str, Any], has_output_weight: bool) -> ModelConfig:
         """From GGUF key-value metadata (`general.architecture` and `<arch>.*` keys)."""
         arch = str(fields["general.architecture"])
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; kvfleet reads llama, qwen2")
+        if arch not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}; kvfleet reads llama, qwen2, qwen3"
+            )
 
         def key(name: str, default: Any = None) -> Any:
             return fields.get(f"{arch}.{name}", default)
@@ -122,6 +126,7 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 2048)),
             tie_word_embeddings=not has_output_weight,
             qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_int_tuple(eos),
         )

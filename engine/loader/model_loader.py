@@ -131,6 +131,9 @@ def checkpoint_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...
             yield f"{layer}.{name}.weight", (rows, hidden)
             if bias:
                 yield f"{layer}.{name}.bias", (rows,)
+        if config.qk_norm:
+            yield f"{layer}.self_attn.q_norm.weight", (config.head_dim,)
+            yield f"{layer}.self_attn.k_norm.weight", (config.head_dim,)
         yield f"{layer}.self_attn.o_proj.weight", (hidden, q)
         if config.o_bias:
             yield f"{layer}.self_attn.o_proj.bias", (hidden,)

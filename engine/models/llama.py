@@ -1,8 +1,9 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2) over a flattened varlen batch.
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a flattened
+varlen batch.
 
 One module serves them all: they differ in config only (QKV bias, tied embeddings, rope scaling,
-sliding window). Q/K/V and gate/up are fused into one matmul each; `load_weights` takes
-Hugging Face tensor names and fills the fused parameters.
+sliding window, Qwen3's RMSNorm over each head of q and k). Q/K/V and gate/up are fused into
+one matmul each; `load_weights` takes Hugging Face tensor names and fills the fused parameters.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class LlamaAttention(nn.Module):
             config.qkv_bias,
         )
         self.o_proj = linear((f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias)
+        # (torch ops on every device: a few small kernels per layer, fusion left for later)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
         # An FP8 KV cache's K and V scales: the checkpoint's (k_scale, v_scale), else 1.0, or
@@ -105,6 +109,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
         if self.calibrate_kv and num_tokens > 1:  # (a prompt; K's amax before RoPE: headroom)
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
             self.kv_scales.copy_(amax.clamp_min(KV_CALIBRATION_RANGE * 1e-6) / KV_CALIBRATION_RANGE)

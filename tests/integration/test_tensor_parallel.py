@@ -81,6 +81,18 @@ def test_fewer_kv_heads_than_ranks(tiny_config: Callable[..., Path]) -> None:
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_qwen3_over_two_ranks_equals_one(hf_model_dir: Callable[[str], tuple[Any, Path]]) -> None:
+    """Qwen3's RMSNorms over each head of q and k (their weights whole on every rank) under
+    tensor parallelism: greedy tokens equal, logprobs within float32 rounding."""
+    _, folder = hf_model_dir("qwen3-qk-norm")
+    prompts = [list(range(1, 2 + 3 * i)) for i in range(4)]
+    one, two = (generate(size, str(folder), prompts, skip_tokenizer_init=True) for size in (1, 2))
+    for a, b in zip(one, two, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert abs(step_a.logprob - step_b.logprob) < 1e-4
+
+
 def race_tokens(
     size: int, path: Path, prompts: list[list[int]], params: list[SamplingParams], race: bool
 ) -> list[list[int]]:

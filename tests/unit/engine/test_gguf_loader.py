@@ -46,26 +46,33 @@ def encode(weights: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray
     return quantize(weights, kind)
 
 
-def write_model(path: Path, tied: bool) -> None:
+def write_model(path: Path, tied: bool, arch: str = "llama") -> None:
+    """A random model of `arch` (llama, or qwen3: with its per-head q and k norms, and heads of
+    128, transformers' Qwen3 default: its GGUF reader does not take the head size from the
+    file)."""
+    heads, kv_heads = (HEADS, KV_HEADS) if arch == "llama" else (HIDDEN // 128, 1)
     rng = np.random.default_rng(0)
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_dimension_count(HIDDEN // heads)
+    if arch == "qwen3":
+        writer.add_key_length(HIDDEN // heads)
+        writer.add_value_length(HIDDEN // heads)
 
     def add(name: str, shape: tuple[int, ...], kind: Q, scale: float = 0.05) -> None:
         weights = (rng.standard_normal(shape) * scale).astype(np.float32)
         writer.add_tensor(name, encode(weights, kind, rng), raw_dtype=kind)
 
     add("token_embd.weight", (VOCAB, HIDDEN), Q.Q8_0, 1.0)
-    kv = KV_HEADS * HIDDEN // HEADS
+    kv = kv_heads * HIDDEN // heads
     shapes = {
         "attn_q": (HIDDEN, HIDDEN),
         "attn_k": (kv, HIDDEN),
@@ -86,6 +93,10 @@ def write_model(path: Path, tied: bool) -> None:
         writer.add_tensor(
             f"blk.{layer}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32)
         )
+        if arch == "qwen3":
+            for name in ("attn_q_norm", "attn_k_norm"):
+                norm = 1 + 0.3 * rng.standard_normal(HIDDEN // heads).astype(np.float32)
+                writer.add_tensor(f"blk.{layer}.{name}.weight", norm)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     if not tied:
         add("output.weight", (VOCAB, HIDDEN), Q.Q6_K)
@@ -95,20 +106,24 @@ def write_model(path: Path, tied: bool) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    ("tied", "arch"), [(False, "llama"), (True, "llama"), (False, "qwen3")],
+    ids=["untied", "tied", "qwen3"],
+)  # fmt: skip
 def test_quantized_gguf_matches_transformers(
-    tmp_path: Path, tied: bool, logprob_gap: Callable[..., float]
+    tmp_path: Path, tied: bool, arch: str, logprob_gap: Callable[..., float]
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "tiny.gguf"
-    write_model(path, tied)
+    write_model(path, tied, arch)
     config = read_gguf_config(path)
     assert (config.hidden_size, config.num_key_value_heads, config.tie_word_embeddings) == (
         HIDDEN,
-        KV_HEADS,
+        KV_HEADS if arch == "llama" else 1,
         tied,
     )
+    assert config.qk_norm == (arch == "qwen3")
 
     prompt = [5 + (11 * i) % 300 for i in range(40)]
     llm = LLM(

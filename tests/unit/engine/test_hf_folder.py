@@ -99,10 +99,16 @@ def test_tokenizer_and_chat_template_from_a_folder(tmp_path: Path) -> None:
 def test_shipped_configs_resolve_for_dummy_loads() -> None:
     from kvfleet.engine.loader.source import builtin_configs
 
-    assert builtin_configs() == ["llama-3-70b", "llama-3-8b", "llama-3.2-1b", "qwen2.5-7b"]
+    assert builtin_configs() == [
+        "llama-3-70b", "llama-3-8b", "llama-3.2-1b", "qwen2.5-7b", "qwen3-8b",
+    ]  # fmt: skip
     config = resolve_model_source("llama-3-8b", "dummy").read_config()
     assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (4096, 8, 128)
     assert (config.rope_scaling or {})["rope_type"] == "llama3"
     assert resolve_model_source("qwen2.5-7b", "dummy").read_config().qkv_bias
+    qwen3 = resolve_model_source("qwen3-8b", "dummy").read_config()
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.sliding_window, qwen3.head_dim) == (
+        True, False, None, 128,
+    )  # fmt: skip
     with pytest.raises(ValueError, match=r"or a shipped config \(llama-3-70b, llama-3-8b"):
         resolve_model_source("llama-9-1t", "dummy")
