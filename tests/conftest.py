@@ -135,10 +135,20 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "llama2-tied": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
     "qwen2-qkv-bias": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
-    # (head_dim 32, not hidden / heads = 16, as Qwen3's small models have it)
-    "qwen3-qk-norm": (
+    # (head_dim 32, not hidden / heads = 16, as Qwen3's small models have it; YaRN as Qwen's
+    # long-context configs turn it on, over an original context the tests' prompts pass)
+    "qwen3-qk-norm-yarn": (
         "Qwen3Config",
-        {"tie_word_embeddings": True, "rope_theta": 1000000.0, "head_dim": 32},
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 48,
+            },
+        },
     ),
     "mistral-sliding-window": (
         "MistralConfig",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,17 @@ class ModelConfig:
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         rope_theta, rope_scaling = _hf_rope(config)
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "yarn":
+            # (as transformers reads it: the original context defaults to the model's, the
+            # factor to the ratio of the two)
+            original = rope_scaling.get("original_max_position_embeddings")
+            original = int(original or config.get("max_position_embeddings", 2048))
+            factor = rope_scaling.get("factor") or int(config["max_position_embeddings"]) / original
+            rope_scaling = {
+                **rope_scaling,
+                "original_max_position_embeddings": original,
+                "factor": factor,
+            }
         is_qwen2 = model_type == "qwen2"
         sliding_window = config.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
@@ -108,6 +119,14 @@ class ModelConfig:
         rope_scaling = None
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        elif scaling_type == "yarn":
+            rope_scaling = {
+                "rope_type": "yarn",
+                "factor": float(key("rope.scaling.factor")),
+                "original_max_position_embeddings": int(
+                    key("rope.scaling.original_context_length") or key("context_length", 2048)
+                ),
+            }
         elif scaling_type not in (None, "none"):
             raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
         eos = fields.get("tokenizer.ggml.eos_token_id")

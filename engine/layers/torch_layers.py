@@ -48,7 +48,7 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim / 2] in float32, with linear or llama3 scaling."""
+    """Inverse frequencies [rotary_dim / 2] in float32, with linear, llama3 or YaRN scaling."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None or scaling.get("rope_type", "default") == "default":
@@ -71,7 +71,55 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | No
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, blended, scaled)
-    return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling {scaling['rope_type']!r}")
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, rotary_dim: int, theta: float, scaling: Mapping[str, Any]
+) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn many times over the original context keep
+    their frequency, those that turn less than once are interpolated by `factor`, a linear
+    ramp between (beta_fast, beta_slow rotations; the range rounded outward unless `truncate`
+    is false)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = (
+        dim_of(float(scaling.get("beta_fast") or 32)),
+        dim_of(float(scaling.get("beta_slow") or 1)),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    steps = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((steps - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (its `attention_factor`, else 0.1 ln(factor) + 1, or
+    DeepSeek's mscale ratio); 1.0 for the other scalings."""
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return 1.0
+    given = scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = float(scaling["factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,8 +143,9 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         # [max_position, head_dim / 2] each. NOTE: plain attributes computed on the CPU, not
         # buffers, so a model built on the meta device keeps them; moved on first use.
-        self.cos_cache = freqs.cos()
-        self.sin_cache = freqs.sin()
+        attention_factor = rope_attention_factor(scaling)
+        self.cos_cache = freqs.cos() * attention_factor
+        self.sin_cache = freqs.sin() * attention_factor
 
     def caches(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [max_position, head_dim / 2] on `device` (moved there on first use)."""

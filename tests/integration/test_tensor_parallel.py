@@ -84,7 +84,7 @@ def test_fewer_kv_heads_than_ranks(tiny_config: Callable[..., Path]) -> None:
 def test_qwen3_over_two_ranks_equals_one(hf_model_dir: Callable[[str], tuple[Any, Path]]) -> None:
     """Qwen3's RMSNorms over each head of q and k (their weights whole on every rank) under
     tensor parallelism: greedy tokens equal, logprobs within float32 rounding."""
-    _, folder = hf_model_dir("qwen3-qk-norm")
+    _, folder = hf_model_dir("qwen3-qk-norm-yarn")
     prompts = [list(range(1, 2 + 3 * i)) for i in range(4)]
     one, two = (generate(size, str(folder), prompts, skip_tokenizer_init=True) for size in (1, 2))
     for a, b in zip(one, two, strict=True):

@@ -68,3 +68,62 @@ def test_checkpoint_shapes_list_what_transformers_saves(
         if not (name == "lm_head.weight" and config.tie_word_embeddings)
     }
     assert dict(checkpoint_shapes(config)) == saved
+
+
+def test_what_a_config_asks_for_is_served_or_refused_by_name() -> None:
+    """Qwen3's flags; YaRN's defaults as transformers fills them (the original context from the
+    model's, the factor from the ratio), from config.json and GGUF; an architecture or RoPE
+    type kvfleet does not implement is refused naming what is supported."""
+    import pytest
+
+    from kvfleet.engine.config import ModelConfig
+
+    base = {
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 4096,
+    }
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    qwen3 = ModelConfig.from_hf_config(
+        {
+            **base,
+            "model_type": "qwen3",
+            "head_dim": 32,
+            "sliding_window": 4096,
+            "rope_scaling": yarn,
+        }
+    )
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.sliding_window, qwen3.head_dim) == (
+        True,
+        False,
+        None,
+        32,
+    )
+    assert qwen3.rope_scaling == {**yarn, "original_max_position_embeddings": 4096}
+    ratio = {"rope_type": "yarn", "original_max_position_embeddings": 1024}
+    implied = ModelConfig.from_hf_config({**base, "model_type": "qwen3", "rope_scaling": ratio})
+    assert (implied.rope_scaling or {})["factor"] == 4.0
+    fields = {
+        "general.architecture": "qwen3",
+        "qwen3.embedding_length": 64,
+        "qwen3.attention.head_count": 4,
+        "qwen3.feed_forward_length": 128,
+        "qwen3.block_count": 1,
+        "qwen3.vocab_size": 64,
+        "qwen3.context_length": 4096,
+        "qwen3.rope.scaling.type": "yarn",
+        "qwen3.rope.scaling.factor": 4.0,
+        "qwen3.rope.scaling.original_context_length": 1024,
+    }
+    gguf = ModelConfig.from_gguf_fields(fields, has_output_weight=True)
+    assert gguf.qk_norm
+    assert gguf.rope_scaling == {**yarn, "original_max_position_embeddings": 1024}
+    with pytest.raises(ValueError, match="unsupported architecture 'gemma2'; kvfleet serves llama"):
+        ModelConfig.from_hf_config({**base, "model_type": "gemma2"})
+    with pytest.raises(ValueError, match=r"unsupported rope scaling 'longrope'.*'yarn'"):
+        ModelConfig.from_hf_config(
+            {**base, "model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}
+        )
