@@ -71,9 +71,7 @@ class ModelConfig:
                 "factor": factor,
             }
         is_qwen2 = model_type == "qwen2"
-        sliding_window = config.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_window = _one_window(config, model_type)
         eos = config.get("eos_token_id")
         return cls(
             architecture=model_type,
@@ -162,6 +160,31 @@ def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return theta, None
     return theta, {"rope_type": rope_type, **merged}
+
+
+def _one_window(config: Mapping[str, Any], model_type: str) -> int | None:
+    """The sliding window every layer uses, or None. Qwen2/Qwen3 window only the layers from
+    `max_window_layers` on, and only with `use_sliding_window` (transformers' `layer_types`);
+    a model mixing windowed and full layers is refused (one window per model here)."""
+    window = config.get("sliding_window")
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None and model_type in ("qwen2", "qwen3"):
+        windowed = bool(config.get("use_sliding_window", False) and window)
+        first = int(config.get("max_window_layers", layers)) if windowed else layers
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return int(window) if window else None
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window:
+        return int(window)
+    raise ValueError(
+        f"layer_types {sorted(kinds)} (sliding-window and full-attention layers mixed, or a "
+        "window without its size) are not supported yet: kvfleet runs one attention kind for "
+        "every layer"
+    )
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -72,8 +72,9 @@ def test_checkpoint_shapes_list_what_transformers_saves(
 
 def test_what_a_config_asks_for_is_served_or_refused_by_name() -> None:
     """Qwen3's flags; YaRN's defaults as transformers fills them (the original context from the
-    model's, the factor from the ratio), from config.json and GGUF; an architecture or RoPE
-    type kvfleet does not implement is refused naming what is supported."""
+    model's, the factor from the ratio), from config.json and GGUF; which layers a sliding
+    window covers; an architecture, RoPE type or mix of layer kinds kvfleet does not implement
+    is refused naming what is supported."""
     import pytest
 
     from kvfleet.engine.config import ModelConfig
@@ -121,6 +122,19 @@ def test_what_a_config_asks_for_is_served_or_refused_by_name() -> None:
     gguf = ModelConfig.from_gguf_fields(fields, has_output_weight=True)
     assert gguf.qk_norm
     assert gguf.rope_scaling == {**yarn, "original_max_position_embeddings": 1024}
+    # sliding windows: Qwen's from max_window_layers on, with use_sliding_window; Mistral's all
+    windowed = {**base, "model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": 64}
+    on = {**windowed, "use_sliding_window": True}
+    assert ModelConfig.from_hf_config(windowed).sliding_window is None
+    assert ModelConfig.from_hf_config({**on, "max_window_layers": 0}).sliding_window == 64
+    assert ModelConfig.from_hf_config({**on, "max_window_layers": 2}).sliding_window is None
+    with pytest.raises(ValueError, match="sliding-window and full-attention layers mixed"):
+        ModelConfig.from_hf_config({**on, "max_window_layers": 1})
+    mistral = {**base, "model_type": "mistral", "sliding_window": 64}
+    assert ModelConfig.from_hf_config(mistral).sliding_window == 64
+    mixed = ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="not supported yet"):
+        ModelConfig.from_hf_config({**mistral, "num_hidden_layers": 2, "layer_types": mixed})
     with pytest.raises(ValueError, match="unsupported architecture 'gemma2'; kvfleet serves llama"):
         ModelConfig.from_hf_config({**base, "model_type": "gemma2"})
     with pytest.raises(ValueError, match=r"unsupported rope scaling 'longrope'.*'yarn'"):
