@@ -108,16 +108,14 @@ def test_awq_weights_dequantize_exactly(group: int) -> None:
     torch.testing.assert_close(packed_linear_reference(x, weights), x @ want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("split", ["one", "uneven", "fine"])
-def test_the_triton_w4a16_kernels_equal_the_reference(
-    act_order: bool, rows: int, split: str
+def _kernels_equal_the_reference(
+    weights: object, rows: int, split: str, tiles: dict[str, tuple[tuple[int, ...], ...]]
 ) -> None:
-    """In Triton's interpreter on the CPU (integer unpacking is exact there), float32: the
-    one-row kernel and the slice GEMM unsplit, split unevenly (the last program partly past
-    K, masked) and finely, each twice (the split counters reset); the dequantizing path for
-    more rows; act-order and a bias."""
+    """The one-row kernel (rows 1) or the slice GEMM with `tiles[split]` (GEMV (BLOCK_N,
+    BLOCK_K, STEPS, warps), GEMM (BLOCK_M, BLOCK_N, R, STEPS, warps)), each twice (the split
+    counters reset), then the dispatcher and the dequantizing path for 40 rows, against the
+    reference with a bias (float32, Triton's interpreter)."""
+    from kvfleet.engine.layers.quantization.packed import PackedWeights
     from kvfleet.engine.layers.quantization.triton_packed import (
         gemv_plan,
         packed_gemm,
@@ -126,32 +124,15 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
         shared_workspace,
     )
 
-    group = 32
-    q, zeros, scales = _random(group, 3)
-    g_idx = torch.arange(K) // group
-    if act_order:
-        order = torch.randperm(K, generator=torch.Generator().manual_seed(8))
-        g_idx = torch.empty(K, dtype=torch.int64)
-        g_idx[order] = torch.arange(K) // group
-    zeros = zeros.clamp_min(1)
-    weights = from_gptq(
-        _gptq_pack_rows(q), _pack_columns(zeros - 1, list(range(8))), scales.float(),
-        g_idx.to(torch.int32), group,
-    )  # fmt: skip
+    assert isinstance(weights, PackedWeights)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
     want = packed_linear_reference(x, weights, bias)
-    # (K = 256: 32 words. GEMV (BLOCK_N, BLOCK_K, STEPS, warps), GEMM (BLOCK_M, BLOCK_N, R,
-    # STEPS, warps))
-    gemv_tiles, gemm_tiles = {
-        "one": ((32, 32, 8, 4), (16, 32, 16, 2, 4)),
-        "uneven": ((16, 64, 3, 2), (16, 16, 16, 3, 4)),  # (3 x 32 inputs; 3 x 16 words)
-        "fine": ((64, 16, 1, 4), (16, 32, 16, 1, 4)),
-    }[split]
+    gemv_tiles, gemm_tiles = tiles[split]
     for _ in range(2):
         if rows == 1:
             got = packed_gemv(x, weights, bias, gemv_tiles)
-            split_count = gemv_plan(K, group, gemv_tiles)[3]
+            split_count = gemv_plan(K, weights.group_size, gemv_tiles)[3]
             assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
         else:
             got = packed_gemm(x, weights, bias, gemm_tiles)
@@ -165,20 +146,43 @@ def test_the_triton_w4a16_kernels_equal_the_reference(
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("split", ["one", "uneven", "fine"])
+def test_the_triton_w4a16_kernels_equal_the_reference(
+    act_order: bool, rows: int, split: str
+) -> None:
+    """In Triton's interpreter on the CPU (integer unpacking is exact there), float32: the
+    one-row kernel and the slice GEMM unsplit, split unevenly (the last program partly past
+    K, masked) and finely; the dequantizing path for more rows; act-order and a bias."""
+    group = 32
+    q, zeros, scales = _random(group, 3)
+    g_idx = torch.arange(K) // group
+    if act_order:
+        order = torch.randperm(K, generator=torch.Generator().manual_seed(8))
+        g_idx = torch.empty(K, dtype=torch.int64)
+        g_idx[order] = torch.arange(K) // group
+    zeros = zeros.clamp_min(1)
+    weights = from_gptq(
+        _gptq_pack_rows(q), _pack_columns(zeros - 1, list(range(8))), scales.float(),
+        g_idx.to(torch.int32), group,
+    )  # fmt: skip
+    # (K = 256: 32 words)
+    tiles = {
+        "one": ((32, 32, 8, 4), (16, 32, 16, 2, 4)),
+        "uneven": ((16, 64, 3, 2), (16, 16, 16, 3, 4)),  # (3 x 32 inputs; 3 x 16 words)
+        "fine": ((64, 16, 1, 4), (16, 32, 16, 1, 4)),
+    }
+    _kernels_equal_the_reference(weights, rows, split, tiles)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("split", ["one", "uneven", "fine"])
 def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
-    """The same kernels over 8-bit values (four to a word: GGUF's Q8_0 layers), in the
-    interpreter, float32, against the dequantized reference: unsplit, split unevenly and
-    finely, the slice GEMM and the dequantizing path; every byte value 0..255 occurs. The
-    default plan for groups of 32 takes 8 steps of 32 inputs."""
+    """The same kernels over 8-bit values (four to a word: GGUF's Q8_0 layers); every byte
+    value 0..255 occurs. The default plan for groups of 32 takes 8 steps of 32 inputs."""
     from kvfleet.engine.layers.quantization.packed import PackedWeights, pack_rows, unpack_rows
-    from kvfleet.engine.layers.quantization.triton_packed import (
-        gemv_plan,
-        packed_gemm,
-        packed_gemv,
-        packed_matmul,
-    )
+    from kvfleet.engine.layers.quantization.triton_packed import gemv_plan
 
     group = 32
     generator = torch.Generator().manual_seed(5)
@@ -192,28 +196,14 @@ def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
     weights = PackedWeights(packed, scales, zeros, group, bits=8)
     per_input = (zeros.repeat_interleave(group, 0), scales.repeat_interleave(group, 0))
     assert torch.equal(weights.dequantize(), (q - per_input[0]) * per_input[1])
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-    bias = torch.randn(N, generator=torch.Generator().manual_seed(11))
-    want = packed_linear_reference(x, weights, bias)
+    assert gemv_plan(K, group)[1:4] == (32, 8, 1)
     # (K = 256: 64 words of four)
-    gemv_tiles, gemm_tiles = {
+    tiles = {
         "one": ((32, 32, 8, 4), (16, 32, 32, 2, 4)),
         "uneven": ((16, 32, 3, 2), (16, 16, 16, 3, 4)),  # (3 x 32 inputs; 3 x 16 words)
         "fine": ((64, 16, 1, 4), (16, 32, 16, 1, 4)),
-    }[split]
-    assert gemv_plan(K, group)[1:4] == (32, 8, 1)
-    if rows == 1:
-        got = packed_gemv(x, weights, bias, gemv_tiles)
-        split_count = gemv_plan(K, group, gemv_tiles)[3]
-        assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
-    else:
-        got = packed_gemm(x, weights, bias, gemm_tiles)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    big = torch.randn(40, K, generator=torch.Generator().manual_seed(40))  # (dequantizing)
-    torch.testing.assert_close(
-        packed_matmul(big, weights, bias), packed_linear_reference(big, weights, bias),
-        rtol=1e-5, atol=1e-4,
-    )  # fmt: skip
+    }
+    _kernels_equal_the_reference(weights, rows, split, tiles)
 
 
 def test_round_to_nearest_keeps_each_weight_within_half_a_step() -> None:
