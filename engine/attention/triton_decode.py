@@ -22,10 +22,10 @@ from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
-# (BLOCK_N, warps, stages) of the partial kernel by cache: bf16/fp16/fp32, FP8 (twice the
-# tokens per tile keep as many bytes in flight; 256 sequences x 1,100 tokens on the H100:
-# 367 us against 427 with the bf16 tile, bench/RESULTS.md)
-DECODE_TILES = {False: (64, 4, 3), True: (128, 4, 2)}
+# (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32, FP8
+# (twice the tokens per tile keep as many bytes in flight; the upcast tiles took 202 registers,
+# two programs per SM: capped at 168, three fit, -6% at 256 x 1,100 tokens; bench/RESULTS.md)
+DECODE_TILES = {False: (64, 4, 3, None), True: (128, 4, 3, 168)}
 
 
 @triton.jit
@@ -270,7 +270,8 @@ def decode_attention(
     sums = q.new_empty(partial_shape, dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     fp8 = kv_cache_is_fp8(kv_cache)
-    block_n, warps, stages = DECODE_TILES[fp8]
+    block_n, warps, stages, max_registers = DECODE_TILES[fp8]
+    limits = {} if max_registers is None else {"maxnreg": max_registers}
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -305,6 +306,7 @@ def decode_attention(
         FP8=fp8,
         num_warps=warps,
         num_stages=stages,
+        **limits,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
