@@ -19,6 +19,8 @@ import torch
 
 from kvfleet.bench.ceilings import measure_ceilings, sync
 from kvfleet.bench.report import emit
+from kvfleet.bench.workload import experts_read
+from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.worker.model_runner import kv_cache_bytes_per_block
@@ -28,6 +30,30 @@ from kvfleet.engine.worker.setup import freeze_startup_heap
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvfleet-loras-") as scratch:
         return _run(args, Path(scratch))
+
+
+def _read_per_step(
+    model: Any, config: Any, param_bytes: int, batch_size: int
+) -> tuple[float, float]:
+    """(bytes a decode step streams, weights a token multiplies): every weight but the looked-up
+    embedding table; of a mixture of experts, the experts the batch's tokens pick (expected
+    under uniform routing; exact at batch 1) and the top k."""
+    embedding = model.embed_tokens.weight
+    streamed = float(param_bytes)
+    if not config.tie_word_embeddings:
+        streamed -= embedding.numel() * embedding.element_size()
+    experts = sum(
+        m.w13.numel() + m.w2.numel() for m in model.modules() if isinstance(m, SparseMoeBlock)
+    )
+    active = float(sum(p.numel() for p in model.parameters()))
+    if experts:
+        streamed -= (
+            experts
+            * (1 - experts_read(config, batch_size) / config.num_experts)
+            * (embedding.element_size())
+        )
+        active -= experts * (1 - config.num_experts_per_tok / config.num_experts)
+    return streamed, active
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
@@ -97,18 +123,16 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
             for layer in engine.lora.layers
         )
         lora_bytes = per_slot * len({a for a in adapters if a is not None})
-    embedding = model.embed_tokens.weight
-    streamed = param_bytes - (
-        0 if config.tie_word_embeddings else embedding.numel() * embedding.element_size()
-    )
+    streamed, active_params = _read_per_step(model, config, param_bytes, args.batch_size)
     context = args.input_len + args.output_len // 2
     local = engine.runner.config
     kv_bytes = (
         args.batch_size * context * kv_cache_bytes_per_block(local, 1, engine.runner.kv_cache_dtype)
     )
-    num_params = sum(p.numel() for p in model.parameters())
     ceilings = measure_ceilings(engine.device, engine.dtype)
-    floor_s = ceilings.floor_s(streamed + kv_bytes + lora_bytes, 2 * num_params * args.batch_size)
+    floor_s = ceilings.floor_s(
+        streamed + kv_bytes + lora_bytes, 2 * active_params * args.batch_size
+    )
     result: dict[str, Any] = {
         "model": args.model,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",

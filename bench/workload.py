@@ -70,24 +70,55 @@ def random_workload(
     return Workload(prompts, outputs)
 
 
-def layer_matmul_params(config: ModelConfig) -> int:
-    """Matmul weights of the decoder layers (norms and embeddings excluded)."""
-    hidden, inner = config.hidden_size, config.intermediate_size
+def layer_matmul_params(config: ModelConfig, active: bool = False) -> int:
+    """Matmul weights of the decoder layers (norms and embeddings excluded); `active`: only
+    those one token multiplies (of a mixture of experts: the router and its top k experts)."""
+    hidden = config.hidden_size
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inner
-    return config.num_hidden_layers * per_layer
+    attention = hidden * (q + 2 * kv) + q * hidden
+    dense = 3 * hidden * config.intermediate_size
+    experts = config.num_experts_per_tok if active else config.num_experts
+    moe = hidden * config.num_experts + experts * 3 * hidden * config.moe_intermediate_size
+    num_moe = len(config.moe_layers)
+    return (
+        config.num_hidden_layers * attention
+        + (config.num_hidden_layers - num_moe) * dense
+        + (num_moe * moe)
+    )
+
+
+def experts_read(config: ModelConfig, batch_size: float) -> float:
+    """How many of a layer's experts a step of `batch_size` tokens reads, expected under
+    uniform routing (each token picks top k distinct experts): E (1 - (1 - k / E)^batch)."""
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    if not config.moe_layers:
+        return 0.0
+    return float(experts * (1 - (1 - top_k / experts) ** batch_size))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     return 2 * config.num_key_value_heads * config.head_dim * dtype_bytes * config.num_hidden_layers
 
 
-def weight_bytes_per_step(config: ModelConfig, dtype_bytes: int) -> int:
-    """What one step must read: the layers' weights, the norms and the LM head."""
+def weight_bytes_per_step(
+    config: ModelConfig, dtype_bytes: int, batch_size: float | None = None
+) -> float:
+    """What one step must read: the layers' weights (of a mixture of experts, the experts a
+    step of `batch_size` tokens reads, all of them when None), the norms and the LM head."""
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
     lm_head = config.vocab_size * config.hidden_size
-    return (layer_matmul_params(config) + norms + lm_head) * dtype_bytes
+    params = float(layer_matmul_params(config))
+    if config.moe_layers and batch_size is not None:
+        unread = config.num_experts - experts_read(config, batch_size)
+        params -= (
+            len(config.moe_layers)
+            * unread
+            * 3
+            * config.hidden_size
+            * (config.moe_intermediate_size)
+        )
+    return (params + norms + lm_head) * dtype_bytes
 
 
 def workload_cost(
@@ -106,7 +137,7 @@ def workload_cost(
     layers = config.num_hidden_layers
     attn_per_pair = 4 * config.num_attention_heads * config.head_dim * layers
     computed = workload.num_input_tokens + workload.num_output_tokens
-    flops = 2.0 * layer_matmul_params(config) * computed * linear_flops_factor
+    flops = 2.0 * layer_matmul_params(config, active=True) * computed * linear_flops_factor
     flops += 2.0 * config.hidden_size * config.vocab_size * workload.num_output_tokens
     kv_token = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes)
     kv_bytes = 0.0
@@ -120,5 +151,8 @@ def workload_cost(
         max(workload.output_lens, default=0),
         math.ceil(workload.num_output_tokens / max_num_seqs),
     )
-    per_step = weight_bytes_per_step(config, dtype_bytes) if weight_bytes is None else weight_bytes
+    batch = min(max_num_seqs, len(workload.prompts))
+    per_step = (
+        weight_bytes_per_step(config, dtype_bytes, batch) if weight_bytes is None else weight_bytes
+    )
     return Cost(bytes=steps * per_step + kv_bytes, flops=flops)

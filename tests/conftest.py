@@ -150,6 +150,62 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # (Mixtral: top 2 of 4 experts, renormalized, in every layer)
+    "mixtral-moe": (
+        "MixtralConfig",
+        {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # (Qwen3-MoE: top 3 of 8 experts of 32 inner features, not renormalized; layer 1 dense)
+    "qwen3-moe-dense-layer": (
+        "Qwen3MoeConfig",
+        {
+            "tie_word_embeddings": True,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # (Phi-3: fused qkv_proj and gate_up_proj; LongRoPE over an original context of 48, with
+    # the long factors: the tests' prompts pass it, as transformers then switches to them)
+    "phi3-longrope": (
+        "Phi3Config",
+        {
+            "tie_word_embeddings": False,
+            "original_max_position_embeddings": 48,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [1.0 + 0.5 * i for i in range(8)],
+            },
+            "pad_token_id": 0,
+        },
+    ),
+    # (Gemma 2: a 24-token window on layer 0, full attention on layer 1; caps low enough to
+    # bite on a small random model; the query scaled by 24^-0.5, not head_dim^-0.5)
+    "gemma2-softcap-windows": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    # (Gemma 3: q/k norms, a windowed layer turning at base 10,000, a full one at 10^6 with
+    # linear scaling)
+    "gemma3-local-global": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
     "mistral-sliding-window": (
         "MistralConfig",
         {"tie_word_embeddings": False, "sliding_window": 24, "num_key_value_heads": 1},
@@ -164,7 +220,7 @@ def build_hf_model(name: str, seed: int = 0) -> Any:
 
     class_name, extra = CONFIGS[name]
     config = getattr(transformers, class_name)(**{**BASE, **extra})
-    config._attn_implementation = "eager" if "sliding" in name else "sdpa"
+    config._attn_implementation = "eager" if "sliding" in name or "gemma" in name else "sdpa"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

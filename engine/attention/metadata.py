@@ -42,14 +42,23 @@ class AttentionLayer(abc.ABC):
     """What every backend is built from: one layer's head layout and attention window."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
+        """`scale` of the scores (head_dim^-0.5 by default); `softcap`: scores become
+        softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
         # NOTE: kv heads are shared by num_heads // num_kv_heads query heads (GQA).
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
 
     @abc.abstractmethod
     def forward(

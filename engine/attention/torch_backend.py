@@ -93,13 +93,11 @@ class TorchAttention(AttentionLayer):
         allowed = key_pos < seq_lens
         if self.sliding_window is not None:
             allowed &= key_pos >= seq_lens - self.sliding_window
-        out = F.scaled_dot_product_attention(
+        out = self._attention(
             q[:, :, None, :].float(),  # [B, Hq, 1, D]
             keys.transpose(1, 2).float(),  # [B, Hkv, max_len, D]
             values.transpose(1, 2).float(),
-            attn_mask=allowed[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=True,
+            allowed[:, None, None, :],
         )
         return out[:, :, 0, :].to(q.dtype)
 
@@ -120,15 +118,33 @@ class TorchAttention(AttentionLayer):
         allowed = key_pos <= query_pos
         if self.sliding_window is not None:
             allowed &= key_pos > query_pos - self.sliding_window
-        out = F.scaled_dot_product_attention(
+        out = self._attention(
             q.transpose(0, 1).float(),  # [Hq, query_len, D]
             keys[0].transpose(0, 1).float(),  # [Hkv, seq_len, D]
             values[0].transpose(0, 1).float(),
-            attn_mask=allowed,
-            scale=self.scale,
-            enable_gqa=True,
+            allowed,
         )
         return out.transpose(0, 1).to(q.dtype)
+
+    def _attention(
+        self,
+        q: torch.Tensor,  # [..., Hq, Lq, D]
+        k: torch.Tensor,  # [..., Hkv, Lk, D]
+        v: torch.Tensor,
+        allowed: torch.Tensor,  # broadcast to [..., Hq, Lq, Lk]
+    ) -> torch.Tensor:
+        """Softmax attention in float32; soft-capped scores spelled out (SDPA has no cap)."""
+        if self.softcap is None:
+            out: torch.Tensor = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True
+            )
+            return out
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        scores = q @ k.transpose(-1, -2) * self.scale
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return weights @ v
 
 
 def _gather(

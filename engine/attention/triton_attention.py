@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata, kv_cache_is_fp8
-from kvfleet.engine.attention.triton_decode import decode_attention, fp8_query, load_kv_tile
+from kvfleet.engine.attention.triton_decode import (
+    decode_attention,
+    fp8_query,
+    load_kv_tile,
+    soft_cap,
+)
 from kvfleet.engine.layers.triton_layers import kv_cache_value, rotary_and_write_kv
 
 if TYPE_CHECKING:
@@ -104,6 +109,7 @@ def _paged_attention_kernel(
     kv_scales_ptr,  # [2] float32 (an FP8 cache's K and V scales)
     scale,
     sliding_window,  # 0: none
+    softcap,  # read when SOFTCAP
     stride_qt,
     stride_qh,
     stride_cb,
@@ -120,6 +126,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
     FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
+    SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -176,6 +183,8 @@ def _paged_attention_kernel(
         )
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if sliding_window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
@@ -208,9 +217,10 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [num_tokens, Hq, D] against each sequence's cached K/V -> [num_tokens, Hq, D] (an
-    FP8 cache's times `kv_scales`)."""
+    FP8 cache's times `kv_scales`; scores soft-capped at `softcap`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(q) if out is None else out
@@ -229,6 +239,7 @@ def paged_attention(
         kv_scales if kv_scales is not None else metadata.seq_lens,
         scale,
         sliding_window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -247,6 +258,7 @@ def paged_attention(
         BLOCK_N=32 if block_m == 64 else 64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=kv_cache_is_fp8(kv_cache),
+        SOFTCAP=softcap is not None,
     )
     return out
 
@@ -293,8 +305,21 @@ class TritonAttention(AttentionLayer):
     ) -> torch.Tensor:
         if metadata.max_seqlen_q == 1:  # a decode-only step (its kernel takes q's strides)
             return decode_attention(
-                q, kv_cache, metadata, self.scale, self.sliding_window, kv_scales=kv_scales
+                q,
+                kv_cache,
+                metadata,
+                self.scale,
+                self.sliding_window,
+                kv_scales=kv_scales,
+                softcap=self.softcap,
             )
         return paged_attention(
-            q.contiguous(), kv_cache, metadata, self.scale, self.sliding_window, None, kv_scales
+            q.contiguous(),
+            kv_cache,
+            metadata,
+            self.scale,
+            self.sliding_window,
+            None,
+            kv_scales,
+            self.softcap,
         )

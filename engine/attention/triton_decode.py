@@ -66,6 +66,12 @@ def load_kv_tile(
 
 
 @triton.jit
+def soft_cap(s, softcap):
+    """softcap * tanh(s / softcap) (Gemma 2's scores), tanh from one exp."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+
+
+@triton.jit
 def fp8_query(q):
     """The query an FP8 cache's K meets: float16 (e4m3 converts to it exactly, one instruction
     per pair, and its 11-bit mantissa holds the query and the softmax weights closer than
@@ -90,6 +96,7 @@ def _decode_partial_kernel(
     kv_scales_ptr,  # [2] float32 (an FP8 cache's)
     scale,
     sliding_window,  # 0: none
+    softcap,  # read when SOFTCAP
     stride_qt,
     stride_qh,
     stride_cb,
@@ -109,6 +116,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,6 +167,8 @@ def _decode_partial_kernel(
             q.dtype,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -249,9 +259,10 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [num_seqs, Hq, D], one query token per sequence, against its cached K/V (an FP8
-    cache's times `kv_scales`)."""
+    cache's times `kv_scales`; scores soft-capped at `softcap`)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     assert metadata.max_seqlen_q == 1, "one query token per sequence"
@@ -285,6 +296,7 @@ def decode_attention(
         kv_scales if kv_scales is not None else sums,
         scale,
         sliding_window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -304,6 +316,7 @@ def decode_attention(
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        SOFTCAP=softcap is not None,
         num_warps=warps,
         num_stages=stages,
         **limits,

@@ -14,36 +14,51 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, fused: bool = False, offset: bool = False
+    ) -> None:
+        """`offset`: Gemma's norm, times (1 + weight) in float32, rounded once (its weights
+        are stored as the offsets)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.fused = fused  # one Triton kernel on CUDA instead of the torch chain below
+        self.offset = offset
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x + residual`; returns (normalized, the new residual)."""
         if self.fused and x.is_cuda:
-            from kvfleet.engine.layers.triton_layers import add_rms_norm
+            from kvfleet.engine.layers import triton_layers
 
-            return add_rms_norm(x, residual, self.weight, self.eps)
+            if x.dim() == 3 and residual is None:  # [num_tokens, heads, head_dim]: per head
+                normed = triton_layers.rms_norm_heads(x, self.weight, self.eps, self.offset)
+                return normed, x
+            return triton_layers.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
         if residual is not None:
             x = x + residual
         residual = x
         # [num_tokens, hidden]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype), residual
         return self.weight * x32.to(x.dtype), residual
 
 
-def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """[num_tokens, 2 * d] -> [num_tokens, d]: silu(gate) * up (one Triton kernel if `fused`)."""
+def act_and_mul(
+    gate_up: torch.Tensor, fused: bool = False, activation: str = "silu"
+) -> torch.Tensor:
+    """[num_tokens, 2 * d] -> [num_tokens, d]: act(gate) * up, act SiLU or GELU with the tanh
+    approximation (Gemma); one Triton kernel if `fused`."""
     if fused and gate_up.is_cuda:
         from kvfleet.engine.layers import triton_layers
 
-        return triton_layers.silu_and_mul(gate_up)
+        return triton_layers.act_and_mul(gate_up, activation)
     gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return nn.functional.gelu(gate, approximate="tanh") * up
     return nn.functional.silu(gate) * up
 
 
@@ -73,6 +88,13 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: Mapping[str, Any] | No
         return torch.where(is_medium, blended, scaled)
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    if scaling["rope_type"] == "longrope":  # (Phi-3: a factor per frequency, long or short)
+        factors = scaling["long_factor" if scaling.get("long") else "short_factor"]
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(
+                f"LongRoPE has {len(factors)} factors for {rotary_dim // 2} frequencies"
+            )
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     raise ValueError(f"unsupported rope scaling {scaling['rope_type']!r}")
 
 
@@ -105,14 +127,18 @@ def _yarn_inv_freq(
 
 
 def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (its `attention_factor`, else 0.1 ln(factor) + 1, or
-    DeepSeek's mscale ratio); 1.0 for the other scalings."""
-    if scaling is None or scaling.get("rope_type") != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by: their `attention_factor`, else YaRN's
+    0.1 ln(factor) + 1 (or DeepSeek's mscale ratio), LongRoPE's sqrt(1 + ln(factor) /
+    ln(original context)); 1.0 for the other scalings."""
+    if scaling is None or scaling.get("rope_type") not in ("yarn", "longrope"):
         return 1.0
     given = scaling.get("attention_factor")
     if given is not None:
         return float(given)
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(weight: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0

@@ -39,12 +39,15 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
-def rms_normalize(x, weight, hidden, eps):
+def rms_normalize(x, weight, hidden, eps, OFFSET: tl.constexpr):
     """weight * RMSNorm(x) for one row x [BLOCK] (zero beyond `hidden`), in x's dtype: float32
-    statistics, the normalized value rounded before the weight is applied."""
+    statistics, the normalized value rounded before the weight is applied; with OFFSET (Gemma)
+    (1 + weight) * RMSNorm(x) in float32, rounded once."""
     x32 = x.to(tl.float32)
     # times 1/n as torch's mean does (a division rounds differently in the last bit)
     variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)
+    if OFFSET:
+        return (x32 * tl.rsqrt(variance + eps) * (1.0 + weight.to(tl.float32))).to(x.dtype)
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     return (weight * normed).to(x.dtype)
 
@@ -63,6 +66,7 @@ def _add_rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -75,13 +79,19 @@ def _add_rms_norm_kernel(
         )
     tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps), mask=mask)
+    normed = rms_normalize(x, weight, hidden, eps, OFFSET)
+    tl.store(out_ptr + row * stride_o + cols, normed, mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual) for x [num_tokens, hidden]."""
+    """(RMSNorm(x + residual) * weight, x + residual) for x [num_tokens, hidden] (`offset`:
+    times 1 + weight, Gemma's)."""
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x)
@@ -101,10 +111,59 @@ def add_rms_norm(
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
+        OFFSET=offset,
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=NORM_WARPS,
     )
     return out, residual_out
+
+
+@triton.jit
+def _rms_norm_heads_kernel(
+    x_ptr,  # [num_tokens, num_heads, head_dim], any token and head strides
+    weight_ptr,  # [head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim] contiguous
+    stride_t,
+    stride_h,
+    num_heads,
+    head_dim,
+    eps,
+    OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < head_dim
+    x = tl.load(x_ptr + token * stride_t + head * stride_h + cols, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    row = token * num_heads + head
+    normed = rms_normalize(x, weight, head_dim, eps, OFFSET)
+    tl.store(out_ptr + row * head_dim + cols, normed, mask=mask)
+
+
+def rms_norm_heads(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm over each head of x [num_tokens, num_heads, head_dim] (Qwen3's q and k norms;
+    x may be a strided view of the fused QKV output); a contiguous result."""
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.stride(2) == 1, "the head dimension must be contiguous"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _rms_norm_heads_kernel[(num_tokens, num_heads)](
+            x,
+            weight,
+            out,
+            x.stride(0),
+            x.stride(1),
+            num_heads,
+            head_dim,
+            eps,
+            OFFSET=offset,
+            BLOCK=triton.next_power_of_2(head_dim),
+        )
+    return out
 
 
 @triton.jit
@@ -283,12 +342,13 @@ def rotary_and_write_kv(
 
 
 @triton.jit
-def _silu_and_mul_kernel(
+def _act_and_mul_kernel(
     gate_up_ptr,  # [num_tokens, 2 * inner]: gate, then up
     out_ptr,  # [num_tokens, inner]
     stride_in,
     stride_out,
     inner,
+    GELU_TANH: tl.constexpr,  # GELU (tanh approximation) instead of SiLU: Gemma's GeGLU
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -297,12 +357,17 @@ def _silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=mask, other=0.0)
-    silu = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * stride_out + cols, (silu * up.to(tl.float32)).to(dtype), mask=mask)
+    if GELU_TANH:
+        # 0.5 x (1 + tanh(y)) = x sigmoid(2y), y = sqrt(2 / pi) (x + 0.044715 x^3)
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = _rounded(gate / (1.0 + tl.exp(-2.0 * y)), dtype)
+    else:
+        act = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * inner] -> [num_tokens, inner]: silu(gate) * up."""
+def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[num_tokens, 2 * inner] -> [num_tokens, inner]: act(gate) * up, act SiLU or gelu_tanh."""
     num_tokens, width = gate_up.shape
     inner = width // 2
     out = gate_up.new_empty((num_tokens, inner))
@@ -310,7 +375,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     assert gate_up.stride(1) == 1, "the feature dimension must be contiguous"
     block = min(1024, triton.next_power_of_2(inner))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inner, BLOCK=block
+    _act_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        inner,
+        GELU_TANH=activation == "gelu_tanh",
+        BLOCK=block,
     )
     return out

@@ -51,7 +51,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # (a mixture of experts' router)
 }
+# A mixture of experts' projections, all experts in one tensor [E, rows, inputs]
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
                   GGMLQuantizationType.Q8_0)  # fmt: skip
@@ -195,6 +198,10 @@ def iterate_gguf_weights(
     dequantizing; column slices after."""
     reader = _open(path)
     for tensor in reader.tensors:
+        experts = _EXPERT_TENSOR.fullmatch(tensor.name)
+        if experts is not None:
+            yield from _expert_weights(path, tensor, experts, slice_for)
+            continue
         hf_name = gguf_to_hf_name(tensor.name)
         part = slice_for(hf_name) if slice_for is not None else None
         data = tensor.data
@@ -223,23 +230,50 @@ def iterate_gguf_weights(
             yield f"{module}.scales", scales
             yield f"{module}.zeros", zeros
             continue
-        try:
-            array = dequantize(data, tensor.tensor_type)
-        except NotImplementedError:
-            kind = GGMLQuantizationType(tensor.tensor_type).name
-            tested = ", ".join(TESTED_TYPES)
-            raise ValueError(
-                f"{path}: tensor {tensor.name} has type {kind}, which kvfleet cannot dequantize "
-                f"(tested: {tested})"
-            ) from None
-        # NOTE: a copy: the reader memory-maps the file read-only.
-        array = np.array(array, dtype=np.float32, copy=True)
+        array = _dequantized(path, tensor, data)
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = array.shape[0] // config.head_dim  # (a row slice holds whole heads)
             array = reverse_permute_qk(array, heads)
         if part is not None and part[0] == 1:
             array = array[:, part[1] : part[1] + part[2]]
         yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _expert_weights(
+    path: Path,
+    tensor: Any,
+    match: re.Match[str],
+    slice_for: Callable[[str], tuple[int, int, int] | None] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor as each expert's Hugging Face tensor (dequantized; with
+    `slice_for`, this rank's slice of each)."""
+    layer, kind = match.groups()
+    array = _dequantized(path, tensor, tensor.data)  # [E, rows, inputs]
+    for expert in range(array.shape[0]):
+        name = f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
+        part = slice_for(name) if slice_for is not None else None
+        weight = array[expert]
+        if part is not None:
+            dim, start, length = part
+            weight = (
+                weight[start : start + length] if dim == 0 else weight[:, start : start + length]
+            )
+        yield name, torch.from_numpy(np.ascontiguousarray(weight))
+
+
+def _dequantized(path: Path, tensor: Any, data: np.ndarray) -> np.ndarray:
+    """`data` (a tensor of the file, or rows of it) in float32 (a copy: the reader
+    memory-maps the file read-only)."""
+    try:
+        array = dequantize(data, tensor.tensor_type)
+    except NotImplementedError:
+        kind = GGMLQuantizationType(tensor.tensor_type).name
+        tested = ", ".join(TESTED_TYPES)
+        raise ValueError(
+            f"{path}: tensor {tensor.name} has type {kind}, which kvfleet cannot dequantize "
+            f"(tested: {tested})"
+        ) from None
+    return np.array(array, dtype=np.float32, copy=True)
 
 
 def gguf_to_hf_name(name: str) -> str:

@@ -26,14 +26,29 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# A fused checkpoint tensor's parts: (name, first row, rows) each
+FusedParts = Callable[[str], list[tuple[str, int, int]] | None]
+
+
 def iterate_safetensors_weights(
-    folder: Path, slice_for: Callable[[str], tuple[int, int, int] | None] | None = None
+    folder: Path,
+    slice_for: Callable[[str], tuple[int, int, int] | None] | None = None,
+    fused_parts: FusedParts | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor; with `slice_for`, only the (dim, start, length) slice
-    it names is read from the file (tensor parallelism)."""
+    it names is read from the file (tensor parallelism); a tensor `fused_parts` splits comes
+    as its parts (each read, then sliced)."""
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                parts = fused_parts(name) if fused_parts is not None else None
+                if parts is not None:
+                    lazy = f.get_slice(name)
+                    for part_name, first, rows in parts:
+                        piece = lazy[first : first + rows]
+                        cut = slice_for(part_name) if slice_for is not None else None
+                        yield part_name, piece if cut is None else piece.narrow(*cut)
+                    continue
                 part = slice_for(name) if slice_for is not None else None
                 if part is None:
                     yield name, f.get_tensor(name)

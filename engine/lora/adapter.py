@@ -29,6 +29,11 @@ TARGET_LAYERS = {
     "up_proj": "gate_up_proj",
     "down_proj": "down_proj",
 }
+# Phi-3's fused projections: an adapter on one is an adapter on each part (one A, B cut by rows)
+FUSED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 # PEFT names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
@@ -85,41 +90,62 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         )
     alpha = float(settings.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(name, folder)
-    shapes = target_shapes(config)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None:
-            raise LoRAError(f"adapter {name!r}: unsupported weight {key!r}")
-        layer, module, half = int(match[1]), match[2], match[3]
-        if module not in TARGET_LAYERS:
-            raise LoRAError(
-                f"adapter {name!r}: unsupported target module {module!r}; supported: "
-                f"{', '.join(TARGET_LAYERS)}"
-            )
-        if not 0 <= layer < config.num_hidden_layers:
-            raise LoRAError(
-                f"adapter {name!r}: layer {layer} does not exist in the base model "
-                f"({config.num_hidden_layers} layers)"
-            )
-        pairs.setdefault((layer, module), {})[half] = tensor
+    pairs = _pairs(name, _read_tensors(name, folder), config)
     if not pairs:
         raise LoRAError(f"adapter {name!r}: no LoRA weights in {str(folder)!r}")
-    weights = {}
+    shapes = target_shapes(config)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), halves in sorted(pairs.items()):
         if set(halves) != {"A", "B"}:
             raise LoRAError(f"adapter {name!r}: layer {layer} {module} lacks lora_A or lora_B")
         a, b = halves["A"].float(), halves["B"].float()
-        in_features, out_features = shapes[module]
+        parts = FUSED_TARGETS.get(module, (module,))
+        in_features = shapes[parts[0]][0]
+        out_features = sum(shapes[part][1] for part in parts)
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
             raise LoRAError(
                 f"adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and "
                 f"lora_B {tuple(b.shape)}; the base model needs ({rank}, {in_features}) and "
                 f"({out_features}, {rank}) — was it trained for another model?"
             )
-        weights[(layer, module)] = (a.contiguous(), (b * scaling).contiguous())
+        rows = torch.split(b, [shapes[part][1] for part in parts])
+        for part, part_b in zip(parts, rows, strict=True):
+            if (layer, part) in weights:
+                raise LoRAError(f"adapter {name!r}: layer {layer} adapts {part} twice")
+            weights[(layer, part)] = (a.contiguous(), (part_b * scaling).contiguous())
     return LoRAAdapter(name, str(folder), rank, scaling, weights)
+
+
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def _pairs(
+    name: str, tensors: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, target module) -> {"A": lora_A, "B": lora_B}, each key checked."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise LoRAError(f"adapter {name!r}: unsupported weight {key!r}")
+        layer, module, half = int(match[1]), match[2], match[3]
+        if module not in TARGET_LAYERS and module not in FUSED_TARGETS:
+            raise LoRAError(
+                f"adapter {name!r}: unsupported target module {module!r}; supported: "
+                f"{', '.join([*TARGET_LAYERS, *FUSED_TARGETS])}"
+            )
+        if not 0 <= layer < config.num_hidden_layers:
+            raise LoRAError(
+                f"adapter {name!r}: layer {layer} does not exist in the base model "
+                f"({config.num_hidden_layers} layers)"
+            )
+        if layer in config.moe_layers and module in _MLP_TARGETS:
+            raise LoRAError(
+                f"adapter {name!r}: layer {layer} is a mixture of experts; LoRA on its experts "
+                "is not supported (adapters may target q_proj, k_proj, v_proj, o_proj there)"
+            )
+        pairs.setdefault((layer, module), {})[half] = tensor
+    return pairs
 
 
 def _read_config(name: str, folder: Path) -> dict[str, Any]:

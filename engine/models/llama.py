@@ -2,12 +2,15 @@
 varlen batch.
 
 One module serves them all: they differ in config only (QKV bias, tied embeddings, rope scaling,
-sliding window, Qwen3's RMSNorm over each head of q and k). Q/K/V and gate/up are fused into
-one matmul each; `load_weights` takes Hugging Face tensor names and fills the fused parameters.
+sliding windows per layer, Qwen3's RMSNorm over each head of q and k, a mixture of experts in
+place of the MLP for Mixtral and Qwen3-MoE, Gemma's norms, GeGLU and soft-capping). Q/K/V and
+gate/up are fused into one matmul each; `load_weights` (weights.py) takes Hugging Face tensor
+names and fills the fused parameters and the stacked experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -16,15 +19,14 @@ from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.linear import (
     LinearFactory,
-    QuantizedLinear,
-    expect_shape,
     layer_bias,
     linear_without_bias,
     make_linear_factory,
 )
-from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, act_and_mul
 
 if TYPE_CHECKING:
     from kvfleet.engine.parallel.group import TPGroup
@@ -69,9 +71,10 @@ class LlamaAttention(nn.Module):
         linear: LinearFactory,
         prefix: str,
         tp: TPGroup | None = None,
+        fused: bool = False,
     ):
         """`config` has this rank's heads (all of them without tensor parallelism); `prefix`
-        names the layer's attention in the checkpoint."""
+        names the layer's attention in the checkpoint; `fused`: Triton q/k norms on CUDA."""
         super().__init__()
         self.tp = tp
         self.num_heads = config.num_attention_heads
@@ -86,9 +89,9 @@ class LlamaAttention(nn.Module):
             config.qkv_bias,
         )
         self.o_proj = linear((f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias)
-        # (torch ops on every device: a few small kernels per layer, fusion left for later)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.q_norm = RMSNorm(self.head_dim, eps, fused, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, fused, offset) if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
         # An FP8 KV cache's K and V scales: the checkpoint's (k_scale, v_scale), else 1.0, or
@@ -139,9 +142,11 @@ class LlamaMLP(nn.Module):
             (f"{prefix}.gate_proj", f"{prefix}.up_proj"), size, 2 * inner, bias
         )
         self.down_proj = linear((f"{prefix}.down_proj",), inner, size, bias)
+        self.activation = config.mlp_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x), self.fused), self.tp)
+        inner = act_and_mul(self.gate_up_proj(x), self.fused, self.activation)
+        return row_parallel(self.down_proj, inner, self.tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,13 +159,39 @@ class LlamaDecoderLayer(nn.Module):
         linear: LinearFactory,
         prefix: str,
         tp: TPGroup | None = None,
+        moe: bool = False,
     ):
+        """`moe`: a mixture of experts in place of the MLP."""
         super().__init__()
         self.tp = tp
-        self.self_attn = LlamaAttention(config, rotary, backend, linear, f"{prefix}.self_attn", tp)
-        self.mlp = LlamaMLP(config, linear, f"{prefix}.mlp", fused, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.self_attn = LlamaAttention(
+            config, rotary, backend, linear, f"{prefix}.self_attn", tp, fused
+        )
+        self.mlp: nn.Module = (
+            SparseMoeBlock(
+                config.num_experts,
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                fused,
+            )
+            if moe
+            else LlamaMLP(config, linear, f"{prefix}.mlp", fused, tp)
+        )
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, fused, config.norm_offset)
+
+        self.input_layernorm = norm()
+        # Llama: the norm before the MLP (adding the attention's output to the residual first);
+        # Gemma ("sandwich"): the attention output's own norm, then pre_feedforward_layernorm
+        # before the MLP and post_feedforward_layernorm on its output
+        self.post_attention_layernorm = norm()
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -171,11 +202,26 @@ class LlamaDecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden`: the last layer's output (the embeddings for the first), with tensor
-        parallelism each rank's partial sum; so is the output."""
-        hidden, residual = reduce_and_norm(self.input_layernorm, hidden, residual, self.tp)
+        parallelism each rank's partial sum; so is the output. (Sandwich norms: whole sums in
+        and out, the attention's and the MLP's outputs summed over the ranks for their norms.)"""
+        if not self.sandwich:
+            hidden, residual = reduce_and_norm(self.input_layernorm, hidden, residual, self.tp)
+            hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+            hidden, residual = reduce_and_norm(
+                self.post_attention_layernorm, hidden, residual, self.tp
+            )
+            return self.mlp(hidden), residual
+        hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = reduce_and_norm(self.post_attention_layernorm, hidden, residual, self.tp)
-        return self.mlp(hidden), residual
+        hidden, _ = self.post_attention_layernorm(_whole(hidden, self.tp))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, _ = self.post_feedforward_layernorm(_whole(self.mlp(hidden), self.tp))
+        return hidden, residual
+
+
+def _whole(partial: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """A row-parallel layer's output summed over the ranks."""
+    return partial if tp is None else tp.all_reduce(partial)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -203,16 +249,33 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             fused,
         )
+        # (Gemma 3's windowed layers turn at their own base, unscaled)
+        local_rotary = rotary
+        if config.local_rope_theta is not None:
+            local_rotary = RotaryEmbedding(
+                config.head_dim,
+                config.max_position_embeddings,
+                config.local_rope_theta,
+                None,
+                fused,
+            )
         vocab_rows = tp.plan.vocab_per_rank if tp is not None else config.vocab_size
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         linear = linear or make_linear_factory(None, torch.get_default_dtype())
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                config, rotary, attention(config), fused, linear, f"model.layers.{i}", tp
+                config,
+                rotary if config.window_of(i) is None else local_rotary,
+                attention(layer_config(config, i)),
+                fused,
+                linear,
+                f"model.layers.{i}",
+                tp,
+                moe=i in config.moe_layers,
             )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, config.norm_offset)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -227,10 +290,13 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden: torch.Tensor = self.embed(input_ids)
+        tp = self.tp
+        if self.config.sandwich_norms:  # (its layers take and give whole sums)
+            hidden, tp = _whole(hidden, tp), None
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
-        hidden, _ = reduce_and_norm(self.norm, hidden, residual, self.tp)
+        hidden, _ = reduce_and_norm(self.norm, hidden, residual, tp)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -239,13 +305,21 @@ class LlamaForCausalLM(nn.Module):
         row-parallel layer's, which the first norm sums over the ranks."""
         if self.tp is None:
             found: torch.Tensor = self.embed_tokens(input_ids)
-            return found
+            return self._scaled(found)
         vocab = self.tp.plan.vocab
         local = input_ids - vocab.start
         outside = (local < 0) | (local >= vocab.size)
         hidden = self.embed_tokens(local.masked_fill(outside, 0))
         partial: torch.Tensor = hidden.masked_fill_(outside.unsqueeze(-1), 0)
-        return partial
+        return self._scaled(partial)
+
+    def _scaled(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Gemma's embeddings times sqrt(hidden), the factor rounded to the model dtype first
+        as transformers does."""
+        multiplier = self.config.embedding_multiplier
+        if multiplier is None:
+            return embeddings
+        return embeddings * torch.tensor(multiplier, dtype=embeddings.dtype)
 
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits; with tensor parallelism
@@ -257,53 +331,19 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
         else:
             logits = (hidden @ weight.t()).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # (Gemma 2: cap * tanh(logits / cap))
+            logits = torch.tanh(logits / cap) * cap
         if self.tp is None or not gather:
             return logits
         return self.tp.gather_vocab(logits)[:, : self.config.vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters, quantized layers
-        filling themselves; every one must be set."""
-        params = dict(self.named_parameters())
-        for module in self.modules():  # (buffers come uninitialized from the meta device)
-            if isinstance(module, LlamaAttention):
-                module.kv_scales.fill_(1.0)
-        quantized = {
-            name: module
-            for name, module in self.named_modules()
-            if isinstance(module, QuantizedLinear)
-        }
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.config)
-            if target is None:
-                continue
-            name, shard = target
-            owner, _, kind = name.rpartition(".")
-            if kind in ("k_scale", "v_scale"):  # (an FP8 KV cache's, per layer)
-                self._load_kv_scale(owner, kind, tensor, hf_name)
-                continue
-            if owner in quantized:
-                quantized[owner].load_part(kind, tensor, shard, hf_name)
-                loaded.add(f"{name}:{shard}")
-                continue
-            param = _plain_target(params, name, tensor, hf_name)
-            dest = param.data if shard is None else param.data.narrow(0, *shard)
-            if self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight"):
-                dest[tensor.shape[0] :].zero_()  # the padding rows of the last vocabulary shard
-                dest = dest[: tensor.shape[0]]
-            expect_shape(hf_name, tensor, tuple(dest.shape))
-            dest.copy_(tensor)
-            loaded.add(f"{name}:{shard}")
-        missing = sorted(
-            name
-            for name, part in _expected_parts(self, params, quantized)
-            if f"{name}:{part}" not in loaded
-        )
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        for layer in quantized.values():
-            layer.finish_loading()
+        filling themselves; every one must be set (`weights.load_hf_weights`)."""
+        from kvfleet.engine.models.weights import load_hf_weights
+
+        load_hf_weights(self, weights)
 
     def calibrate_kv_scales(self) -> None:
         """Layers whose K and V scales the checkpoint did not give measure them on the next
@@ -312,78 +352,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LlamaAttention) and not module.kv_scales_given:
                 module.calibrate_kv = True
 
-    def _load_kv_scale(self, owner: str, kind: str, tensor: torch.Tensor, hf_name: str) -> None:
-        value = float(tensor.reshape(())) if tensor.numel() == 1 else float("nan")
-        if not 0.0 < value < float("inf"):
-            raise ValueError(f"checkpoint tensor {hf_name!r} is no positive scale")
-        try:
-            attention = self.get_submodule(owner)
-        except AttributeError:
-            attention = None
-        if not isinstance(attention, LlamaAttention):
-            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
-        attention.kv_scales[int(kind == "v_scale")] = value
-        attention.kv_scales_given = True
 
-
-def _plain_target(
-    params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_name: str
-) -> nn.Parameter:
-    """The parameter of a layer kept in the model dtype that `hf_name` fills."""
-    if name not in params:
-        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
-    if tensor.dtype == torch.float8_e4m3fn:
-        raise ValueError(
-            f"checkpoint tensor {hf_name!r} is quantized ({tensor.dtype}); kvfleet reads "
-            "quantized weights for the attention and MLP projections only (the embeddings, "
-            "norms and LM head stay in the model dtype)"
-        )
-    return params[name]
-
-
-_SHARDED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, tuple[int, int] | None] | None:
-    """A Hugging Face tensor name -> (our parameter, (row offset, rows) or None); None to skip."""
-    if "rotary_emb.inv_freq" in hf_name:
-        return None
-    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-        return None
-    name = hf_name.removeprefix("model.")
-    for hf_part, (ours, index) in _SHARDED.items():
-        marker = f".{hf_part}."
-        if marker in name:
-            return name.replace(marker, f".{ours}."), _shard_rows(ours, index, config)
-    return name, None
-
-
-def _shard_rows(fused: str, index: int, config: ModelConfig) -> tuple[int, int]:
-    if fused == "gate_up_proj":
-        return index * config.intermediate_size, config.intermediate_size
-    q_size = config.num_attention_heads * config.head_dim
-    kv_size = config.num_key_value_heads * config.head_dim
-    offsets = (0, q_size, q_size + kv_size)
-    return offsets[index], (q_size, kv_size, kv_size)[index]
-
-
-def _expected_parts(
-    model: LlamaForCausalLM,
-    params: dict[str, nn.Parameter],
-    quantized: dict[str, QuantizedLinear],
-) -> Iterable[tuple[str, tuple[int, int] | None]]:
-    names = [name for name in params if name.rpartition(".")[0] not in quantized]
-    names += [f"{owner}.{kind}" for owner, q in quantized.items() for kind in q.checkpoint_parts()]
-    for name in names:
-        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
-        if fused is None:
-            yield name, None
-        else:
-            for index in range(3 if fused == "qkv_proj" else 2):
-                yield name, _shard_rows(fused, index, model.config)
+def layer_config(config: ModelConfig, layer: int) -> ModelConfig:
+    """The config one layer's attention is built from: its own sliding window."""
+    if not config.layer_windows:
+        return config
+    return dataclasses.replace(config, sliding_window=config.window_of(layer), layer_windows=())

@@ -3,9 +3,10 @@
 Attention is split by whole GQA groups: a rank holds some KV heads and exactly the query heads
 that read them, so attention needs no communication. With fewer KV heads than ranks, each KV
 head is replicated on `world_size / num_kv_heads` ranks that share its query heads. Uneven splits
-are allowed (SmolLM2's 3 KV heads over 2 ranks: 2 + 1). The MLP's intermediate dimension and the
-vocabulary are split as evenly as possible; vocabulary shards are padded to one size so logits
-can be all-gathered.
+are allowed (SmolLM2's 3 KV heads over 2 ranks: 2 + 1). The MLP's intermediate dimension, each
+expert's (every rank holds every expert of a mixture, a slice of each) and the vocabulary are
+split as evenly as possible; vocabulary shards are padded to one size so logits can be
+all-gathered.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class TPPlan:
     q_heads: Span
     kv_heads: Span
     intermediate: Span
+    expert_intermediate: Span  # of every expert (a mixture of experts)
     vocab: Span
     vocab_per_rank: int  # every rank's (padded) vocabulary rows
 
@@ -72,6 +74,11 @@ class TPPlan:
             q_span = Span(kv_span.start * group + (rank % replicas) * per_rank, per_rank)
         if config.intermediate_size < world_size:
             raise ValueError(f"the MLP cannot be split over {world_size} ranks")
+        if config.moe_layers and config.moe_intermediate_size < world_size:
+            raise ValueError(
+                f"the experts' inner dimension ({config.moe_intermediate_size}) cannot be split "
+                f"over {world_size} ranks"
+            )
         vocab_per_rank = -(-config.vocab_size // world_size)
         start = min(rank * vocab_per_rank, config.vocab_size)
         vocab = Span(start, min(vocab_per_rank, config.vocab_size - start))
@@ -82,6 +89,7 @@ class TPPlan:
             q_heads=q_span,
             kv_heads=kv_span,
             intermediate=even_span(config.intermediate_size, rank, world_size),
+            expert_intermediate=even_span(config.moe_intermediate_size, rank, world_size),
             vocab=vocab,
             vocab_per_rank=vocab_per_rank,
         )
@@ -93,6 +101,7 @@ class TPPlan:
             num_attention_heads=self.q_heads.size,
             num_key_value_heads=self.kv_heads.size,
             intermediate_size=self.intermediate.size,
+            moe_intermediate_size=self.expert_intermediate.size,
         )
 
     def slice_for(
@@ -117,8 +126,11 @@ class TPPlan:
         q = (self.q_heads.start * hd, self.q_heads.size * hd)
         kv = (self.kv_heads.start * hd, self.kv_heads.size * hd)
         inter = (self.intermediate.start, self.intermediate.size)
+        expert = (self.expert_intermediate.start, self.expert_intermediate.size)
         vocab = (self.vocab.start, self.vocab.size)
         rules: tuple[tuple[str, int, tuple[int, int]], ...] = (
+            (r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$", 0, expert),
+            (r"\.experts\.\d+\.(w2|down_proj)\.weight$", 1, expert),
             (r"\.q_proj\.(weight|bias)$", 0, q),
             (r"\.[kv]_proj\.(weight|bias)$", 0, kv),
             (r"\.o_proj\.weight$", 1, q),

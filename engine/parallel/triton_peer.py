@@ -145,7 +145,9 @@ def _all_reduce_add_rms_norm_kernel(
         if HAS_RESIDUAL:
             x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(dtype)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-        tl.store(out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps), mask=mask)
+        tl.store(
+            out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps, False), mask=mask
+        )
     tl.store(counters_ptr + program, count)
 
 
@@ -252,7 +254,9 @@ def _two_shot_add_rms_norm_kernel(
             x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(dtype)
         tl.store(mine + sums_offset + half + row * hidden + cols, x, mask=mask)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-        tl.store(out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps), mask=mask)
+        tl.store(
+            out_ptr + row * stride_o + cols, rms_normalize(x, weight, hidden, eps, False), mask=mask
+        )
     _exchange(bases_ptr, flags_offset + PROGRAMS * WORLD, program, count, RANK, WORLD)
     # 3. the rows the others own: their sums (so every rank holds the same bits), the norm
     for owner in tl.static_range(WORLD):
@@ -268,7 +272,7 @@ def _two_shot_add_rms_norm_kernel(
                 tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
                 tl.store(
                     out_ptr + row * stride_o + cols,
-                    rms_normalize(x, weight, hidden, eps),
+                    rms_normalize(x, weight, hidden, eps, False),
                     mask=mask,
                 )
     tl.store(counters_ptr + program, count)

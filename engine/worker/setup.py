@@ -69,12 +69,14 @@ def resolve_setup(config: EngineConfig, rank: int = 0) -> RankSetup:
         device = torch.device("cuda", rank)  # one GPU per rank
     source = resolve_model_source(config.model, config.load_format)
     model_config = source.read_config()
+    max_model_len = _max_model_len(config, model_config)
+    model_config = model_config.with_context(max_model_len)
     return RankSetup(
         source=source,
         model_config=model_config,
         dtype=_pick_dtype(config.dtype, model_config, device),
         device=device,
-        max_model_len=_max_model_len(config, model_config),
+        max_model_len=max_model_len,
         attention_backend=_pick_attention_backend(config.attention_backend, device),
         quantization=pick_quantization(
             config.quantization, source, model_config, device, config.tensor_parallel_size
@@ -230,7 +232,7 @@ def load_draft(config: EngineConfig, setup: RankSetup) -> ModelRunner | None:
     if spec is None or spec.model is None:
         return None
     source = resolve_model_source(spec.model, "dummy" if setup.source.format == "dummy" else "auto")
-    draft_config = source.read_config()
+    draft_config = source.read_config().with_context(setup.max_model_len)
     if draft_config.vocab_size != setup.model_config.vocab_size:
         raise ValueError(
             f"the draft model {spec.model!r} has a vocabulary of {draft_config.vocab_size} "
@@ -325,11 +327,14 @@ def _attention_factory(backend: str) -> AttentionFactory:
         layer_class = TritonAttention
 
     def make(config: ModelConfig) -> AttentionLayer:
+        scalar = config.query_pre_attn_scalar
         return layer_class(
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
             config.sliding_window,
+            scale=None if scalar is None else scalar**-0.5,
+            softcap=config.attn_logit_softcap,
         )
 
     return make

@@ -225,8 +225,8 @@ def test_fused_rope_and_silu_round_like_the_torch_path_in_bf16() -> None:
     expected_q, _ = rotary(positions, q.clone(), q[:, :1].clone())
     triton_layers.rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
     gate_up = (torch.randn(300, 2 * 14336, generator=gen) * 3).cuda().bfloat16()
-    expected_silu = layers.silu_and_mul(gate_up)
-    silu = triton_layers.silu_and_mul(gate_up)
+    expected_silu = layers.act_and_mul(gate_up)
+    silu = triton_layers.act_and_mul(gate_up)
     for name, out, expected in (("rope", q, expected_q), ("silu", silu, expected_silu)):
         differ = (out != expected).float().mean().item()
         # One bf16 step at each element's magnitude: 2^-7 relative, at most.

@@ -339,3 +339,36 @@ def test_sampling_with_drafts_keeps_the_models_distribution(
         f_obs = np.append(f_obs, observed[rare].sum())
         f_exp = np.append(f_exp, expected[rare].sum())
     assert stats_module.chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3-moe-dense-layer", "mixtral-moe", "gemma2-softcap-windows", "gemma3-local-global",
+     "phi3-longrope"],
+)  # fmt: skip
+def test_new_families_keep_their_greedy_output_with_drafts(
+    family: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
+) -> None:
+    """The families beyond Llama under n-gram drafts and under a draft model (the same small
+    model drafting for itself): greedy output token for token the output without drafts (and
+    drafts kept), chunked prompts, repeated text beside random text."""
+    _, folder = hf_model_dir(family)
+    generator = torch.Generator().manual_seed(5)
+    loop = torch.randint(3, 384, (9,), generator=generator).tolist()
+    prompts = [loop * 6, torch.randint(3, 384, (40,), generator=generator).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for speculative in (None, NGRAM, {**DRAFT, "model": str(folder)}):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            num_blocks=128,
+            max_model_len=256,
+            max_num_batched_tokens=32,
+            speculative_config=speculative,
+        )
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        if speculative is not None:
+            assert llm.engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -81,10 +81,27 @@ def test_fewer_kv_heads_than_ranks(tiny_config: Callable[..., Path]) -> None:
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def test_qwen3_over_two_ranks_equals_one(hf_model_dir: Callable[[str], tuple[Any, Path]]) -> None:
-    """Qwen3's RMSNorms over each head of q and k (their weights whole on every rank) under
-    tensor parallelism: greedy tokens equal, logprobs within float32 rounding."""
-    _, folder = hf_model_dir("qwen3-qk-norm-yarn")
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3-qk-norm-yarn",
+        "qwen3-moe-dense-layer",
+        "mixtral-moe",
+        "phi3-longrope",
+        "gemma2-softcap-windows",
+        "gemma3-local-global",
+    ],
+)
+def test_new_families_over_two_ranks_equal_one(
+    family: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
+) -> None:
+    """Qwen3's RMSNorms over each head of q and k (their weights whole on every rank); the
+    experts of Qwen3-MoE and Mixtral, each split along its inner dimension (every rank holds
+    all of them), beside Qwen3-MoE's dense layer; Phi-3's fused qkv_proj and gate_up_proj, cut
+    into their parts before each rank takes its slice; Gemma's norms on the attention's and the
+    MLP's outputs (summed over the ranks first) and soft-capped logits over vocabulary shards:
+    greedy tokens equal, logprobs within float32 rounding."""
+    _, folder = hf_model_dir(family)
     prompts = [list(range(1, 2 + 3 * i)) for i in range(4)]
     one, two = (generate(size, str(folder), prompts, skip_tokenizer_init=True) for size in (1, 2))
     for a, b in zip(one, two, strict=True):

@@ -6,6 +6,7 @@ import pytest
 
 from kvfleet.bench.workload import (
     Workload,
+    experts_read,
     kv_bytes_per_token,
     layer_matmul_params,
     parse_range,
@@ -81,3 +82,21 @@ def test_bench_cli_rejects_a_bad_length(command: str, capsys: pytest.CaptureFixt
 
     assert main(["bench", command, "--input-len", "9:3"]) == 1
     assert "LOW:HIGH" in capsys.readouterr().err
+
+
+def test_a_mixture_of_experts_is_counted_by_what_a_token_reads() -> None:
+    """Qwen3-30B-A3B's shape: 29.9B layer matmul weights stored, 2.7B multiplied per token
+    (3.3B "active" with the embeddings and LM head, as Qwen counts); a step of one token reads
+    its 8 experts per layer, a step of 256 nearly all 128."""
+    from kvfleet.engine.loader.source import resolve_model_source
+
+    config = resolve_model_source("qwen3-30b-a3b", "dummy").read_config()
+    stored, active = layer_matmul_params(config), layer_matmul_params(config, active=True)
+    assert 29.8e9 < stored < 30.0e9
+    assert 2.6e9 < active < 2.8e9
+    assert experts_read(config, 1) == pytest.approx(8)
+    assert experts_read(config, 256) == pytest.approx(128, abs=0.01)
+    expert_bytes = 48 * 3 * 2048 * 768 * 2
+    assert weight_bytes_per_step(config, 2, 1) == pytest.approx(
+        weight_bytes_per_step(config, 2) - 120 * expert_bytes
+    )

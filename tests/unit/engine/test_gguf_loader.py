@@ -46,10 +46,15 @@ def encode(weights: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray
     return quantize(weights, kind)
 
 
+# (768: transformers' GGUF reader takes Qwen3-MoE's default, not expert_feed_forward_length)
+EXPERTS, EXPERT_INTER = 4, 768
+
+
 def write_model(path: Path, tied: bool, arch: str = "llama") -> None:
     """A random model of `arch` (llama, or qwen3: with its per-head q and k norms, and heads of
     128, transformers' Qwen3 default: its GGUF reader does not take the head size from the
-    file)."""
+    file; qwen3moe: that, with four experts per layer, top 2, in llama.cpp's stacked
+    tensors)."""
     heads, kv_heads = (HEADS, KV_HEADS) if arch == "llama" else (HIDDEN // 128, 1)
     rng = np.random.default_rng(0)
     writer = GGUFWriter(path, arch)
@@ -63,9 +68,13 @@ def write_model(path: Path, tied: bool, arch: str = "llama") -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
     writer.add_rope_dimension_count(HIDDEN // heads)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(HIDDEN // heads)
         writer.add_value_length(HIDDEN // heads)
+    if arch == "qwen3moe":
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(EXPERT_INTER)
 
     def add(name: str, shape: tuple[int, ...], kind: Q, scale: float = 0.05) -> None:
         weights = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -85,7 +94,15 @@ def write_model(path: Path, tied: bool, arch: str = "llama") -> None:
     for layer in range(LAYERS):
         for i, tensor in enumerate(LAYER_TENSORS):
             kind = LAYER_TYPES[(i + 3 * layer) % len(LAYER_TYPES)]
+            if arch == "qwen3moe" and tensor.startswith("ffn_"):
+                rows, inputs = shapes[tensor]
+                rows, inputs = (EXPERT_INTER, HIDDEN) if rows == INTER else (HIDDEN, EXPERT_INTER)
+                kind = [Q.Q8_0, Q.Q4_0, Q.F16][i % 3]
+                add(f"blk.{layer}.{tensor}_exps.weight", (EXPERTS, rows, inputs), kind, 0.1)
+                continue
             add(f"blk.{layer}.{tensor}.weight", shapes[tensor], kind)
+        if arch == "qwen3moe":
+            add(f"blk.{layer}.ffn_gate_inp.weight", (EXPERTS, HIDDEN), Q.F32, 0.2)
         writer.add_tensor(
             f"blk.{layer}.attn_norm.weight",
             1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32),
@@ -93,7 +110,7 @@ def write_model(path: Path, tied: bool, arch: str = "llama") -> None:
         writer.add_tensor(
             f"blk.{layer}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32)
         )
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             for name in ("attn_q_norm", "attn_k_norm"):
                 norm = 1 + 0.3 * rng.standard_normal(HIDDEN // heads).astype(np.float32)
                 writer.add_tensor(f"blk.{layer}.{name}.weight", norm)
@@ -107,8 +124,8 @@ def write_model(path: Path, tied: bool, arch: str = "llama") -> None:
 
 
 @pytest.mark.parametrize(
-    ("tied", "arch"), [(False, "llama"), (True, "llama"), (False, "qwen3")],
-    ids=["untied", "tied", "qwen3"],
+    ("tied", "arch"), [(False, "llama"), (True, "llama"), (False, "qwen3"), (False, "qwen3moe")],
+    ids=["untied", "tied", "qwen3", "qwen3moe"],
 )  # fmt: skip
 def test_quantized_gguf_matches_transformers(
     tmp_path: Path, tied: bool, arch: str, logprob_gap: Callable[..., float]
@@ -123,7 +140,8 @@ def test_quantized_gguf_matches_transformers(
         KV_HEADS if arch == "llama" else 1,
         tied,
     )
-    assert config.qk_norm == (arch == "qwen3")
+    assert config.qk_norm == (arch != "llama")
+    assert config.moe_layers == (tuple(range(LAYERS)) if arch == "qwen3moe" else ())
 
     prompt = [5 + (11 * i) % 300 for i in range(40)]
     llm = LLM(

@@ -100,7 +100,8 @@ def test_shipped_configs_resolve_for_dummy_loads() -> None:
     from kvfleet.engine.loader.source import builtin_configs
 
     assert builtin_configs() == [
-        "llama-3-70b", "llama-3-8b", "llama-3.2-1b", "qwen2.5-7b", "qwen3-8b",
+        "gemma-3-12b", "llama-3-70b", "llama-3-8b", "llama-3.2-1b", "mixtral-8x7b",
+        "phi-3-mini", "qwen2.5-7b", "qwen3-30b-a3b", "qwen3-8b",
     ]  # fmt: skip
     config = resolve_model_source("llama-3-8b", "dummy").read_config()
     assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (4096, 8, 128)
@@ -110,5 +111,19 @@ def test_shipped_configs_resolve_for_dummy_loads() -> None:
     assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.sliding_window, qwen3.head_dim) == (
         True, False, None, 128,
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"or a shipped config \(llama-3-70b, llama-3-8b"):
+    moe = resolve_model_source("qwen3-30b-a3b", "dummy").read_config()
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    assert (moe.norm_topk_prob, moe.qk_norm, moe.moe_layers) == (True, True, tuple(range(48)))
+    mixtral = resolve_model_source("mixtral-8x7b", "dummy").read_config()
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
+    assert (mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (14336, True)
+    assert mixtral.moe_layers == tuple(range(32))
+    gemma = resolve_model_source("gemma-3-12b", "dummy").read_config()
+    assert gemma.layer_windows == ((1024,) * 5 + (None,)) * 8
+    assert (gemma.rope_scaling, gemma.local_rope_theta) == (
+        {"rope_type": "linear", "factor": 8.0}, 10000.0,
+    )  # fmt: skip
+    phi = resolve_model_source("phi-3-mini", "dummy").read_config()
+    assert (phi.head_dim, phi.sliding_window, phi.rope_scaling) == (96, 2047, None)
+    with pytest.raises(ValueError, match=r"or a shipped config \(gemma-3-12b, llama-3-70b"):
         resolve_model_source("llama-9-1t", "dummy")

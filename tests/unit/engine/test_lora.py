@@ -235,3 +235,69 @@ def test_bad_adapters_are_refused_with_the_reason(
     settings = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
     refused(dora, "use_dora=True is not supported")
+
+
+def test_mixture_of_experts_takes_attention_adapters_and_refuses_expert_ones(
+    hf_model_dir: Callable[[str], tuple[Any, Path]],
+    hf_greedy: Callable[[Any, list[int], int], list[int]],
+    tmp_path: Path,
+) -> None:
+    """On Qwen3-MoE (its layer 1 dense): an adapter on the attention projections equals its
+    merged reference; one on the dense layer's MLP loads; one on an expert layer's gate/up/down
+    is refused naming what it may target."""
+    from kvfleet.engine.config import ModelConfig
+
+    hf_model, folder = hf_model_dir("qwen3-moe-dense-layer")
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    allowed = make_peft_adapter(hf_model, tmp_path / "attn", seed=21, targets=attention)
+    llm = _llm(folder, {"attn": (tmp_path / "attn", allowed)})
+    prompts = _prompts(3)
+    outputs = llm.generate(prompts, GREEDY, lora="attn")
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(allowed, prompt, 12)
+    assert any(
+        out.outputs[0].token_ids != hf_greedy(hf_model, p, 12)
+        for p, out in zip(prompts, outputs, strict=True)
+    )
+    # the attention adapter's layer-0 and layer-1 q_proj renamed to gate_proj: the dense
+    # layer's MLP takes it (B resized), the expert layer's refuses it
+    from safetensors.torch import load_file, save_file
+
+    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    tensors = load_file(str(tmp_path / "attn" / "adapter_model.safetensors"))
+    for layer, name in ((1, "dense"), (0, "expert")):
+        renamed = _copy_adapter(tmp_path / "attn", tmp_path / name)
+        moved = {}
+        for key, value in tensors.items():
+            if f"layers.{layer}.self_attn.q_proj.lora_" not in key:
+                moved[key] = value
+                continue
+            gate = key.replace("self_attn.q_proj", "mlp.gate_proj")
+            moved[gate] = torch.zeros(128, value.shape[1]) if ".lora_B." in key else value
+        save_file(moved, str(renamed / "adapter_model.safetensors"))
+    assert (1, "gate_proj") in load_adapter("dense", tmp_path / "dense", config, 16).weights
+    with pytest.raises(LoRAError, match="layer 0 is a mixture of experts; LoRA on its experts"):
+        load_adapter("expert", tmp_path / "expert", config, 16)
+
+
+def test_phi3_adapters_on_its_fused_projections_equal_the_merged_reference(
+    hf_model_dir: Callable[[str], tuple[Any, Path]],
+    hf_greedy: Callable[[Any, list[int], int], list[int]],
+    tmp_path: Path,
+) -> None:
+    """Phi-3 adapters target qkv_proj and gate_up_proj as Phi-3 names them (one A, B over the
+    fused rows): served as adapters on q, k, v and gate, up, they equal the merged model."""
+    hf_model, folder = hf_model_dir("phi3-longrope")
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    merged = make_peft_adapter(hf_model, tmp_path / "phi", seed=31, targets=targets)
+    llm = _llm(folder, {"phi": (tmp_path / "phi", merged)})
+    # (past LongRoPE's original 48 positions from the first token, as the engine runs: with
+    # shorter prompts transformers would switch from short to long factors mid-generation)
+    prompts = [p * 3 for p in _prompts(3) if len(p) * 3 > 48] + [_prompts(8)[4] * 2]
+    outputs = llm.generate(prompts, GREEDY, lora="phi")
+    changed = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = hf_greedy(merged, prompt, 12)
+        assert output.outputs[0].token_ids == expected
+        changed += expected != hf_greedy(hf_model, prompt, 12)
+    assert changed

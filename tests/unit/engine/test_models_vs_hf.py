@@ -54,19 +54,23 @@ def test_logprobs_match_transformers(
 def test_checkpoint_shapes_list_what_transformers_saves(
     hf_config_name: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
 ) -> None:
-    """The tensors a dummy load draws (`checkpoint_shapes`) are exactly a real checkpoint's."""
+    """The tensors a dummy load draws (`checkpoint_shapes`) are exactly the ones transformers
+    writes (for a mixture of experts: one tensor per expert projection, as published, not the
+    stacked parameters it holds in memory)."""
     import json
+
+    from safetensors import safe_open
 
     from kvfleet.engine.config import ModelConfig
     from kvfleet.engine.loader.model_loader import checkpoint_shapes
 
-    hf_model, folder = hf_model_dir(hf_config_name)
+    _, folder = hf_model_dir(hf_config_name)
     config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
-    saved = {
-        name: tuple(tensor.shape)
-        for name, tensor in hf_model.state_dict().items()
-        if not (name == "lm_head.weight" and config.tie_word_embeddings)
-    }
+    saved = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as file:
+            names = list(file.keys())
+            saved.update({name: tuple(file.get_slice(name).get_shape()) for name in names})
     assert dict(checkpoint_shapes(config)) == saved
 
 
@@ -128,16 +132,119 @@ def test_what_a_config_asks_for_is_served_or_refused_by_name() -> None:
     assert ModelConfig.from_hf_config(windowed).sliding_window is None
     assert ModelConfig.from_hf_config({**on, "max_window_layers": 0}).sliding_window == 64
     assert ModelConfig.from_hf_config({**on, "max_window_layers": 2}).sliding_window is None
-    with pytest.raises(ValueError, match="sliding-window and full-attention layers mixed"):
-        ModelConfig.from_hf_config({**on, "max_window_layers": 1})
+    assert ModelConfig.from_hf_config({**on, "max_window_layers": 1}).layer_windows == (None, 64)
     mistral = {**base, "model_type": "mistral", "sliding_window": 64}
     assert ModelConfig.from_hf_config(mistral).sliding_window == 64
     mixed = ["sliding_attention", "full_attention"]
-    with pytest.raises(ValueError, match="not supported yet"):
-        ModelConfig.from_hf_config({**mistral, "num_hidden_layers": 2, "layer_types": mixed})
-    with pytest.raises(ValueError, match="unsupported architecture 'gemma2'; kvfleet serves llama"):
-        ModelConfig.from_hf_config({**base, "model_type": "gemma2"})
-    with pytest.raises(ValueError, match=r"unsupported rope scaling 'longrope'.*'yarn'"):
+    two = {**mistral, "num_hidden_layers": 2, "layer_types": mixed}
+    assert ModelConfig.from_hf_config(two).layer_windows == (64, None)
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\]"):
+        ModelConfig.from_hf_config({**two, "layer_types": ["chunked_attention"] * 2})
+    # Gemma: every other layer windowed (2), five of six (3, `sliding_window_pattern`)
+    gemma = {**base, "num_hidden_layers": 6, "sliding_window": 32, "head_dim": 16}
+    gemma2 = ModelConfig.from_hf_config({**gemma, "model_type": "gemma2"})
+    assert gemma2.layer_windows == (32, None) * 3
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (None, None)
+    gemma3 = ModelConfig.from_hf_config(
+        {**gemma, "model_type": "gemma3_text", "rope_local_base_freq": 5000.0}
+    )
+    assert gemma3.layer_windows == (32, 32, 32, 32, 32, None)
+    assert (gemma3.local_rope_theta, gemma3.rope_theta, gemma3.qk_norm) == (5000.0, 1e6, True)
+    assert (gemma3.mlp_activation, gemma3.embedding_multiplier) == ("gelu_tanh", 8.0)
+    with pytest.raises(ValueError, match="use_bidirectional_attention is not supported"):
+        ModelConfig.from_hf_config(
+            {**gemma, "model_type": "gemma3_text", "use_bidirectional_attention": True}
+        )
+    with pytest.raises(ValueError, match="unsupported architecture 'gemma3'; kvfleet serves"):
+        ModelConfig.from_hf_config({**base, "model_type": "gemma3"})
+    with pytest.raises(ValueError, match=r"unsupported rope scaling 'dynamic'.*'longrope'"):
+        ModelConfig.from_hf_config(
+            {**base, "model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}
+        )
+    with pytest.raises(ValueError, match="'longrope' is supported for phi3 only"):
         ModelConfig.from_hf_config(
             {**base, "model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}
         )
+
+
+def test_which_layers_hold_experts_and_what_is_refused() -> None:
+    """Qwen3-MoE's expert layers as transformers picks them (`mlp_only_layers`,
+    `decoder_sparse_step`), its router renormalizing only with `norm_topk_prob` (default off),
+    Mixtral's always; a top k above the expert count, or experts too narrow to split over the
+    ranks, refused before anything loads."""
+    import pytest
+
+    from kvfleet.engine.config import ModelConfig
+    from kvfleet.engine.parallel.partition import TPPlan
+
+    base = {
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 4,
+    }
+    qwen = {**base, "model_type": "qwen3_moe"}
+    every_other = ModelConfig.from_hf_config({**qwen, "decoder_sparse_step": 2})
+    assert every_other.moe_layers == (1, 3, 5)
+    assert not every_other.norm_topk_prob
+    some_dense = {**qwen, "mlp_only_layers": [0, 4], "norm_topk_prob": True}
+    assert ModelConfig.from_hf_config(some_dense).moe_layers == (1, 2, 3, 5)
+    assert ModelConfig.from_hf_config(some_dense).norm_topk_prob
+    assert ModelConfig.from_hf_config({**qwen, "num_experts": 0}).moe_layers == ()
+    mixtral = ModelConfig.from_hf_config(
+        {**base, "model_type": "mixtral", "num_local_experts": 8, "norm_topk_prob": False}
+    )
+    assert (mixtral.moe_layers, mixtral.norm_topk_prob) == (tuple(range(6)), True)
+    assert mixtral.moe_intermediate_size == 128
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and"):
+        ModelConfig.from_hf_config({**qwen, "num_experts_per_tok": 9})
+    config = ModelConfig.from_hf_config(qwen)
+    assert TPPlan.build(config, 1, 4).local_config(config).moe_intermediate_size == 1
+    with pytest.raises(ValueError, match=r"the experts' inner dimension \(4\) cannot be split"):
+        TPPlan.build(config, 0, 8)
+
+
+def test_phi3_longrope_reads_as_transformers_and_is_fixed_per_engine() -> None:
+    """Phi-3's "su" (and "yarn") scaling is LongRoPE, its original context read from the top
+    level, its factor the ratio of the contexts; an engine serving past the original context
+    rotates with the long factors, one within it with the short ones, scaled alike by
+    sqrt(1 + ln(factor) / ln(original)). RoPE over part of a head, or another activation,
+    refused by name."""
+    import math
+
+    import pytest
+
+    from kvfleet.engine.config import ModelConfig
+    from kvfleet.engine.layers.torch_layers import rope_attention_factor, rope_inv_freq
+
+    short, long = [1.0] * 8, [4.0] * 8
+    phi3 = {
+        "model_type": "phi3",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 8192,
+        "original_max_position_embeddings": 2048,
+        "rope_scaling": {"type": "su", "short_factor": short, "long_factor": long},
+    }
+    config = ModelConfig.from_hf_config(phi3)
+    scaling = config.rope_scaling or {}
+    assert (scaling["rope_type"], scaling["factor"]) == ("longrope", 4.0)
+    assert scaling["original_max_position_embeddings"] == 2048
+    within, past = config.with_context(2048), config.with_context(2049)
+    plain = rope_inv_freq(16, 10000.0, None)
+    assert torch.allclose(rope_inv_freq(16, 10000.0, within.rope_scaling), plain)
+    assert torch.allclose(rope_inv_freq(16, 10000.0, past.rope_scaling), plain / 4)
+    assert rope_attention_factor(past.rope_scaling) == pytest.approx(
+        math.sqrt(1 + math.log(4) / math.log(2048))
+    )
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75"):
+        ModelConfig.from_hf_config({**phi3, "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported for 'phi3'"):
+        ModelConfig.from_hf_config({**phi3, "hidden_act": "gelu"})

@@ -123,7 +123,14 @@ def test_schema_is_structural(crd: dict[str, Any]) -> None:
 def test_every_sample_is_admitted_and_parses(repo_root: Path, crd: dict[str, Any]) -> None:
     samples = sample_objects(repo_root)
     names = {s["metadata"]["name"] for s in samples}
-    assert names == {"smollm2", "llama-3-8b", "llama-3-8b-fp8", "llama-3-70b", "qwen3-8b"}
+    assert names == {
+        "smollm2",
+        "llama-3-8b",
+        "llama-3-8b-fp8",
+        "llama-3-70b",
+        "qwen3-8b",
+        "qwen3-30b-a3b",
+    }
     for sample in samples:
         stored, errors = admit(sample, crd)
         assert errors == [], sample["metadata"]["name"]

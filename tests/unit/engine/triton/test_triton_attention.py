@@ -119,3 +119,33 @@ def test_backend_sends_decode_steps_to_the_decode_kernel(
             inputs["q"], inputs["k"], inputs["v"], inputs["kv_cache"], inputs["metadata"]
         )
     assert calls == ["decode"]
+
+
+def test_soft_capped_scores_and_another_scale_match_torch(
+    attention_case: Callable[..., dict[str, Any]],
+) -> None:
+    """Gemma 2's attention: scores scaled by query_pre_attn_scalar^-0.5 (not head_dim^-0.5)
+    and soft-capped, in the prompt kernel (a chunk over a cached prefix) and the decode
+    kernel (one and four splits), windowed and not; q made large so the cap bites."""
+    for window in (None, 24):
+        reference = TorchAttention(4, 2, 32, sliding_window=window, scale=0.3, softcap=2.0)
+        inputs = attention_case([9, 1, 1], [40, 70, 7], seed=21)
+        q = inputs["q"] * 4
+        cache = inputs["kv_cache"].clone()
+        expected = reference.forward(q, inputs["k"], inputs["v"], cache, inputs["metadata"])
+        uncapped = TorchAttention(4, 2, 32, sliding_window=window, scale=0.3)
+        plain = uncapped.forward(q, inputs["k"], inputs["v"], cache.clone(), inputs["metadata"])
+        assert (plain - expected).abs().max() > 1e-2  # the cap changes the output
+        out = triton_attention.paged_attention(
+            q, cache, inputs["metadata"], 0.3, window, softcap=2.0
+        )
+        assert (out - expected).abs().max() < 1e-4
+        decodes = attention_case([1] * 3, [10, 90, 400], seed=22)
+        q = decodes["q"] * 4
+        cache = decodes["kv_cache"].clone()
+        expected = reference.forward(q, decodes["k"], decodes["v"], cache, decodes["metadata"])
+        for num_splits in (1, 4):
+            out = triton_decode.decode_attention(
+                q, cache, decodes["metadata"], 0.3, window, None, num_splits, softcap=2.0
+            )
+            assert (out - expected).abs().max() < 1e-4

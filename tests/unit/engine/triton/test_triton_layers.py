@@ -20,15 +20,18 @@ TOLERANCES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm(dtype: torch.dtype, tolerance: float, with_residual: bool) -> None:
+@pytest.mark.parametrize("offset", [False, True])
+def test_add_rms_norm(
+    dtype: torch.dtype, tolerance: float, with_residual: bool, offset: bool
+) -> None:
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
     residual = torch.randn(7, 96, generator=gen).to(dtype) if with_residual else None
-    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm = RMSNorm(96, 1e-5, offset=offset).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=gen))
         expected, expected_residual = norm(x, residual)
-        out, out_residual = add_rms_norm(x, residual, norm.weight, 1e-5)
+        out, out_residual = add_rms_norm(x, residual, norm.weight, 1e-5, offset)
     assert torch.equal(out_residual, expected_residual)
     assert (out.float() - expected.float()).abs().max() < tolerance
 
@@ -57,11 +60,12 @@ def test_rotary_in_place(dtype: torch.dtype, tolerance: float) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
-def test_silu_and_mul(dtype: torch.dtype, tolerance: float) -> None:
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_and_mul(dtype: torch.dtype, tolerance: float, activation: str) -> None:
     gen = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(5, 2 * 1500, generator=gen) * 4).to(dtype)  # inner > one block
-    expected = layers.silu_and_mul(gate_up)
-    out = triton_layers.silu_and_mul(gate_up)
+    expected = layers.act_and_mul(gate_up, activation=activation)
+    out = triton_layers.act_and_mul(gate_up, activation)
     assert out.shape == (5, 1500)
     assert (out.float() - expected.float()).abs().max() < tolerance
 
@@ -124,3 +128,22 @@ def test_rotary_and_kv_write_in_one_kernel_equal_the_two(dtype: torch.dtype) -> 
     assert torch.equal(q, expected_q)
     assert torch.equal(cache, expected_cache)
     assert torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_over_each_head_of_a_strided_view(
+    dtype: torch.dtype, tolerance: float, offset: bool
+) -> None:
+    """Qwen3's q/k norms (Gemma 3's, times 1 + w): per head, from q's columns of a fused QKV
+    output."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(6, 4 * 32 + 2 * 2 * 32, generator=gen) * 2).to(dtype)
+    q = qkv[:, : 4 * 32].view(6, 4, 32)
+    norm = RMSNorm(32, 1e-6, offset=offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(32, generator=gen))
+        expected, _ = norm(q)
+        out = triton_layers.rms_norm_heads(q, norm.weight, 1e-6, offset)
+    assert out.is_contiguous()
+    assert (out.float() - expected.float()).abs().max() < tolerance

@@ -1,0 +1,151 @@
+"""The mixture-of-experts feed-forward layer (Mixtral, Qwen3-MoE): a softmax router picks the
+top k of E SwiGLU experts per token; their outputs are summed with the router's weights.
+
+Experts are held stacked, as the fused kernels read them: `w13` [E, 2 * inner, hidden] (each
+expert's gate rows, then its up rows) and `w2` [E, hidden, inner]. Under tensor parallelism
+every rank holds every expert with a slice of its inner dimension, so the layer's output is a
+partial sum, reduced like a row-parallel layer's (output identical to one rank's).
+
+The torch references (any device) of `triton_moe`'s kernels: `route`, `align_rows` (the rows
+grouped by expert) and `experts_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvfleet.engine.layers.quantization.linear import expect_shape
+
+# A checkpoint's names for each expert's three projections (Mixtral's, then the rest's)
+EXPERT_PARTS = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_tokens, E] logits -> (weights [num_tokens, top_k] float32, expert ids
+    [num_tokens, top_k] int64): softmax over every expert in float32, the top k, rescaled to
+    sum to 1 when `renormalize` (Mixtral always; Qwen3-MoE with `norm_topk_prob`)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Rows after padding each expert's run to BLOCK_M, at most: at most min(E, rows) experts
+    are chosen, each wasting under a block."""
+    worst = num_rows + min(num_experts, num_rows) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+def align_rows(
+    ids: torch.Tensor,  # [num_tokens, top_k] expert ids
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted rows [max_padded] int32: row t * top_k + j of each choice, grouped by expert in
+    expert order, each expert's run padded with num_rows (no row) to a multiple of block_m;
+    the end of each expert's padded run [E] int32, the last one the padded total). Torch ops,
+    a stable sort; no host synchronization."""
+    flat = ids.flatten()
+    num_rows = flat.numel()
+    device = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    # each sorted row's place: its expert's padded start + its rank among that expert's rows
+    starts = counts.cumsum(0) - counts
+    dest = run_ends[experts] - padded[experts] + torch.arange(num_rows, device=device)
+    dest -= starts[experts]
+    size = max_padded_rows(num_rows, num_experts, block_m)
+    sorted_rows = torch.full((size,), num_rows, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    return sorted_rows, run_ends.to(torch.int32)
+
+
+def experts_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [E, 2 * inner, hidden]
+    w2: torch.Tensor,  # [E, hidden, inner]
+    weights: torch.Tensor,  # [num_tokens, top_k] float32
+    ids: torch.Tensor,  # [num_tokens, top_k]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Each token through its chosen experts, expert by expert (matmuls in the model dtype,
+    SiLU * up and the weighted sum in float32)."""
+    num_tokens, top_k = ids.shape
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = ids.flatten()
+    tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    for expert in torch.unique(flat_ids).tolist():
+        rows = (flat_ids == expert).nonzero().squeeze(1)
+        chosen = tokens[rows]
+        gate, up = F.linear(x[chosen], w13[expert]).float().chunk(2, dim=-1)
+        inner = (F.silu(gate) * up).to(x.dtype)
+        expert_out = F.linear(inner, w2[expert]).float()
+        out.index_add_(0, chosen, expert_out * weights.flatten()[rows, None])
+    return out.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, kept in the model dtype) and stacked experts of one layer."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inner: int,
+        top_k: int,
+        renormalize: bool,
+        fused: bool = False,
+    ):
+        """`inner`: this rank's share of each expert's inner dimension; `fused`: the Triton
+        kernels on CUDA."""
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner), requires_grad=False)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.fused = fused
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            from kvfleet.engine.layers.triton_moe import fused_experts, route_fused
+
+            weights, ids = route_fused(self.gate(x), self.top_k, self.renormalize)
+            return fused_experts(x, self.w13, self.w2, weights, ids)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return experts_reference(x, self.w13, self.w2, weights, ids)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor, name: str) -> None:
+        """Fill expert `expert`'s `part` (gate, up or down) from checkpoint tensor `name`."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(
+                f"checkpoint tensor {name!r}: expert {expert} of a layer of {self.num_experts}"
+            )
+        inner = self.w2.shape[2]
+        dest = {
+            "gate": self.w13.data[expert, :inner],
+            "up": self.w13.data[expert, inner:],
+            "down": self.w2.data[expert],
+        }[part]
+        expect_shape(name, tensor, tuple(dest.shape))
+        dest.copy_(tensor)

@@ -1,0 +1,106 @@
+"""The fused mixture-of-experts kernels against the torch reference (TRITON_INTERPRET on CPU).
+
+float32: within 1e-5 of `experts_reference`; float16: within 2e-3 (the kernels round SiLU * up
+once, to the model dtype, as the reference does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvfleet.engine.layers.moe import align_rows, experts_reference, max_padded_rows, route
+from kvfleet.engine.layers.triton_moe import (
+    align_rows_fused,
+    block_m_for,
+    fused_experts,
+    route_fused,
+)
+
+
+def by_run(sorted_rows: torch.Tensor, run_ends: torch.Tensor) -> torch.Tensor:
+    """The grouped rows with each expert's run sorted (the fused grouping orders a run's
+    rows as its atomics fall)."""
+    place = torch.arange(sorted_rows.numel(), device=sorted_rows.device)
+    run = torch.searchsorted(run_ends, place, right=True)  # past the last run: E
+    keys = run * (int(sorted_rows.max()) + 1) + sorted_rows
+    return sorted_rows[keys.argsort(stable=True)]
+
+
+def test_rows_are_grouped_by_expert_in_whole_blocks() -> None:
+    """Exact layout for a hand-made choice: each expert's rows in order, padded with the row
+    count to 4; each expert's run end (an unchosen expert's run is empty); padding after."""
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])  # rows 0..5: experts 2,0,2,1,0,2
+    sorted_rows, run_ends = align_rows(ids, num_experts=4, block_m=4)
+    none = 6
+    assert sorted_rows.tolist()[:12] == [1, 4, none, none, 3, none, none, none, 0, 2, 5, none]
+    assert set(sorted_rows.tolist()[12:]) <= {none}
+    assert run_ends.tolist() == [4, 8, 12, 12]
+    assert len(sorted_rows) == max_padded_rows(6, 4, 4)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "inner"),
+    [
+        (1, 8, 2, 64, 32),  # a decode step: two experts of eight, most blocks empty
+        (37, 16, 4, 96, 80),  # features not multiples of the 64-wide tiles
+        (300, 4, 2, 32, 64),  # ~150 rows per expert: blocks of 128 rows
+        (3, 8, 8, 32, 32),  # every expert chosen by every token
+    ],
+)
+def test_fused_experts_match_reference(
+    dtype: torch.dtype,
+    tolerance: float,
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inner: int,
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = route(logits, top_k, renormalize=num_experts != 4)
+    expected = experts_reference(x, w13, w2, weights, ids)
+    out = fused_experts(x, w13, w2, weights, ids)
+    assert out.dtype == dtype
+    assert (out.float() - expected.float()).abs().max() < tolerance
+    if num_tokens == 300:
+        assert block_m_for(num_tokens * top_k, num_experts) == 128
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(1, 8, 2, 16), (37, 16, 4, 16), (300, 4, 2, 64), (600, 128, 8, 16), (5, 6, 3, 32)],
+)
+def test_one_kernel_routes_and_groups_as_the_torch_ops_do(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    """The fused router picks the same experts with the same weights; the one-program
+    grouping gives each expert's run the reference's rows (in any order within the run), the
+    same run ends and padding."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(7))
+    for renormalize in (False, True):
+        weights, ids = route(logits, top_k, renormalize)
+        fused_weights, fused_ids = route_fused(logits, top_k, renormalize)
+        assert torch.equal(fused_ids, ids)
+        assert torch.allclose(fused_weights, weights, atol=1e-6)
+    expected = align_rows(ids, num_experts, block_m)
+    fused = align_rows_fused(ids, num_experts, block_m)
+    assert torch.equal(fused[1], expected[1])
+    assert torch.equal(by_run(*fused), by_run(*expected))
+
+
+def test_router_renormalizes_only_when_asked() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[0, 1]]
+    assert torch.allclose(weights[0], probs[:2])
+    weights, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(weights[0], probs[:2] / probs[:2].sum())
