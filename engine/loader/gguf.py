@@ -30,6 +30,7 @@ from gguf.quants import dequantize
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.quantization.packed import pack_rows
 from kvfleet.engine.layers.quantization.scheme import PackedScheme
+from kvfleet.engine.loader.safetensors_folder import FusedParts
 
 # Types kvfleet has tested end to end; others the gguf package can dequantize are accepted too.
 TESTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -53,8 +54,22 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # (a mixture of experts' router)
 }
-# A mixture of experts' projections, all experts in one tensor [E, rows, inputs]
+# Gemma's norms around the attention and the MLP (llama.cpp's ffn_norm is Llama's norm after
+# the attention, Gemma's before the MLP); Phi-3's fused projections, as it publishes them
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Phi-3's LongRoPE factors: read into the config (`read_gguf_config`), no parameter
+ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long", "rope_factors_short.weight": "short"}
+# A mixture of experts' projections: all experts in one tensor [E, rows, inputs], or (files
+# converted before mid-2024) one tensor per expert
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_LEGACY_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+# Architectures whose Q and K rows llama.cpp's converter permuted
+_PERMUTED = ("llama", "mixtral")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
                   GGMLQuantizationType.Q8_0)  # fmt: skip
@@ -83,18 +98,29 @@ def read_gguf_config(path: Path) -> ModelConfig:
             f"{path}: GGUF files with rope_freqs (Llama 3.1 style rope scaling) are not supported "
             "yet; load the Hugging Face folder of the model instead"
         )
-    return ModelConfig.from_gguf_fields(read_fields(reader), "output.weight" in names)
+    rope_factors = {
+        ROPE_FACTOR_TENSORS[t.name]: _dequantized(path, t, t.data).reshape(-1).tolist()
+        for t in reader.tensors
+        if t.name in ROPE_FACTOR_TENSORS
+    }
+    return ModelConfig.from_gguf_fields(read_fields(reader), "output.weight" in names, rope_factors)
 
 
 def gguf_packed_scheme(path: Path) -> PackedScheme | None:
     """The scheme that keeps the file's Q4_0 / Q4_1 / Q4_K projections 4-bit and its Q8_0 ones
     8-bit (the others, and a fused layer with any part of another type, are dequantized); None
     without any."""
+    reader = _open(path)
+    arch = str(read_fields(reader)["general.architecture"])
     types = {}
-    for tensor in _open(path).tensors:
-        name = gguf_to_hf_name(tensor.name)
-        if name.endswith("_proj.weight"):
-            types[name.removesuffix(".weight")] = tensor.tensor_type
+    for tensor in reader.tensors:
+        if _EXPERT_TENSOR.fullmatch(tensor.name):
+            continue  # (quantized experts are refused when the model loads)
+        name = gguf_to_hf_name(tensor.name, arch)
+        if name is None or not name.endswith("_proj.weight"):
+            continue
+        for module in _unfused_modules(name.removesuffix(".weight")):
+            types[module] = tensor.tensor_type
     kept = {module for module, kind in types.items() if kind in REPACKED_TYPES}
     for module in list(kept):
         owner, _, proj = module.rpartition(".")
@@ -190,53 +216,77 @@ def iterate_gguf_weights(
     config: ModelConfig,
     slice_for: Callable[[str], tuple[int, int, int] | None] | None = None,
     packed: PackedScheme | None = None,
+    fused_parts: FusedParts | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized, but for
     the projections `packed` (`gguf_packed_scheme`) keeps packed (4- or 8-bit): their `qweight`,
     `scales` and `zeros`. With `slice_for` (tensor parallelism) only that (dim, start,
     length) slice is returned: row slices are cut from the quantized rows before
-    dequantizing; column slices after."""
+    dequantizing; column slices after. A tensor `fused_parts` splits (Phi-3's qkv and gate/up)
+    comes as its parts. Gemma's norms lose the 1 llama.cpp's converter added to them."""
     reader = _open(path)
+    gemma = config.architecture.startswith("gemma")
     for tensor in reader.tensors:
         experts = _EXPERT_TENSOR.fullmatch(tensor.name)
         if experts is not None:
             yield from _expert_weights(path, tensor, experts, slice_for)
             continue
-        hf_name = gguf_to_hf_name(tensor.name)
-        part = slice_for(hf_name) if slice_for is not None else None
-        data = tensor.data
-        if part is not None and part[0] == 0:  # whole rows (and whole heads): quantized as is
-            data = data[part[1] : part[1] + part[2]]
-        module = hf_name.removesuffix(".weight")
-        if packed is not None and hf_name.endswith("_proj.weight") and packed.quantizes(module):
-            if part is not None and part[0] == 1:  # (whole blocks of inputs)
-                unit = _BLOCK_INPUTS[GGMLQuantizationType(tensor.tensor_type)]
-                block_bytes = data.shape[1] * unit // config_inputs(tensor)
-                if part[1] % unit or part[2] % unit:
-                    raise ValueError(
-                        f"{hf_name}: this rank's inputs {part[1]}..{part[1] + part[2]} do not "
-                        f"fall on the file's blocks of {unit}; choose a tensor parallel size "
-                        "that splits the layers on them"
-                    )
-                first, count = part[1] // unit, part[2] // unit
-                data = data[:, first * block_bytes : (first + count) * block_bytes]
-            if config.architecture == "llama" and hf_name.endswith(
-                ("q_proj.weight", "k_proj.weight")
-            ):
-                data = reverse_permute_qk(data, data.shape[0] // config.head_dim)
-            bits = packed.bits_for((module,))
-            qweight, scales, zeros = gguf_to_packed(data, tensor.tensor_type, bits)
-            yield f"{module}.qweight", qweight
-            yield f"{module}.scales", scales
-            yield f"{module}.zeros", zeros
+        hf_name = gguf_to_hf_name(tensor.name, config.architecture)
+        if hf_name is None:
             continue
-        array = _dequantized(path, tensor, data)
-        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = array.shape[0] // config.head_dim  # (a row slice holds whole heads)
-            array = reverse_permute_qk(array, heads)
-        if part is not None and part[0] == 1:
-            array = array[:, part[1] : part[1] + part[2]]
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
+        parts = fused_parts(hf_name) if fused_parts is not None else None
+        for name, first, rows in parts or [(hf_name, 0, int(tensor.data.shape[0]))]:
+            data = tensor.data if parts is None else tensor.data[first : first + rows]
+            for out_name, out in _tensor_part(path, tensor, name, data, config, slice_for, packed):
+                shift = gemma and out_name.endswith("norm.weight")
+                yield out_name, out - 1.0 if shift else out
+
+
+def _tensor_part(
+    path: Path,
+    tensor: Any,
+    hf_name: str,
+    data: np.ndarray,
+    config: ModelConfig,
+    slice_for: Callable[[str], tuple[int, int, int] | None] | None,
+    packed: PackedScheme | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensor `hf_name` from its rows `data` of the file's `tensor`: this rank's
+    slice, packed or dequantized, Q and K un-permuted."""
+    part = slice_for(hf_name) if slice_for is not None else None
+    if part is not None and part[0] == 0:  # whole rows (and whole heads): quantized as is
+        data = data[part[1] : part[1] + part[2]]
+    permuted = config.architecture in _PERMUTED and hf_name.endswith(
+        ("q_proj.weight", "k_proj.weight")
+    )
+    module = hf_name.removesuffix(".weight")
+    if packed is not None and hf_name.endswith("_proj.weight") and packed.quantizes(module):
+        if part is not None and part[0] == 1:  # (whole blocks of inputs)
+            unit = _BLOCK_INPUTS[GGMLQuantizationType(tensor.tensor_type)]
+            block_bytes = data.shape[1] * unit // config_inputs(tensor)
+            if part[1] % unit or part[2] % unit:
+                raise ValueError(
+                    f"{hf_name}: this rank's inputs {part[1]}..{part[1] + part[2]} do not "
+                    f"fall on the file's blocks of {unit}; choose a tensor parallel size "
+                    "that splits the layers on them"
+                )
+            first, count = part[1] // unit, part[2] // unit
+            data = data[:, first * block_bytes : (first + count) * block_bytes]
+        if permuted:
+            data = reverse_permute_qk(data, data.shape[0] // config.head_dim)
+        bits = packed.bits_for((module,))
+        qweight, scales, zeros = gguf_to_packed(data, tensor.tensor_type, bits)
+        yield f"{module}.qweight", qweight
+        yield f"{module}.scales", scales
+        yield f"{module}.zeros", zeros
+        return
+    array = _dequantized(path, tensor, data)
+    if permuted:
+        heads = array.shape[0] // config.head_dim  # (a row slice holds whole heads)
+        array = reverse_permute_qk(array, heads)
+    if part is not None and part[0] == 1:
+        array = array[:, part[1] : part[1] + part[2]]
+    yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _expert_weights(
@@ -276,14 +326,34 @@ def _dequantized(path: Path, tensor: Any, data: np.ndarray) -> np.ndarray:
     return np.array(array, dtype=np.float32, copy=True)
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """A GGUF tensor's Hugging Face name for architecture `arch` (GGUF's or ours); None for a
+    tensor that is no parameter (Phi-3's LongRoPE factors, read into the config)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    if name in ROPE_FACTOR_TENSORS and arch == "phi3":
+        return None
+    legacy = _LEGACY_EXPERT_TENSOR.fullmatch(name)
+    if legacy is not None:
+        layer, kind, expert = legacy.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
+    names = _LAYER_NAMES
+    if arch.startswith("gemma"):
+        names = {**names, **_GEMMA_LAYER_NAMES}
+    elif arch == "phi3":
+        names = {**names, **_PHI3_LAYER_NAMES}
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"unknown GGUF tensor {name!r} for a Llama-family model")
+    if match is None or match.group(2) not in names:
+        raise ValueError(f"unknown GGUF tensor {name!r} for a {arch} model")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def _unfused_modules(module: str) -> tuple[str, ...]:
+    """The projections a fused checkpoint module (Phi-3's) holds; itself otherwise."""
+    owner, _, proj = module.rpartition(".")
+    split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    return tuple(f"{owner}.{part}" for part in split.get(proj, (proj,)))
 
 
 def reverse_permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -104,7 +104,7 @@ def _weights(
             if isinstance(quantization, PackedScheme) and quantization.source == "gguf"
             else None
         )
-        return iterate_gguf_weights(source.path, config, slice_for, packed)
+        return iterate_gguf_weights(source.path, config, slice_for, packed, fused_parts(config))
     from kvfleet.engine.loader.safetensors_folder import iterate_safetensors_weights
 
     return iterate_safetensors_weights(source.path, slice_for, fused_parts(config))
