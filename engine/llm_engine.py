@@ -68,6 +68,7 @@ class LLMEngine:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
             max_prefill_seqs=sched.max_prefill_seqs,
+            long_prefill_token_threshold=sched.prefill_chunk_cap,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             max_loras=lora.max_loras if lora.enable_lora else None,

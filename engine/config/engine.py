@@ -90,6 +90,15 @@ class SchedulerConfig:
             "first come, a slice at a time)"
         ),
     )
+    # (a request arriving during a long prefill starts at the next step instead of after it)
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata=setting(
+            "while other requests need the step (running or waiting to start), a prompt "
+            "computes at most this many tokens in it (default: half of max_num_batched_tokens; "
+            "0: no cap)"
+        ),
+    )
     enable_chunked_prefill: bool = field(
         default=True, metadata=setting("split long prompts over steps beside running decodes")
     )
@@ -99,6 +108,14 @@ class SchedulerConfig:
         default=True,
         metadata=setting("schedule and prepare step N+1 while step N runs on the device"),
     )
+
+    @property
+    def prefill_chunk_cap(self) -> int | None:
+        """The cap on a prompt's tokens in a step others need (None: no cap)."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            return max(1, self.max_num_batched_tokens // 2)
+        return threshold or None
 
 
 @dataclass(frozen=True)

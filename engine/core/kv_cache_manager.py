@@ -36,6 +36,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_blocks_held(self, request_id: RequestId) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
     def get_block_ids(self, request_id: RequestId) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

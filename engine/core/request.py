@@ -102,6 +102,15 @@ class Request:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
             self.block_hashes = []  # (hashed again as needed)
 
+    def kv_horizon(self, max_model_len: int) -> int | None:
+        """The tokens whose KV the request will hold at its end, when that is known: it ignores
+        EOS and has max_tokens (its last sampled token is never computed); None otherwise.
+        (A stop string or stop token may still end it sooner: an upper bound then.)"""
+        max_tokens = self.sampling_params.max_tokens
+        if not self.sampling_params.ignore_eos or max_tokens is None:
+            return None
+        return min(self.num_prompt_tokens + max_tokens, max_model_len) - 1
+
     def ends_with_pending(self, max_model_len: int) -> bool:
         """Whether the request reaches max_tokens or max_model_len with its pending tokens."""
         max_tokens = self.sampling_params.max_tokens

@@ -6,6 +6,12 @@ requests go first, in priority order; then waiting ones, by priority, then arriv
 run out, the lowest-priority, newest running request is preempted (its blocks freed, recomputed
 later).
 
+Admission keeps preemption rare: a request whose end is known (it ignores EOS: max_tokens
+decides) starts only when the free blocks hold it to that end beside what the running requests
+of known end will still take; any request starts only while a watermark of the pool (1%) stays
+free beside that. So a benchmark of fixed lengths never recomputes, and a pool near full keeps
+room for the running requests' next tokens.
+
 `num_computed_tokens` advances when a step is scheduled, so the next step can be scheduled
 before this one's output arrives (asynchronous scheduling): a request whose step samples a token
 holds it as pending and may decode it next step, its id filled in on the device.
@@ -25,6 +31,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
 
+from kvfleet.engine.core.block_pool import KVCacheBlock
 from kvfleet.engine.core.isolation import FaultIsolation
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
@@ -37,6 +44,9 @@ from kvfleet.engine.core.scheduler_output import (
 )
 from kvfleet.engine.core.stats import SchedulerStats, SpecDecodeStats
 
+# The fraction of the pool kept free when requests start (vLLM's default watermark)
+WATERMARK = 0.01
+
 
 class Scheduler:
     def __init__(
@@ -48,11 +58,15 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
         max_prefill_seqs: int | None = None,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         """`max_loras`: at most this many distinct LoRA adapters among running requests (the
         device slots); a waiting request whose adapter would exceed it waits, others pass.
         `max_prefill_seqs`: at most this many requests compute prompt tokens (their own, or
-        recomputed after preemption) in one step; None: as many as the budget holds."""
+        recomputed after preemption) in one step; None: as many as the budget holds.
+        `long_prefill_token_threshold`: while other requests need the step (running after it,
+        or waiting to start), a request computes at most this many prompt tokens in it, so a
+        long prompt leaves them room (None: no cap)."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
                 "max_num_batched_tokens and max_num_seqs must be at least 1 and max_model_len "
@@ -60,6 +74,11 @@ class Scheduler:
             )
         if max_prefill_seqs is not None and max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs must be at least 1, got {max_prefill_seqs}")
+        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
+            raise ValueError(
+                "long_prefill_token_threshold must be at least 1 (or 0 for no cap), got "
+                f"{long_prefill_token_threshold}"
+            )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must "
@@ -78,6 +97,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras
         self.max_prefill_seqs = max_prefill_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.requests: dict[RequestId, Request] = {}
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []
@@ -181,13 +201,17 @@ class Scheduler:
         num_prefills = 0  # requests computing prompt tokens this step
 
         self.running.sort(key=self._queue_key)
+        # NOTE: while other requests need the step (running after it, or waiting to start), no
+        # prompt takes more than the cap of it
+        may_admit = bool(self.waiting) and len(self.running) < self.max_num_seqs
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             self._scheduling = request.request_id
             proposed = drafts.get(request.request_id) if drafts else None
             spec = request.drafts_that_fit(proposed, budget, self.max_model_len) if proposed else []
-            num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec))
+            cap = self._prompt_cap(may_admit or i + 1 < len(self.running))
+            num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec), cap=cap)
             if num_new == 0:
                 i += 1
                 continue
@@ -242,8 +266,9 @@ class Scheduler:
         num_prefills: int,
     ) -> int:
         """Start waiting requests in queue order while the budget, seats, prefill slots and
-        blocks last; returns the budget left."""
+        blocks last (`_blocks_to_end`); returns the budget left."""
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        reserved = sum(self._blocks_to_end(r) for r in self.running)
         position = 0
         max_prefills = self.max_prefill_seqs or self.max_num_seqs
         while position < len(self.waiting) and budget > 0:
@@ -261,8 +286,11 @@ class Scheduler:
                 continue
             self._scheduling = request.request_id
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens)
+            cap = self._prompt_cap(position + 1 < len(self.waiting))
+            num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens, cap=cap)
             if num_new == 0:
+                break
+            if not self._can_start(request, hits, num_hit_tokens + num_new, reserved):
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
             if new_blocks is None:
@@ -288,9 +316,31 @@ class Scheduler:
                 )
             )
             self._advance(request, num_new)
+            reserved += self._blocks_to_end(request)
             budget -= num_new
             num_prefills += 1
         return budget
+
+    def _blocks_to_end(self, request: Request) -> int:
+        """The blocks a running request of known end will still take (0 for others)."""
+        horizon = request.kv_horizon(self.max_model_len)
+        if horizon is None:
+            return 0
+        kv = self.kv_cache_manager
+        return max(0, kv.blocks_needed(horizon) - kv.num_blocks_held(request.request_id))
+
+    def _can_start(
+        self, request: Request, hits: list[KVCacheBlock], num_tokens: int, reserved: int
+    ) -> bool:
+        """Whether `request`, computing up to `num_tokens` (its prefix hits `hits`) this step,
+        fits beside the `reserved` blocks and the watermark: to its end, when that is known.
+        Into an idle engine anything starts that the pool can hold."""
+        kv = self.kv_cache_manager
+        horizon = request.kv_horizon(self.max_model_len)
+        shared = sum(1 for block in hits if block.ref_cnt > 0)  # (held by others already)
+        need = kv.blocks_needed(max(num_tokens, horizon or 0)) - shared
+        watermark = int(kv.num_usable_blocks * WATERMARK) if self.running else 0
+        return need + reserved + watermark <= kv.block_pool.num_free_blocks
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -349,15 +399,29 @@ class Scheduler:
         stats.num_accepted_tokens += num_accepted
         stats.num_rejections += num_accepted < num_drafts
 
+    def _prompt_cap(self, others_need_the_step: bool) -> int | None:
+        """The most prompt tokens a request computes this step (None: what the budget holds)."""
+        if not others_need_the_step or not self.enable_chunked_prefill:
+            return None
+        return self.long_prefill_token_threshold
+
     def _num_tokens_to_schedule(
-        self, request: Request, budget: int, num_hit_tokens: int = 0, num_drafts: int = 0
+        self,
+        request: Request,
+        budget: int,
+        num_hit_tokens: int = 0,
+        num_drafts: int = 0,
+        cap: int | None = None,
     ) -> int:
+        """`cap`: on prompt tokens (a decode's one token and its drafts are never cut)."""
         if request.num_pending_tokens and request.ends_with_pending(self.max_model_len):
             return 0  # its pending token is its last: nothing more to compute
         num_inputs = request.num_tokens + request.num_pending_tokens + num_drafts
         num_new = num_inputs - max(request.num_computed_tokens, num_hit_tokens)
         if num_new > budget and not self.enable_chunked_prefill:
             return 0
+        if cap is not None and num_new - num_drafts > 1:
+            num_new = min(num_new, cap)
         return min(num_new, budget)
 
     def _advance(self, request: Request, num_new: int, num_drafts: int = 0) -> None:

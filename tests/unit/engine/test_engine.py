@@ -88,23 +88,29 @@ def test_shared_prefix_computes_only_new_tokens(make_engine: Callable[..., LLMEn
     assert cold_out["b"].num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
 def test_small_kv_pool_preempts_and_every_request_completes(
-    make_engine: Callable[..., LLMEngine],
+    make_engine: Callable[..., LLMEngine], ignore_eos: bool
 ) -> None:
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    """Requests whose end is unknown (they may stop at EOS) start by their prompts and are
+    preempted as they grow, then recomputed; ignoring EOS, their end is known and they start
+    only when the pool holds them to it: no preemption. Either way each one's output is its
+    output alone."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=ignore_eos)
     prompts = {f"r{i}": tokens(30 + 5 * i, i) for i in range(6)}
     alone = {}
     for rid, prompt in prompts.items():
         engine = make_engine(max_model_len=128)
         engine.add_request(rid, prompt, params)
         alone[rid] = run(engine)[rid].outputs[0].token_ids
+    assert all(len(out) == 40 for out in alone.values())  # (no EOS: they all grow)
 
     # 12 usable blocks of 16 tokens: room for two or three of the six at a time.
     tight = make_engine(num_blocks=13, max_model_len=128, budget=64)
     for rid, prompt in prompts.items():
         tight.add_request(rid, prompt, params)
     together = run(tight)
-    assert tight.scheduler.num_preemptions > 0
+    assert (tight.scheduler.num_preemptions > 0) == (not ignore_eos)
     assert {rid: out.outputs[0].token_ids for rid, out in together.items()} == alone
     assert tight.kv_cache_manager.usage == 0.0
 

@@ -57,6 +57,7 @@ def make_scheduler() -> Callable[..., Scheduler]:
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
         max_prefill_seqs: int | None = None,
+        long_prefill_token_threshold: int | None = None,
     ) -> Scheduler:
         manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         return Scheduler(
@@ -64,6 +65,7 @@ def make_scheduler() -> Callable[..., Scheduler]:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_prefill_seqs=max_prefill_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             max_loras=max_loras,

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvfleet.engine.config import SchedulerConfig
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.core.scheduler_output import NewRequestData
@@ -94,6 +95,62 @@ def test_a_burst_is_prefilled_a_slice_at_a_time_first_come(
     assert len(out.scheduled_new_reqs) == 40
 
 
+def test_a_long_prompt_leaves_room_for_requests_arriving_during_its_prefill(
+    make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
+) -> None:
+    """At the engine's defaults (2,048 tokens a step, a prompt capped at half while others need
+    the step): a request arriving during a 3,000-token prefill, or an 8,000-token one, is
+    scheduled at the next step; alone, the long prompt takes the whole budget. Without the cap
+    the arrival waits until the 8,000-token prefill's last step."""
+    cap = SchedulerConfig().prefill_chunk_cap
+    assert cap == 1024
+    for prompt_len, cap_or_none, started_at in [(3000, cap, 2), (8000, cap, 2), (8000, None, 4)]:
+        s = make_scheduler(
+            num_blocks=2100, max_num_batched_tokens=2048, max_model_len=8192,
+            long_prefill_token_threshold=cap_or_none,
+        )  # fmt: skip
+        s.add_request(make_request("long", prompt_len))
+        out, _ = step(s)
+        assert out.num_scheduled_tokens == {"long": 2048}  # (alone: the whole step)
+        s.add_request(make_request("late", 10))
+        started = None
+        for number in range(2, 8):
+            out, _ = step(s)
+            if "late" in out.num_scheduled_tokens:
+                started = number
+                break
+            assert out.num_scheduled_tokens == {"long": 2048}
+        assert started == started_at, (prompt_len, cap_or_none)
+        if cap_or_none is not None:
+            left = prompt_len - 2048
+            assert out.num_scheduled_tokens == {"long": min(1024, left), "late": 10}
+            if left > 1024:  # (the late request decodes beside it: still the cap)
+                out, _ = step(s)
+                assert out.num_scheduled_tokens == {"long": min(1024, left - 1024), "late": 1}
+
+
+def test_the_prompt_cap_applies_to_admissions_and_spares_decodes(
+    make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
+) -> None:
+    """A long prompt scheduled ahead of others (running or waiting) takes at most the cap; the
+    last, with nobody behind it, takes what the budget leaves; a decode is never cut."""
+    s = make_scheduler(
+        num_blocks=200, max_num_batched_tokens=64, max_model_len=256,
+        long_prefill_token_threshold=20,
+    )  # fmt: skip
+    s.add_request(make_request("a", 100, arrival_time=0))
+    s.add_request(make_request("b", 5, arrival_time=1))
+    s.add_request(make_request("c", 100, arrival_time=2))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 20, "b": 5, "c": 39}
+    out, _ = step(s)  # (a and b have requests after them; c, the last, takes what is left)
+    assert out.num_scheduled_tokens == {"a": 20, "b": 1, "c": 43}
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 20, "b": 1, "c": 18}
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 1"):
+        make_scheduler(long_prefill_token_threshold=0)
+
+
 def test_priority_then_arrival(
     make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
 ) -> None:
@@ -157,6 +214,57 @@ def test_preemption_frees_newest_and_resumes_it_first(
     assert len(resumed) == 1
     assert resumed[0].token_ids == [*newest.prompt_token_ids, 7]
     assert resumed[0].num_computed_tokens == 0
+
+
+def test_requests_of_known_end_start_only_when_the_pool_holds_them_to_it(
+    make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
+) -> None:
+    """8 requests that ignore EOS (8 prompt tokens, 12 out: KV for 19 tokens, 5 blocks of 4)
+    in a pool of 21 usable blocks: four run at once, the fifth starts when one finishes, and
+    nothing is ever preempted. The same requests stopping at EOS (their end unknown) start by
+    their prompts' blocks and are preempted as they grow."""
+    for ignore_eos, most_running, preempted in [(True, 4, 0), (False, 8, 4)]:
+        s = make_scheduler(num_blocks=22, max_model_len=32, enable_prefix_caching=False)
+        for i in range(8):
+            s.add_request(make_request(f"r{i}", 8, max_tokens=12, arrival_time=i,
+                                       ignore_eos=ignore_eos))  # fmt: skip
+        finished, running = [], []
+        for _ in range(200):
+            if not s.has_unfinished_requests():
+                break
+            _, outputs = step(s)
+            running.append(s.num_running)
+            finished += [o.req_id for o in outputs if o.finished]
+        assert sorted(finished) == [f"r{i}" for i in range(8)]
+        assert (max(running), s.num_preemptions) == (most_running, preempted), ignore_eos
+    # (one whose prompt fits but whose end does not waits)
+    s = make_scheduler(num_blocks=41, max_model_len=128, max_num_batched_tokens=128)
+    s.add_request(make_request("x", 100, max_tokens=20))  # (end unknown: 25 blocks now)
+    s.add_request(make_request("y", 8, max_tokens=60, ignore_eos=True))  # (17 blocks at its end)
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["x"]
+    assert s.kv_cache_manager.block_pool.num_free_blocks == 15
+
+
+def test_a_watermark_of_the_pool_stays_free_when_requests_start(
+    make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
+) -> None:
+    """1% of 400 usable blocks (4) stays free when a request starts beside running ones; into
+    an idle engine a request starts that takes the whole pool to its end."""
+    s = make_scheduler(num_blocks=401, block_size=4, max_num_batched_tokens=2048,
+                       max_model_len=1600)  # fmt: skip
+    s.add_request(make_request("whole", 800, max_tokens=801, ignore_eos=True))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"whole": 800}  # (400 blocks to its end: all of them)
+    s.finish_requests(["whole"], RequestStatus.FINISHED_ABORTED)
+    s.add_request(make_request("a", 4 * 390))  # (end unknown: its prompt's 390 blocks)
+    s.add_request(make_request("b", 4 * 7))  # 7 more blocks: 3 would stay free, under 4
+    s.add_request(make_request("c", 4 * 6))  # (waits behind b: first come, first served)
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["a"]
+    out, _ = step(s)
+    assert "b" not in out.num_scheduled_tokens
+    assert s.kv_cache_manager.block_pool.num_free_blocks == 400 - 391  # (a's first token)
 
 
 def test_token_stops(make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step) -> None:
