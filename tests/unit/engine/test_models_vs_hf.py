@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvfleet.engine.llm import LLM
@@ -49,6 +50,32 @@ def test_logprobs_match_transformers(
     assert output.num_cached_tokens == 64
     worst = logprob_gap(hf_model, second, output.outputs[0])
     assert worst < TOLERANCE, f"after a prefix hit: max |logprob difference| {worst:.2e}"
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral-moe", "qwen3-moe-dense-layer", "gemma2-softcap-windows", "gemma3-local-global",
+     "phi3-longrope"],
+)  # fmt: skip
+def test_the_families_keep_their_output_through_preemption(
+    family: str, hf_model_dir: Callable[[str], tuple[Any, Path]]
+) -> None:
+    """Five requests (their ends unknown: EOS may stop them) in a pool with room for two: each
+    is preempted and recomputed at least once overall, and every output is the one it has in a
+    roomy pool (windowed layers, experts and Phi-3's rotation recomputed alike)."""
+    _, folder = hf_model_dir(family)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 384, (30 + 7 * i,), generator=generator).tolist() for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    outputs = {}
+    for num_blocks in (64, 17):  # (blocks of 8: 16 usable hold two of them to their ends)
+        llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, block_size=8,
+                  num_blocks=num_blocks, max_model_len=128, max_num_batched_tokens=64)  # fmt: skip
+        outputs[num_blocks] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        preemptions = llm.engine.scheduler.num_preemptions
+        assert (preemptions > 0) == (num_blocks == 17), preemptions
+    assert outputs[17] == outputs[64]
+    assert all(len(tokens) > 16 for tokens in outputs[64])  # (long enough to need the room)
 
 
 def test_checkpoint_shapes_list_what_transformers_saves(
