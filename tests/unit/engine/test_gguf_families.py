@@ -35,7 +35,7 @@ from kvfleet.engine.layers.torch_layers import rope_attention_factor
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.loader.gguf import gguf_to_hf_name, read_gguf_config
 from kvfleet.engine.sampling_params import SamplingParams
-from tests.conftest import BASE
+from tests.conftest import BASE, CONFIGS
 
 # name -> (transformers config class, its arguments over conftest.BASE, GGUF architecture).
 # Only what GGUF can say: the query scaled by head_dim^-0.5 (llama.cpp's rule below 27B),
@@ -63,25 +63,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
         },
         "gemma3",
     ),
-    "phi3-longrope": (
-        "Phi3Config",
-        {
-            "tie_word_embeddings": False,
-            "original_max_position_embeddings": 48,
-            "rope_scaling": {
-                "type": "longrope",
-                "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                "long_factor": [1.0 + 0.5 * i for i in range(8)],
-            },
-            "pad_token_id": 0,
-        },
-        "phi3",
-    ),
-    "mixtral": (
-        "MixtralConfig",
-        {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2},
-        "llama",
-    ),
+    # (as conftest's: Phi-3 with LongRoPE past an original context of 48; Mixtral, 2 of 4)
+    "phi3-longrope": (*CONFIGS["phi3-longrope"], "phi3"),
+    "mixtral": (*CONFIGS["mixtral-moe"], "llama"),
 }
 ARCHES = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
           "phi3": gguf.MODEL_ARCH.PHI3, "llama": gguf.MODEL_ARCH.LLAMA}  # fmt: skip
