@@ -96,15 +96,31 @@ def _smollm2_available() -> None:
         pytest.skip(f"SmolLM2 is not available here: {exc}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 5's bar (>= 95% of 32 greedy bf16 continuations equal) is not met by any two "
-    "independent bf16 implementations of this model: measured on the H100 (2026-11-22, "
-    "bench/bf16_agreement.py) triton vs torch 22/32, Hugging Face bf16 vs its own float32 18/32, "
-    "HF bf16 vs ours 17/32, while triton == torch == HF in float32 (32/32) and runs repeat "
-    "exactly; see bench/RESULTS.md",
-)
-def test_smollm2_triton_agrees_with_torch_path() -> None:
+def first_difference_is_a_near_tie(a: Any, b: Any, top: int = 5, gap: float = 0.1) -> bool:
+    """Two greedy continuations (CompletionOutputs with top logprobs) of one prompt: equal, or
+    at the first position where they differ each one's token is in the other's top `top`,
+    within `gap` of the other's chosen token's logprob (a near-tie, not a wrong token)."""
+    pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))
+    at = next((i for i, (x, y) in pairs if x != y), None)
+    if at is None:
+        return True
+    for mine, other in ((a, b), (b, a)):
+        step = (other.logprobs or [])[at]
+        ranked = dict(zip(step.top_token_ids[:top], step.top_logprobs[:top], strict=True))
+        chosen = mine.token_ids[at]
+        if chosen not in ranked or ranked[other.token_ids[at]] - ranked[chosen] > gap:
+            return False
+    return True
+
+
+def test_smollm2_triton_and_torch_differ_in_bf16_only_at_near_ties() -> None:
+    """Issue 32's bar, as vLLM checks bf16 paths: float32 stays token-exact (the Triton path
+    against the torch path; both against Hugging Face in test_engine_cuda.py); in bf16, over
+    32 SmolLM2 prompts x 32 tokens, wherever the Triton and torch paths first differ it is a
+    near-tie (each token in the other's top 5, logprobs within 0.1), and the Triton path
+    agrees with torch-float32 at least as often as torch-bf16 does. (Two independent bf16
+    implementations cannot agree token for token: Hugging Face's own bf16 run matches its
+    float32 run on 18 of 32, bench/RESULTS.md.)"""
     _smollm2_available()
     topics = ["rivers", "chess", "volcanoes", "bread", "satellites", "owls", "glass", "jazz"]
     prompts = [
@@ -112,41 +128,42 @@ def test_smollm2_triton_agrees_with_torch_path() -> None:
         for topic in topics
         for kind in ("A poem", "Facts", "A story", "Notes")
     ]
-    assert len(prompts) == 32
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     outputs = {}
-    for backend in ("torch", "triton"):
+    for backend, dtype in (("torch", "float32"), ("triton", "float32"), ("torch", "bfloat16"),
+                           ("triton", "bfloat16")):  # fmt: skip
         llm = LLM(
             "smollm2",
             device="cuda",
-            dtype="bfloat16",
+            dtype=dtype,
             attention_backend=backend,
             max_model_len=1024,
             num_blocks=1024,
         )
         assert llm.engine.attention_backend == backend
-        outputs[backend] = llm.generate(prompts, params)
+        outputs[backend, dtype] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        llm.engine.close()
         del llm
-    agree = 0
-    gaps = []
-    for ours, ref in zip(outputs["triton"], outputs["torch"], strict=True):
-        a, b = ours.outputs[0], ref.outputs[0]
-        agree += a.token_ids == b.token_ids
-        # First sampled position: logprobs of every token in both top-20 lists.
-        first_a, first_b = (a.logprobs or [])[0], (b.logprobs or [])[0]
-        lookup_b = dict(zip(first_b.top_token_ids, first_b.top_logprobs, strict=True))
-        gaps += [
-            abs(v - lookup_b[t])
-            for t, v in zip(first_a.top_token_ids, first_a.top_logprobs, strict=True)
-            if t in lookup_b
-        ]
+        torch.cuda.empty_cache()
+
+    def agreement(x: tuple[str, str], y: tuple[str, str]) -> int:
+        pairs = zip(outputs[x], outputs[y], strict=True)
+        return sum(a.token_ids == b.token_ids for a, b in pairs)
+
+    f32, bf16 = ("torch", "float32"), ("torch", "bfloat16")
+    triton_f32, triton_bf16 = ("triton", "float32"), ("triton", "bfloat16")
+    assert agreement(triton_f32, f32) == 32
+    near_ties = [
+        first_difference_is_a_near_tie(a, b)
+        for a, b in zip(outputs[triton_bf16], outputs[bf16], strict=True)
+    ]
     print(
-        f"greedy agreement {agree}/32; first-step logprobs: {len(gaps)} compared, "
-        f"max |diff| {max(gaps):.3f}"
+        f"bf16: triton == torch on {agreement(triton_bf16, bf16)}/32, near-ties where they "
+        f"differ {sum(near_ties)}/32; against torch-float32: triton {agreement(triton_bf16, f32)}"
+        f", torch {agreement(bf16, f32)}"
     )
-    assert agree >= 31  # at least 95% of the 32 prompts
-    assert len(gaps) >= 32 * 15
-    assert max(gaps) < 0.15  # bf16 rounding through 30 layers
+    assert all(near_ties)
+    assert agreement(triton_bf16, f32) >= agreement(bf16, f32)
 
 
 def test_fused_layers_match_torch_at_real_shapes() -> None:
