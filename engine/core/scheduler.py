@@ -6,11 +6,7 @@ requests go first, in priority order; then waiting ones, by priority, then arriv
 run out, the lowest-priority, newest running request is preempted (its blocks freed, recomputed
 later).
 
-Admission keeps preemption rare: a request whose end is known (it ignores EOS: max_tokens
-decides) starts only when the free blocks hold it to that end beside what the running requests
-of known end will still take; any request starts only while a watermark of the pool (1%) stays
-free beside that. So a benchmark of fixed lengths never recomputes, and a pool near full keeps
-room for the running requests' next tokens.
+Which waiting requests may start, and how much of a step a prompt may take: admission.py.
 
 `num_computed_tokens` advances when a step is scheduled, so the next step can be scheduled
 before this one's output arrives (asynchronous scheduling): a request whose step samples a token
@@ -27,11 +23,10 @@ is scheduled.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
 
-from kvfleet.engine.core.block_pool import KVCacheBlock
+from kvfleet.engine.core.admission import AdmissionPolicy
 from kvfleet.engine.core.isolation import FaultIsolation
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestId, RequestStatus
@@ -42,10 +37,7 @@ from kvfleet.engine.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from kvfleet.engine.core.stats import SchedulerStats, SpecDecodeStats
-
-# The fraction of the pool kept free when requests start (vLLM's default watermark)
-WATERMARK = 0.01
+from kvfleet.engine.core.stats import SchedulerStats, SpecDecodeStats, read_stats
 
 
 class Scheduler:
@@ -60,13 +52,9 @@ class Scheduler:
         max_prefill_seqs: int | None = None,
         long_prefill_token_threshold: int | None = None,
     ) -> None:
-        """`max_loras`: at most this many distinct LoRA adapters among running requests (the
-        device slots); a waiting request whose adapter would exceed it waits, others pass.
-        `max_prefill_seqs`: at most this many requests compute prompt tokens (their own, or
+        """`max_prefill_seqs`: at most this many requests compute prompt tokens (their own, or
         recomputed after preemption) in one step; None: as many as the budget holds.
-        `long_prefill_token_threshold`: while other requests need the step (running after it,
-        or waiting to start), a request computes at most this many prompt tokens in it, so a
-        long prompt leaves them room (None: no cap)."""
+        `max_loras`, `long_prefill_token_threshold`: `AdmissionPolicy`'s."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
                 "max_num_batched_tokens and max_num_seqs must be at least 1 and max_model_len "
@@ -74,30 +62,24 @@ class Scheduler:
             )
         if max_prefill_seqs is not None and max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs must be at least 1, got {max_prefill_seqs}")
-        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
-            raise ValueError(
-                "long_prefill_token_threshold must be at least 1 (or 0 for no cap), got "
-                f"{long_prefill_token_threshold}"
-            )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must "
                 f"be at least max_model_len ({max_model_len}) so every prompt fits in one step"
-            )
-        if kv_cache_manager.blocks_needed(max_model_len) > kv_cache_manager.num_usable_blocks:
-            raise ValueError(
-                f"the KV cache ({kv_cache_manager.num_usable_blocks} blocks of "
-                f"{kv_cache_manager.block_size} tokens) cannot hold one sequence of max_model_len "
-                f"{max_model_len} tokens: lower max_model_len or give the cache more memory"
             )
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.max_loras = max_loras
         self.max_prefill_seqs = max_prefill_seqs
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.admission = AdmissionPolicy(
+            kv_cache_manager,
+            max_model_len,
+            long_prefill_token_threshold,
+            enable_chunked_prefill,
+            max_loras,
+        )
         self.requests: dict[RequestId, Request] = {}
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []
@@ -113,25 +95,9 @@ class Scheduler:
 
     def stats(self, with_adapters: bool = False, with_spec_decode: bool = False) -> SchedulerStats:
         """A reading of the scheduler now (on the engine thread, for the others)."""
-        kv = self.kv_cache_manager
-
-        def adapters(requests: list[Request]) -> tuple[str, ...]:
-            if not with_adapters:
-                return ()
-            return tuple(sorted({r.lora_name for r in requests if r.lora_name}))
-
-        spec = dataclasses.replace(self.spec_decode_stats) if with_spec_decode else None
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            running_adapters=adapters(self.running),
-            waiting_adapters=adapters(self.waiting),
-            spec_decode=spec,
-        )
+        spec = self.spec_decode_stats if with_spec_decode else None
+        kv, running, waiting = self.kv_cache_manager, self.running, self.waiting
+        return read_stats(kv, running, waiting, self.num_preemptions, spec, with_adapters)
 
     @property
     def num_running(self) -> int:
@@ -210,7 +176,7 @@ class Scheduler:
             self._scheduling = request.request_id
             proposed = drafts.get(request.request_id) if drafts else None
             spec = request.drafts_that_fit(proposed, budget, self.max_model_len) if proposed else []
-            cap = self._prompt_cap(may_admit or i + 1 < len(self.running))
+            cap = self.admission.prompt_cap(may_admit or i + 1 < len(self.running))
             num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec), cap=cap)
             if num_new == 0:
                 i += 1
@@ -266,9 +232,9 @@ class Scheduler:
         num_prefills: int,
     ) -> int:
         """Start waiting requests in queue order while the budget, seats, prefill slots and
-        blocks last (`_blocks_to_end`); returns the budget left."""
+        blocks last (`AdmissionPolicy`); returns the budget left."""
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
-        reserved = sum(self._blocks_to_end(r) for r in self.running)
+        reserved = sum(self.admission.blocks_to_end(r) for r in self.running)
         position = 0
         max_prefills = self.max_prefill_seqs or self.max_num_seqs
         while position < len(self.waiting) and budget > 0:
@@ -279,18 +245,21 @@ class Scheduler:
             if (
                 request.num_pending_tokens
                 or request.waits_for_grammar
-                or not self._adapter_fits(request, adapters)
+                or not self.admission.adapter_fits(request, adapters)
                 or not self.isolation.may_start(request.request_id)
             ):
                 position += 1  # waits for a slot; requests behind it may still start
                 continue
             self._scheduling = request.request_id
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            cap = self._prompt_cap(position + 1 < len(self.waiting))
+            cap = self.admission.prompt_cap(position + 1 < len(self.waiting))
             num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens, cap=cap)
             if num_new == 0:
                 break
-            if not self._can_start(request, hits, num_hit_tokens + num_new, reserved):
+            idle = not self.running
+            if not self.admission.can_start(
+                request, hits, num_hit_tokens + num_new, reserved, idle
+            ):
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
             if new_blocks is None:
@@ -316,31 +285,10 @@ class Scheduler:
                 )
             )
             self._advance(request, num_new)
-            reserved += self._blocks_to_end(request)
+            reserved += self.admission.blocks_to_end(request)
             budget -= num_new
             num_prefills += 1
         return budget
-
-    def _blocks_to_end(self, request: Request) -> int:
-        """The blocks a running request of known end will still take (0 for others)."""
-        horizon = request.kv_horizon(self.max_model_len)
-        if horizon is None:
-            return 0
-        kv = self.kv_cache_manager
-        return max(0, kv.blocks_needed(horizon) - kv.num_blocks_held(request.request_id))
-
-    def _can_start(
-        self, request: Request, hits: list[KVCacheBlock], num_tokens: int, reserved: int
-    ) -> bool:
-        """Whether `request`, computing up to `num_tokens` (its prefix hits `hits`) this step,
-        fits beside the `reserved` blocks and the watermark: to its end, when that is known.
-        Into an idle engine anything starts that the pool can hold."""
-        kv = self.kv_cache_manager
-        horizon = request.kv_horizon(self.max_model_len)
-        shared = sum(1 for block in hits if block.ref_cnt > 0)  # (held by others already)
-        need = kv.blocks_needed(max(num_tokens, horizon or 0)) - shared
-        watermark = int(kv.num_usable_blocks * WATERMARK) if self.running else 0
-        return need + reserved + watermark <= kv.block_pool.num_free_blocks
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -384,12 +332,6 @@ class Scheduler:
             )
         return outputs
 
-    def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
-        name = request.lora_name
-        if name is None or self.max_loras is None or name in adapters:
-            return True
-        return len(adapters) < self.max_loras
-
     def _take_verdict(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A drafted step's outcome: the rejected drafts' tokens are to compute again."""
         request.num_computed_tokens -= num_drafts - num_accepted
@@ -398,12 +340,6 @@ class Scheduler:
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
         stats.num_rejections += num_accepted < num_drafts
-
-    def _prompt_cap(self, others_need_the_step: bool) -> int | None:
-        """The most prompt tokens a request computes this step (None: what the budget holds)."""
-        if not others_need_the_step or not self.enable_chunked_prefill:
-            return None
-        return self.long_prefill_token_threshold
 
     def _num_tokens_to_schedule(
         self,

@@ -3,7 +3,14 @@ other threads as immutable records (no other thread reads the scheduler or the b
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+    from kvfleet.engine.core.request import Request
 
 
 @dataclass
@@ -36,3 +43,31 @@ class SchedulerStats:
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     spec_decode: SpecDecodeStats | None = None  # a copy; None: speculative decoding is off
+
+
+def read_stats(
+    kv: KVCacheManager,
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    num_preemptions: int,
+    spec_decode: SpecDecodeStats | None,
+    with_adapters: bool,
+) -> SchedulerStats:
+    """A scheduler's reading from its parts (`spec_decode` copied; adapters' names sorted)."""
+
+    def adapters(requests: Sequence[Request]) -> tuple[str, ...]:
+        if not with_adapters:
+            return ()
+        return tuple(sorted({r.lora_name for r in requests if r.lora_name}))
+
+    return SchedulerStats(
+        num_running=len(running),
+        num_waiting=len(waiting),
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        num_preemptions=num_preemptions,
+        running_adapters=adapters(running),
+        waiting_adapters=adapters(waiting),
+        spec_decode=dataclasses.replace(spec_decode) if spec_decode is not None else None,
+    )

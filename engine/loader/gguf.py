@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.config.gguf_metadata import model_config_from_gguf
 from kvfleet.engine.layers.quantization.packed import pack_rows
 from kvfleet.engine.layers.quantization.scheme import PackedScheme
 from kvfleet.engine.loader.safetensors_folder import FusedParts
@@ -103,7 +104,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
         for t in reader.tensors
         if t.name in ROPE_FACTOR_TENSORS
     }
-    return ModelConfig.from_gguf_fields(read_fields(reader), "output.weight" in names, rope_factors)
+    return model_config_from_gguf(read_fields(reader), "output.weight" in names, rope_factors)
 
 
 def gguf_packed_scheme(path: Path) -> PackedScheme | None:

@@ -31,6 +31,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.config.gguf_metadata import model_config_from_gguf
 from kvfleet.engine.layers.torch_layers import rope_attention_factor
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.loader.gguf import gguf_to_hf_name, read_gguf_config
@@ -311,20 +312,20 @@ def test_gguf_metadata_read_as_llama_cpp_reads_it() -> None:
             **{f"{arch}.{k}": v for k, v in extra.items()},
         }
 
-    big = ModelConfig.from_gguf_fields(
+    big = model_config_from_gguf(
         fields("gemma2", 46, **{"attention.sliding_window": 4096}), has_output_weight=False
     )
     assert big.query_pre_attn_scalar == 4608 / 32
-    small = ModelConfig.from_gguf_fields(fields("gemma2"), has_output_weight=False)
+    small = model_config_from_gguf(fields("gemma2"), has_output_weight=False)
     assert small.query_pre_attn_scalar == 128
     assert (small.attn_logit_softcap, small.final_logit_softcap) == (50.0, 30.0)
     assert small.layer_windows == (4096, None)
-    gemma3 = ModelConfig.from_gguf_fields(
+    gemma3 = model_config_from_gguf(
         fields("gemma3", 12, **{"attention.sliding_window": 512}), has_output_weight=False
     )
     assert gemma3.layer_windows == (512,) * 5 + (None,) + (512,) * 5 + (None,)
     assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1_000_000.0, 10_000.0)
-    own = ModelConfig.from_gguf_fields(
+    own = model_config_from_gguf(
         fields(
             "gemma3",
             3,
@@ -336,16 +337,16 @@ def test_gguf_metadata_read_as_llama_cpp_reads_it() -> None:
         has_output_weight=False,
     )
     assert own.layer_windows == (64, None, 64)
-    phi3 = ModelConfig.from_gguf_fields(
+    phi3 = model_config_from_gguf(
         fields("phi3", **{"attention.sliding_window": 0, "rope.dimension_count": 128}),
         has_output_weight=True,
     )
     assert (phi3.architecture, phi3.sliding_window, phi3.rope_scaling) == ("phi3", None, None)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
-        ModelConfig.from_gguf_fields(
+        model_config_from_gguf(
             fields("phi3", **{"rope.dimension_count": 96}), has_output_weight=True
         )
-    mixtral = ModelConfig.from_gguf_fields(
+    mixtral = model_config_from_gguf(
         fields("llama", expert_count=8, expert_used_count=2), has_output_weight=True
     )
     assert (mixtral.architecture, mixtral.num_experts, mixtral.norm_topk_prob) == (
@@ -355,9 +356,9 @@ def test_gguf_metadata_read_as_llama_cpp_reads_it() -> None:
     )
     assert (mixtral.moe_intermediate_size, mixtral.moe_layers) == (1024, (0, 1))
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'falcon'.*gemma2"):
-        ModelConfig.from_gguf_fields(fields("falcon"), has_output_weight=True)
+        model_config_from_gguf(fields("falcon"), has_output_weight=True)
     with pytest.raises(ValueError, match="GGUF 'qwen2' with experts"):
-        ModelConfig.from_gguf_fields(fields("qwen2", expert_count=4), has_output_weight=True)
+        model_config_from_gguf(fields("qwen2", expert_count=4), has_output_weight=True)
 
 
 def test_names_by_family() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvfleet.engine.config.gguf_metadata import model_config_from_gguf
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -150,7 +151,7 @@ def test_what_a_config_asks_for_is_served_or_refused_by_name() -> None:
         "qwen3.rope.scaling.factor": 4.0,
         "qwen3.rope.scaling.original_context_length": 1024,
     }
-    gguf = ModelConfig.from_gguf_fields(fields, has_output_weight=True)
+    gguf = model_config_from_gguf(fields, has_output_weight=True)
     assert gguf.qk_norm
     assert gguf.rope_scaling == {**yarn, "original_max_position_embeddings": 1024}
     # sliding windows: Qwen's from max_window_layers on, with use_sliding_window; Mistral's all
