@@ -21,7 +21,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[RequestId, int] = {}
-        # Prefix-cache statistics in tokens, vLLM semantics (first scheduling of a request only).
+        # Prefix-cache statistics in tokens, vLLM semantics (first start of a request only:
+        # `record_prefix_query`).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -63,10 +64,14 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = block_hash
-        if request.num_preemptions == 0:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """A request's first start: its tokens asked of the prefix cache, and those found (once
+        per request, however many steps it waited before it started)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self,

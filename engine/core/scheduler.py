@@ -270,8 +270,9 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens is None:
+            if request.num_cached_tokens is None:  # (its first start)
                 request.num_cached_tokens = num_hit_tokens
+                self.kv_cache_manager.record_prefix_query(request.num_tokens, num_hit_tokens)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(
                 NewRequestData(

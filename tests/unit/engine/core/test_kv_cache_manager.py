@@ -47,7 +47,9 @@ def test_shared_prefix_is_reused_and_verified(make_request: Callable[..., Reques
     assert ids(kv.allocate_slots(b, 13 - 8, hits) or []) == [4, 5]
     assert kv.get_block_ids(b.request_id) == [1, 2, 4, 5]
     assert [blk.ref_cnt for blk in kv.req_to_blocks["b"]] == [2, 2, 1, 1]
-    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (13, 8)  # only b asked the cache
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)  # (counted at a start)
+    kv.record_prefix_query(b.num_tokens, num_tokens)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (13, 8)
 
     # The last token is always recomputed: an identical 8-token prompt hits one block only.
     c = make_request("c", PROMPT[:8])

@@ -246,6 +246,25 @@ def test_requests_of_known_end_start_only_when_the_pool_holds_them_to_it(
     assert s.kv_cache_manager.block_pool.num_free_blocks == 15
 
 
+def test_a_request_waiting_for_room_asks_the_prefix_cache_once(
+    make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
+) -> None:
+    """Prefix-cache statistics count a request at its first start, not at every step it
+    waited (its end did not fit) nor after a preemption."""
+    s = make_scheduler(num_blocks=41, max_model_len=128, max_num_batched_tokens=128)
+    s.add_request(make_request("x", 100, max_tokens=3, ignore_eos=True))  # (25 blocks, then 26)
+    s.add_request(make_request("y", 8, max_tokens=60, ignore_eos=True))  # (17 blocks at its end)
+    kv = s.kv_cache_manager
+    for _ in range(3):
+        step(s)
+        assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (100, 0)  # (y waits)
+    for _ in range(80):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (108, 0)
+
+
 def test_a_watermark_of_the_pool_stays_free_when_requests_start(
     make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
 ) -> None:
