@@ -7,9 +7,10 @@ end will still take; any request starts only while a watermark of the pool (1%) 
 beside that. So a benchmark of fixed lengths never recomputes, and a pool near full keeps room
 for the running requests' next tokens. An idle engine takes anything the pool can hold.
 
-While other requests need the step (scheduled after it, or waiting with a seat free), a
-prompt computes at most `long_prefill_token_threshold` tokens in it, so a long prefill leaves
-room for requests arriving meanwhile.
+While requests wait to start (with a seat free), a prompt computes at most
+`long_prefill_token_threshold` tokens a step, so a long prefill leaves room for requests
+arriving meanwhile; and a running prompt always leaves a token to each running request
+scheduled after it (a decode behind a long prefill is never starved).
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ class AdmissionPolicy:
             return True
         return len(adapters) < self.max_loras
 
-    def prompt_cap(self, others_need_the_step: bool) -> int | None:
-        """The most prompt tokens a request computes this step (None: what the budget holds)."""
-        if not others_need_the_step or not self.enable_chunked_prefill:
+    def prompt_cap(self, others_wait: bool, budget: int = 0, num_after: int = 0) -> int | None:
+        """The most prompt tokens a request computes this step (None: what the budget holds):
+        the threshold while `others_wait` to start; and a running one leaves a token of the
+        `budget` left to each of the `num_after` running requests scheduled after it."""
+        if not self.enable_chunked_prefill:
             return None
-        return self.long_prefill_token_threshold
+        cap = self.long_prefill_token_threshold if others_wait else None
+        if num_after:
+            cap = min(cap or budget, max(1, budget - num_after))
+        return cap
 
     def blocks_to_end(self, request: Request) -> int:
         """The blocks a running request of known end will still take (0 for others)."""

@@ -167,8 +167,7 @@ class Scheduler:
         num_prefills = 0  # requests computing prompt tokens this step
 
         self.running.sort(key=self._queue_key)
-        # NOTE: while other requests need the step (running after it, or waiting to start), no
-        # prompt takes more than the cap of it
+        # NOTE: while requests wait to start, no prompt takes more than the cap of a step
         may_admit = bool(self.waiting) and len(self.running) < self.max_num_seqs
         i = 0
         while i < len(self.running) and budget > 0:
@@ -176,7 +175,7 @@ class Scheduler:
             self._scheduling = request.request_id
             proposed = drafts.get(request.request_id) if drafts else None
             spec = request.drafts_that_fit(proposed, budget, self.max_model_len) if proposed else []
-            cap = self.admission.prompt_cap(may_admit or i + 1 < len(self.running))
+            cap = self.admission.prompt_cap(may_admit, budget, len(self.running) - i - 1)
             num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec), cap=cap)
             if num_new == 0:
                 i += 1

@@ -98,10 +98,11 @@ def test_a_burst_is_prefilled_a_slice_at_a_time_first_come(
 def test_a_long_prompt_leaves_room_for_requests_arriving_during_its_prefill(
     make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
 ) -> None:
-    """At the engine's defaults (2,048 tokens a step, a prompt capped at half while others need
-    the step): a request arriving during a 3,000-token prefill, or an 8,000-token one, is
-    scheduled at the next step; alone, the long prompt takes the whole budget. Without the cap
-    the arrival waits until the 8,000-token prefill's last step."""
+    """At the engine's defaults (2,048 tokens a step, a prompt capped at half while requests
+    wait to start): a request arriving during a 3,000-token prefill, or an 8,000-token one, is
+    scheduled at the next step; alone, the long prompt takes the whole budget, and beside the
+    late request's decodes all of it but their tokens. Without the cap the arrival waits until
+    the 8,000-token prefill's last step."""
     cap = SchedulerConfig().prefill_chunk_cap
     assert cap == 1024
     for prompt_len, cap_or_none, started_at in [(3000, cap, 2), (8000, cap, 2), (8000, None, 4)]:
@@ -124,16 +125,17 @@ def test_a_long_prompt_leaves_room_for_requests_arriving_during_its_prefill(
         if cap_or_none is not None:
             left = prompt_len - 2048
             assert out.num_scheduled_tokens == {"long": min(1024, left), "late": 10}
-            if left > 1024:  # (the late request decodes beside it: still the cap)
+            if left > 1024:  # (nobody waits: all but the late request's decode token)
                 out, _ = step(s)
-                assert out.num_scheduled_tokens == {"long": min(1024, left - 1024), "late": 1}
+                assert out.num_scheduled_tokens == {"long": min(2047, left - 1024), "late": 1}
 
 
 def test_the_prompt_cap_applies_to_admissions_and_spares_decodes(
     make_scheduler: MakeScheduler, make_request: MakeRequest, step: Step
 ) -> None:
-    """A long prompt scheduled ahead of others (running or waiting) takes at most the cap; the
-    last, with nobody behind it, takes what the budget leaves; a decode is never cut."""
+    """While others wait to start, a long prompt ahead of them takes at most the cap, the last
+    admitted what the budget leaves; once nobody waits, a running prompt leaves one token to
+    each running request after it (b's decode, c's next chunk); a decode is never cut."""
     s = make_scheduler(
         num_blocks=200, max_num_batched_tokens=64, max_model_len=256,
         long_prefill_token_threshold=20,
@@ -143,10 +145,10 @@ def test_the_prompt_cap_applies_to_admissions_and_spares_decodes(
     s.add_request(make_request("c", 100, arrival_time=2))
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 20, "b": 5, "c": 39}
-    out, _ = step(s)  # (a and b have requests after them; c, the last, takes what is left)
-    assert out.num_scheduled_tokens == {"a": 20, "b": 1, "c": 43}
+    out, _ = step(s)  # (nobody waits: a leaves a token to each of b and c, after it)
+    assert out.num_scheduled_tokens == {"a": 62, "b": 1, "c": 1}
     out, _ = step(s)
-    assert out.num_scheduled_tokens == {"a": 20, "b": 1, "c": 18}
+    assert out.num_scheduled_tokens == {"a": 18, "b": 1, "c": 45}
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 1"):
         make_scheduler(long_prefill_token_threshold=0)
 
