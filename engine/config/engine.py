@@ -94,9 +94,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = field(
         default=None,
         metadata=setting(
-            "while other requests need the step (running or waiting to start), a prompt "
-            "computes at most this many tokens in it (default: half of max_num_batched_tokens; "
-            "0: no cap)"
+            "while requests wait to start, a prompt computes at most this many tokens a step "
+            "(default: half of max_num_batched_tokens; 0: no cap)"
         ),
     )
     enable_chunked_prefill: bool = field(
@@ -111,7 +110,7 @@ class SchedulerConfig:
 
     @property
     def prefill_chunk_cap(self) -> int | None:
-        """The cap on a prompt's tokens in a step others need (None: no cap)."""
+        """The cap on a prompt's tokens a step while requests wait to start (None: none)."""
         threshold = self.long_prefill_token_threshold
         if threshold is None:
             return max(1, self.max_num_batched_tokens // 2)
