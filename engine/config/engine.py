@@ -108,6 +108,13 @@ class SchedulerConfig:
         metadata=setting("schedule and prepare step N+1 while step N runs on the device"),
     )
 
+    def __post_init__(self) -> None:
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (no cap) or more, got {threshold}"
+            )
+
     @property
     def prefill_chunk_cap(self) -> int | None:
         """The cap on a prompt's tokens a step while requests wait to start (None: none)."""

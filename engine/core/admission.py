@@ -43,7 +43,7 @@ class AdmissionPolicy:
             )
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
             raise ValueError(
-                "long_prefill_token_threshold must be at least 1 (or 0 for no cap), got "
+                "long_prefill_token_threshold must be at least 1 (None: no cap), got "
                 f"{long_prefill_token_threshold}"
             )
         self.kv_cache_manager = kv_cache_manager

@@ -232,10 +232,12 @@ class Scheduler:
     ) -> int:
         """Start waiting requests in queue order while the budget, seats, prefill slots and
         blocks last (`AdmissionPolicy`); returns the budget left."""
+        max_prefills = self.max_prefill_seqs or self.max_num_seqs
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return budget  # (the common decode step: no walk over the running requests)
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         reserved = sum(self.admission.blocks_to_end(r) for r in self.running)
         position = 0
-        max_prefills = self.max_prefill_seqs or self.max_num_seqs
         while position < len(self.waiting) and budget > 0:
             if len(self.running) >= self.max_num_seqs or num_prefills >= max_prefills:
                 break

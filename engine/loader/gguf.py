@@ -77,9 +77,9 @@ REPACKED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuan
 GGUF_GROUP_SIZE = 32
 _BLOCK_INPUTS = {GGMLQuantizationType.Q4_0: 32, GGMLQuantizationType.Q4_1: 32,
                  GGMLQuantizationType.Q4_K: 256, GGMLQuantizationType.Q8_0: 32}  # fmt: skip
-# (projections run as one fused layer: repacked all together or not at all, in 8-bit words
-# when any part is Q8_0)
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# The projections that run as one fused layer (repacked all together or not at all, in 8-bit
+# words when any part is Q8_0), by that layer's name (Phi-3's files hold them fused)
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def read_fields(reader: GGUFReader) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def gguf_packed_scheme(path: Path) -> PackedScheme | None:
     kept = {module for module, kind in types.items() if kind in REPACKED_TYPES}
     for module in list(kept):
         owner, _, proj = module.rpartition(".")
-        siblings = next((group for group in _FUSED if proj in group), (proj,))
+        siblings = next((group for group in _FUSED.values() if proj in group), (proj,))
         if any(f"{owner}.{sibling}" not in kept for sibling in siblings):
             kept.discard(module)
     if not kept:
@@ -134,7 +134,7 @@ def gguf_packed_scheme(path: Path) -> PackedScheme | None:
     eight_bit = set()
     for module in kept:
         owner, _, proj = module.rpartition(".")
-        siblings = next((group for group in _FUSED if proj in group), (proj,))
+        siblings = next((group for group in _FUSED.values() if proj in group), (proj,))
         if any(types[f"{owner}.{sibling}"] == GGMLQuantizationType.Q8_0 for sibling in siblings):
             eight_bit.add(module)
     return PackedScheme(
@@ -236,8 +236,10 @@ def iterate_gguf_weights(
         if hf_name is None:
             continue
         parts = fused_parts(hf_name) if fused_parts is not None else None
-        for name, first, rows in parts or [(hf_name, 0, int(tensor.data.shape[0]))]:
-            data = tensor.data if parts is None else tensor.data[first : first + rows]
+        pieces = [(hf_name, tensor.data)] if parts is None else [
+            (name, tensor.data[first : first + rows]) for name, first, rows in parts
+        ]  # fmt: skip
+        for name, data in pieces:
             for out_name, out in _tensor_part(path, tensor, name, data, config, slice_for, packed):
                 shift = gemma and out_name.endswith("norm.weight")
                 yield out_name, out - 1.0 if shift else out
@@ -353,8 +355,7 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
 def _unfused_modules(module: str) -> tuple[str, ...]:
     """The projections a fused checkpoint module (Phi-3's) holds; itself otherwise."""
     owner, _, proj = module.rpartition(".")
-    split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    return tuple(f"{owner}.{part}" for part in split.get(proj, (proj,)))
+    return tuple(f"{owner}.{part}" for part in _FUSED.get(proj, (proj,)))
 
 
 def reverse_permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -131,6 +131,8 @@ def test_serve_forwards_every_engine_setting() -> None:
 def test_unknown_or_bad_keywords_are_refused() -> None:
     with pytest.raises(TypeError, match=r"unknown engine settings \['max_num_seq'\]"):
         EngineConfig.from_kwargs("smollm2", {"max_num_seq": 8})
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be 0"):
+        EngineConfig.from_kwargs("smollm2", {"long_prefill_token_threshold": -5})
     with pytest.raises(ValueError, match=r"speculative_config: .*not valid JSON"):
         EngineConfig.from_kwargs("smollm2", {"speculative_config": "{bad"})
     with pytest.raises(SystemExit, match=r"--speculative-config: .*not valid JSON"):

@@ -1,5 +1,6 @@
-"""The pure builders: every manifest valid for Kubernetes 1.30, and the engine and gateway
-arguments accepted by the real `kvfleet` command-line parser."""
+"""The pure builders: every manifest valid for Kubernetes 1.30 (quantities and labels as the API
+server parses them too), and the engine and gateway arguments accepted by the real `kvfleet`
+command-line parser."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from kvfleet.operator.build_gateway import (
 from kvfleet.operator.common import CONFIG_HASH_ANNOTATION, OperatorConfig, Owner
 from kvfleet.operator.reconcile import desired_children
 from kvfleet.operator.spec import parse_spec
+
+from .k8s_values import label_errors, quantity_errors
 
 CONFIG = OperatorConfig()
 ALL_MONITORING = frozenset({"PodMonitor", "ServiceMonitor", "PrometheusRule"})
@@ -73,6 +76,9 @@ def test_every_child_of_every_sample_is_valid_kubernetes(repo_root: Path) -> Non
             if child["apiVersion"].startswith("monitoring.coreos.com/"):
                 continue  # not a Kubernetes schema; see test_monitoring_objects
             kubernetes_validate.validate(child, "1.30.0", strict=True)
+            # (what the schemas do not say: quantities as apimachinery parses them, labels)
+            assert quantity_errors(child) == [], (o.name, child["kind"])
+            assert label_errors(child) == [], (o.name, child["kind"])
             refs = child["metadata"]["ownerReferences"]
             assert refs == [
                 {

@@ -151,6 +151,10 @@ def test_the_prompt_cap_applies_to_admissions_and_spares_decodes(
     assert out.num_scheduled_tokens == {"a": 18, "b": 1, "c": 45}
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 1"):
         make_scheduler(long_prefill_token_threshold=0)
+    # (the engine setting: 0 turns the cap off; below that refused before anything loads)
+    assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk_cap is None
+    with pytest.raises(ValueError, match=r"must be 0 \(no cap\) or more, got -1"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_priority_then_arrival(
