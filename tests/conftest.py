@@ -306,7 +306,7 @@ def attention_case() -> Callable[..., Any]:
     are shuffled across the pool (prefix tokens already written), and the step's metadata."""
     import torch
 
-    from kvfleet.engine.attention.metadata import AttentionMetadata
+    from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
 
     def attention_case(
         query_lens: list[int],
@@ -349,6 +349,7 @@ def attention_case() -> Callable[..., Any]:
             max_seqlen_k=max(seq_lens),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
+            num_decodes=leading_decodes(query_lens),  # (as the step message counts them)
         )
         return {
             "q": randn(num_tokens, num_heads, head_dim),

@@ -23,6 +23,9 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU (the torch reference).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The first num_decodes sequences have one query token each (the runner orders them
+    # first): a backend may send them to its decode kernel and the rest to the varlen one.
+    num_decodes: int = 0
 
     @classmethod
     def one_prompt(cls, slot_mapping: torch.Tensor, block_table: torch.Tensor) -> AttentionMetadata:
@@ -36,6 +39,11 @@ class AttentionMetadata:
         cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=device)
         seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
         return cls(slot_mapping, block_table[None], cu_seqlens_q, seq_lens, n, n, [n], [n])
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many sequences at the front of a step have one query token each."""
+    return next((row for row, n in enumerate(query_lens) if n != 1), len(query_lens))
 
 
 class AttentionLayer(abc.ABC):

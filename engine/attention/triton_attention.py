@@ -96,8 +96,9 @@ def write_kv_cache(
     )
 
 
-# NOTE: the block table's width changes step to step: one compiled kernel for any width.
-@triton.jit(do_not_specialize=["stride_bt"])
+# NOTE: the block table's width and the first sequence change step to step: one compiled
+# kernel for any.
+@triton.jit(do_not_specialize=["stride_bt", "first_seq"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -118,6 +119,7 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    first_seq,  # the sequences before it are another kernel's (decode rows)
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -129,7 +131,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
 ):
     m_block = tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -218,13 +220,17 @@ def paged_attention(
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
     softcap: float | None = None,
+    first_seq: int = 0,
 ) -> torch.Tensor:
     """q [num_tokens, Hq, D] against each sequence's cached K/V -> [num_tokens, Hq, D] (an
-    FP8 cache's times `kv_scales`; scores soft-capped at `softcap`)."""
+    FP8 cache's times `kv_scales`; scores soft-capped at `softcap`); from sequence
+    `first_seq` on (the rows of the ones before it are left as they are in `out`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(q) if out is None else out
-    num_seqs = metadata.seq_lens.shape[0]
+    num_seqs = metadata.seq_lens.shape[0] - first_seq
+    if num_seqs == 0:
+        return out
     block_m = 16 if metadata.max_seqlen_q <= 16 else 64
     grid = (triton.cdiv(metadata.max_seqlen_q, block_m), num_seqs, num_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -248,6 +254,7 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         metadata.block_tables.stride(0),
+        first_seq,
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
@@ -303,6 +310,9 @@ class TritonAttention(AttentionLayer):
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
+        """Decode rows (a decode-only step's, or a mixed step's first `num_decodes`) through
+        the GQA-grouped decode kernel, the rest through the varlen one: one query token in
+        the varlen kernel fills one row of a 64-row tile and reads its KV once per query head."""
         if metadata.max_seqlen_q == 1:  # a decode-only step (its kernel takes q's strides)
             return decode_attention(
                 q,
@@ -313,13 +323,28 @@ class TritonAttention(AttentionLayer):
                 kv_scales=kv_scales,
                 softcap=self.softcap,
             )
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        decodes = metadata.num_decodes
+        if decodes:
+            decode_attention(
+                q[:decodes],
+                kv_cache,
+                metadata,
+                self.scale,
+                self.sliding_window,
+                out[:decodes],
+                kv_scales=kv_scales,
+                softcap=self.softcap,
+            )
         return paged_attention(
-            q.contiguous(),
+            q,
             kv_cache,
             metadata,
             self.scale,
             self.sliding_window,
-            None,
+            out,
             kv_scales,
             self.softcap,
+            first_seq=decodes,
         )

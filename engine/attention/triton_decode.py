@@ -262,11 +262,14 @@ def decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [num_seqs, Hq, D], one query token per sequence, against its cached K/V (an FP8
-    cache's times `kv_scales`; scores soft-capped at `softcap`)."""
+    cache's times `kv_scales`; scores soft-capped at `softcap`): the step's first num_seqs
+    sequences, each of one query token."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    assert metadata.max_seqlen_q == 1, "one query token per sequence"
-    assert metadata.seq_lens.shape[0] == num_seqs
+    if metadata.max_seqlen_q == 1:
+        assert metadata.seq_lens.shape[0] == num_seqs
+    else:
+        assert num_seqs <= metadata.num_decodes, "one query token per sequence"
     # (q may be a strided view of the fused QKV output; the result is contiguous)
     out = q.new_empty(q.shape) if out is None else out
     if num_seqs == 0:

@@ -117,10 +117,11 @@ def prepare_inputs(
     num_tokens = np.fromiter(out.num_scheduled_tokens.values(), np.int64, len(states))
     starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
     ends = starts + num_tokens
-    # Longest sequences first: attention programs start in row order, so the short ones
-    # fill in behind the long ones instead of leaving a tail (measured: bench/RESULTS.md,
-    # "longest first").
-    order = np.argsort(-ends, kind="stable")
+    # One-token rows (decodes) first, for the decode kernel (the rest take the varlen one);
+    # within each, longest sequences first: attention programs start in row order, so the
+    # short ones fill in behind the long ones instead of leaving a tail (measured:
+    # bench/RESULTS.md, "longest first").
+    order = np.lexsort((-ends, num_tokens != 1))
     states = [states[row] for row in order]
     num_tokens, starts, ends = num_tokens[order], starts[order], ends[order]
     spec = out.scheduled_spec_decode_tokens

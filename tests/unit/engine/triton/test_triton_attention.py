@@ -104,21 +104,54 @@ def test_decode_kernel_sliding_window_and_float16(
 def test_backend_sends_decode_steps_to_the_decode_kernel(
     attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[str] = []
+    """A decode-only step's rows all go to the decode kernel; of a mixed step, the leading
+    decodes only (the one after a prompt chunk stays in the varlen kernel)."""
+    rows: list[int] = []
     real = triton_attention.decode_attention
 
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append("decode")
-        return real(*args, **kwargs)
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows.append(q.shape[0])
+        return real(q, *args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "decode_attention", spy)
     backend = triton_attention.TritonAttention(4, 2, 32)
-    for query_lens, seq_lens in (CASES["decode-only"], CASES["mixed"]):
-        inputs = attention_case(query_lens, seq_lens)
+    for case in ("decode-only", "mixed", "prefill-with-prefix"):
+        inputs = attention_case(*CASES[case])
         backend.forward(
             inputs["q"], inputs["k"], inputs["v"], inputs["kv_cache"], inputs["metadata"]
         )
-    assert calls == ["decode"]
+    assert rows == [3, 1]
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_mixed_step_sends_its_decode_rows_to_the_decode_kernel(
+    attention_case: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    softcap: float | None,
+) -> None:
+    """A mixed step whose first sequences are decodes (as the runner orders them): those rows
+    go to the decode kernel, the prompt chunks to the varlen one from the first chunk on, and
+    together they give the torch backend's output, every row written."""
+    rows: list[int] = []
+    real = triton_attention.decode_attention
+
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", spy)
+    inputs = attention_case([1, 1, 1, 33, 70, 1], [100, 90, 17, 33, 100, 5], seed=23)
+    metadata = inputs["metadata"]
+    assert metadata.num_decodes == 3
+    reference = TorchAttention(4, 2, 32, softcap=softcap)
+    cache_ref = inputs["kv_cache"].clone()
+    q = inputs["q"] * 4
+    expected = reference.forward(q, inputs["k"], inputs["v"], cache_ref, metadata)
+    backend = triton_attention.TritonAttention(4, 2, 32, softcap=softcap)
+    out = backend.forward(q, inputs["k"], inputs["v"], inputs["kv_cache"].clone(), metadata)
+    assert rows == [3]
+    assert not out.isnan().any()
+    assert (out - expected).abs().max() < 1e-4
 
 
 def test_soft_capped_scores_and_another_scale_match_torch(

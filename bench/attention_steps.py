@@ -1,0 +1,200 @@
+"""Attention of one layer at Llama-3-8B's head shapes on the GPU: the decode kernel's tiles swept
+over a bf16 and an FP8 cache, and a mixed step (decodes beside prompt chunks) before and after
+its decode rows went to the decode kernel.
+
+    bench/device_env.sh python3 bench/attention_steps.py --part tiles
+    bench/device_env.sh python3 bench/attention_steps.py --part mixed
+
+Every figure is a median over repeats in microseconds per layer. The decode floor is the KV
+bytes a step reads (each sequence's K and V once) at the copy bandwidth measured in the same run;
+the caches (over a GB a layer) are far larger than L2, and their blocks are shuffled across the
+pool as a serving engine's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.engine.attention import triton_attention, triton_decode
+from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+FP8 = torch.float8_e4m3fn
+# (BLOCK_N, warps, stages, register cap) tried for each cache; the first is the shipped one.
+TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
+    False: [(64, 4, 3, None), (64, 4, 5, None), (32, 4, 6, None), (128, 8, 4, None)],
+    True: [
+        (128, 4, 3, 168),
+        (128, 4, 3, None),
+        (128, 4, 4, 168),
+        (128, 4, 5, 168),
+        (128, 4, 5, None),
+        (128, 8, 3, None),
+        (128, 8, 5, None),
+        (64, 4, 3, None),
+        (64, 4, 4, None),
+        (64, 4, 5, None),
+        (64, 4, 6, None),
+        (64, 4, 5, 128),
+        (64, 8, 3, None),
+        (64, 8, 5, None),
+        (32, 4, 3, None),
+        (32, 4, 4, None),
+        (32, 4, 6, None),
+        (32, 2, 4, None),
+        (32, 2, 6, None),
+    ],
+}
+
+
+def make_step(
+    query_lens: list[int], seq_lens: list[int], fp8: bool, seed: int = 0
+) -> dict[str, Any]:
+    """q, a KV cache holding every sequence (blocks shuffled across the pool) and the step's
+    metadata, ordered as the runner orders a step (its decodes counted first)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // BLOCK) for n in seq_lens]
+    num_blocks = sum(counts) + 1
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32)
+    taken, slots = 0, []
+    for row, (q_len, n, count) in enumerate(zip(query_lens, seq_lens, counts, strict=True)):
+        tables[row, :count] = order[taken : taken + count]
+        taken += count
+        slots += [int(tables[row, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n - q_len, n)]
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device="cuda"),
+        block_tables=tables.cuda(),
+        cu_seqlens_q=cu.cuda(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        max_seqlen_q=max(query_lens),
+        max_seqlen_k=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        num_decodes=leading_decodes(query_lens),
+    )
+    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cache = cache.to(FP8) if fp8 else cache
+    return {"q": q, "cache": cache, "metadata": metadata, "scales": torch.ones(2, device="cuda")}
+
+
+def kv_bytes(seq_lens: list[int], fp8: bool) -> int:
+    return sum(seq_lens) * 2 * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
+
+
+@contextmanager
+def compiled_kernels(found: list[Any]) -> Iterator[None]:
+    """Collect the compiled partial kernels launched inside (their registers and spills)."""
+    real = triton_decode._decode_partial_kernel
+
+    class Spy:
+        def __getitem__(self, grid: Any) -> Callable[..., Any]:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                compiled = real[grid](*args, **kwargs)
+                found.append(compiled)
+                return compiled
+
+            return launch
+
+    triton_decode._decode_partial_kernel = Spy()
+    try:
+        yield
+    finally:
+        triton_decode._decode_partial_kernel = real
+
+
+def sweep_tiles(copy_gbps: float) -> None:
+    device = torch.device("cuda")
+    shipped = dict(triton_decode.DECODE_TILES)
+    for num_seqs, length in ((256, 1100), (256, 1536), (64, 4096)):
+        for fp8 in (False, True):
+            step = make_step([1] * num_seqs, [length] * num_seqs, fp8)
+            floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
+            for tile in TILES[fp8]:
+                triton_decode.DECODE_TILES[fp8] = tile
+                found: list[Any] = []
+
+                def run(step: dict[str, Any] = step) -> None:
+                    triton_decode.decode_attention(
+                        step["q"], step["cache"], step["metadata"], 0.088, kv_scales=step["scales"]
+                    )
+
+                try:
+                    with compiled_kernels(found):
+                        run()
+                    us = median_seconds(run, device, repeats=20) * 1e6
+                except Exception as exc:  # (a tile that does not fit: say so, go on)
+                    print(f"{num_seqs} x {length} fp8={fp8} {tile}: failed: {exc!r}"[:300])
+                    continue
+                k = found[-1]
+                print(
+                    f"{num_seqs} x {length} {'fp8 ' if fp8 else 'bf16'} tile {tile}: "
+                    f"{us:7.1f} us ({floor_us / us:5.1%} of floor {floor_us:.1f} us) "
+                    f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}"
+                )
+            triton_decode.DECODE_TILES.update(shipped)
+
+
+def time_mixed(step: dict[str, Any], fp8: bool) -> dict[str, float]:
+    """us per layer of a mixed step's attention: all rows in the varlen kernel, the decodes
+    split off to the decode kernel, and the decode kernel alone over those rows."""
+    split = step["metadata"]
+    joined = dataclasses.replace(split, num_decodes=0)
+    scales = step["scales"] if fp8 else None
+    backend = triton_attention.TritonAttention(HEADS, KV_HEADS, HEAD_DIM)
+    q, cache = step["q"], step["cache"]
+    figures = {
+        "all rows in the varlen kernel": lambda: backend._attend(q, cache, joined, scales),
+        "decodes split off": lambda: backend._attend(q, cache, split, scales),
+        "(the decode kernel alone)": lambda: triton_decode.decode_attention(
+            q[: split.num_decodes], cache, split, backend.scale, kv_scales=scales
+        ),
+    }
+    device = torch.device("cuda")
+    return {label: median_seconds(fn, device, repeats=20) * 1e6 for label, fn in figures.items()}
+
+
+def mixed_steps(copy_gbps: float) -> None:
+    """About 250 decodes at 1-2k tokens beside ~7.9k prompt tokens (a step of the 1,000 x
+    1,024 -> 1,024 run), and a step of eight decodes beside one 1,024-token prompt (online)."""
+    gen = torch.Generator().manual_seed(1)
+    steps = {
+        "250 decodes + 7.9k prompt tokens": (250, [1024] * 7 + [774]),
+        "8 decodes + one 1,024 prompt": (8, [1024]),
+    }
+    for name, (decodes, prompts) in steps.items():
+        lens = sorted(torch.randint(1025, 2048, (decodes,), generator=gen).tolist(), reverse=True)
+        for fp8 in (False, True):
+            step = make_step([1] * decodes + prompts, lens + prompts, fp8)
+            floor_us = kv_bytes(lens, fp8) / (copy_gbps * 1e3)
+            for label, us in time_mixed(step, fp8).items():
+                print(
+                    f"{name}, {'fp8' if fp8 else 'bf16'} cache: {label}: {us:8.1f} us "
+                    f"(decode KV floor {floor_us:.1f} us)"
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--part", choices=("tiles", "mixed"), required=True)
+    args = parser.parse_args()
+    ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s")
+    if args.part == "tiles":
+        sweep_tiles(ceilings.copy_gbps)
+    else:
+        mixed_steps(ceilings.copy_gbps)
+
+
+if __name__ == "__main__":
+    main()
