@@ -5,10 +5,11 @@ its decode rows went to the decode kernel.
     bench/device_env.sh python3 bench/attention_steps.py --part tiles
     bench/device_env.sh python3 bench/attention_steps.py --part mixed
 
-Every figure is a median over repeats in microseconds per layer. The decode floor is the KV
-bytes a step reads (each sequence's K and V once) at the copy bandwidth measured in the same run;
-the caches (over a GB a layer) are far larger than L2, and their blocks are shuffled across the
-pool as a serving engine's are.
+Every figure is a median over repeats in microseconds per layer, of device time (calls
+captured in a CUDA graph, so the host's launch gaps stay out) unless it says eager. The decode
+floor is the KV bytes a step reads (each sequence's K and V once) at the copy bandwidth
+measured in the same run; the caches (over a GB a layer) are far larger than L2, and their
+blocks are shuffled across the pool as a serving engine's are.
 """
 
 from __future__ import annotations
@@ -29,28 +30,19 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
 # (BLOCK_N, warps, stages, register cap) tried for each cache; the first is the shipped one.
 TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
-    False: [(64, 4, 3, None), (64, 4, 5, None), (32, 4, 6, None), (128, 8, 4, None)],
-    True: [
-        (128, 4, 3, 168),
-        (128, 4, 3, None),
-        (128, 4, 4, 168),
-        (128, 4, 5, 168),
-        (128, 4, 5, None),
-        (128, 8, 3, None),
-        (128, 8, 5, None),
+    False: [
         (64, 4, 3, None),
-        (64, 4, 4, None),
         (64, 4, 5, None),
-        (64, 4, 6, None),
-        (64, 4, 5, 128),
-        (64, 8, 3, None),
-        (64, 8, 5, None),
-        (32, 4, 3, None),
-        (32, 4, 4, None),
+        (64, 4, 7, None),
         (32, 4, 6, None),
-        (32, 2, 4, None),
-        (32, 2, 6, None),
+        (32, 4, 8, None),
+        (128, 8, 4, None),
     ],
+    True: [(128, 4, 3, 168), (128, 4, 4, 168), (128, 4, 5, None), (128, 4, 7, 168)]
+    + [(64, 4, s, None) for s in (3, 5, 6, 7, 9)]
+    + [(64, 8, 5, None), (64, 8, 7, None)]
+    + [(32, 4, s, None) for s in (6, 8, 10, 12)]
+    + [(32, 2, 6, None), (32, 2, 8, None)],
 }
 
 
@@ -88,6 +80,21 @@ def make_step(
     return {"q": q, "cache": cache, "metadata": metadata, "scales": torch.ones(2, device="cuda")}
 
 
+def graph_us(fn: Callable[[], object], replays: int = 8) -> float:
+    """Device time of `fn` in microseconds, without the host's launch gaps: `replays` calls
+    captured in one CUDA graph, the graph's median replay time divided among them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # (compiles the kernels before capture)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    return median_seconds(graph.replay, torch.device("cuda"), repeats=10) / replays * 1e6
+
+
 def kv_bytes(seq_lens: list[int], fp8: bool) -> int:
     return sum(seq_lens) * 2 * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
 
@@ -114,7 +121,6 @@ def compiled_kernels(found: list[Any]) -> Iterator[None]:
 
 
 def sweep_tiles(copy_gbps: float) -> None:
-    device = torch.device("cuda")
     shipped = dict(triton_decode.DECODE_TILES)
     for num_seqs, length in ((256, 1100), (256, 1536), (64, 4096)):
         for fp8 in (False, True):
@@ -132,7 +138,7 @@ def sweep_tiles(copy_gbps: float) -> None:
                 try:
                     with compiled_kernels(found):
                         run()
-                    us = median_seconds(run, device, repeats=20) * 1e6
+                    us = graph_us(run)
                 except Exception as exc:  # (a tile that does not fit: say so, go on)
                     print(f"{num_seqs} x {length} fp8={fp8} {tile}: failed: {exc!r}"[:300])
                     continue
@@ -161,7 +167,12 @@ def time_mixed(step: dict[str, Any], fp8: bool) -> dict[str, float]:
         ),
     }
     device = torch.device("cuda")
-    return {label: median_seconds(fn, device, repeats=20) * 1e6 for label, fn in figures.items()}
+    times = {label: graph_us(fn) for label, fn in figures.items()}
+    # (eager, as the engine runs a mixed step: the host's launches between the kernels)
+    eager = {
+        f"{label}, eager": median_seconds(fn, device, 20) * 1e6 for label, fn in figures.items()
+    }
+    return times | eager
 
 
 def mixed_steps(copy_gbps: float) -> None:
