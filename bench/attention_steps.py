@@ -28,7 +28,7 @@ from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
-# (BLOCK_N, warps, stages, register cap) tried for each cache; the first is the shipped one.
+# (BLOCK_N, warps, stages, register cap) tried for each cache.
 TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
     False: [
         (64, 4, 3, None),
@@ -127,7 +127,8 @@ def sweep_tiles(copy_gbps: float) -> None:
             step = make_step([1] * num_seqs, [length] * num_seqs, fp8)
             floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
             for tile in TILES[fp8]:
-                triton_decode.DECODE_TILES[fp8] = tile
+                triton_decode.DECODE_TILES[fp8, False] = tile
+                triton_decode.DECODE_TILES[fp8, True] = tile
                 found: list[Any] = []
 
                 def run(step: dict[str, Any] = step) -> None:

@@ -13,6 +13,8 @@ The torch backend (`torch_backend.py`) is the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,10 +24,20 @@ from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
-# (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32, FP8
-# (twice the tokens per tile keep as many bytes in flight; the upcast tiles took 202 registers,
-# two programs per SM: capped at 168, three fit, -6% at 256 x 1,100 tokens; bench/RESULTS.md)
-DECODE_TILES = {False: (64, 4, 3, None), True: (128, 4, 3, 168)}
+# (BLOCK_N, warps, stages, register cap) of the partial kernel by (FP8 cache, a launch of many
+# programs: MANY_PROGRAMS_PER_SM or more). bf16/fp16/fp32 at 96-99% of the copy bandwidth with
+# any tile tried. An FP8 cache's tiles pass through registers to be upcast: with many programs
+# (256 sequences: 2,048), 32-token tiles on two warps, two tiles in flight (six programs an SM)
+# were 5% faster than the large tiles, and 6% slower with 1,024 programs (1.3 waves); the large
+# tiles with two in flight (stages 5) were never slower than the shipped 168-register cap
+# (bench/RESULTS.md, "2026-11-27 (session 18)").
+DECODE_TILES: dict[tuple[bool, bool], tuple[int, int, int, int | None]] = {
+    (False, False): (64, 4, 3, None),
+    (False, True): (64, 4, 3, None),
+    (True, False): (128, 4, 5, None),
+    (True, True): (32, 2, 6, None),
+}
+MANY_PROGRAMS_PER_SM = 12
 
 
 @triton.jit
@@ -237,16 +249,18 @@ def _decode_merge_kernel(
     )
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_splits_for(
     num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device
 ) -> int:
     """Enough splits to give every SM a few programs, none shorter than _MIN_SPLIT_TOKENS."""
-    num_sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 4
-    )
-    wanted = -(-4 * num_sms // (num_seqs * num_kv_heads))
+    wanted = -(-4 * _num_sms(device) // (num_seqs * num_kv_heads))
     return max(1, min(wanted, -(-max_seqlen_k // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
 
 
@@ -284,7 +298,9 @@ def decode_attention(
     sums = q.new_empty(partial_shape, dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     fp8 = kv_cache_is_fp8(kv_cache)
-    block_n, warps, stages, max_registers = DECODE_TILES[fp8]
+    programs = num_seqs * num_kv_heads * num_splits
+    many = programs >= MANY_PROGRAMS_PER_SM * _num_sms(q.device)
+    block_n, warps, stages, max_registers = DECODE_TILES[fp8, many]
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
