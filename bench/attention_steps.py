@@ -30,20 +30,22 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
 # (BLOCK_N, warps, stages, register cap) tried for each cache.
 TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
-    False: [
-        (64, 4, 3, None),
-        (64, 4, 5, None),
-        (64, 4, 7, None),
+    False: [(64, 4, 3, None), (64, 4, 5, None), (32, 4, 6, None), (128, 8, 4, None)],
+    True: [
+        (128, 4, 3, 168),
+        (128, 4, 5, None),
+        (64, 4, 6, None),
+        (32, 2, 6, None),
         (32, 4, 6, None),
-        (32, 4, 8, None),
-        (128, 8, 4, None),
+        (16, 1, 8, None),
+        (16, 1, 10, None),
+        (16, 2, 8, None),
     ],
-    True: [(128, 4, 3, 168), (128, 4, 4, 168), (128, 4, 5, None), (128, 4, 7, 168)]
-    + [(64, 4, s, None) for s in (3, 5, 6, 7, 9)]
-    + [(64, 8, 5, None), (64, 8, 7, None)]
-    + [(32, 4, s, None) for s in (6, 8, 10, 12)]
-    + [(32, 2, 6, None), (32, 2, 8, None)],
 }
+# Decode steps swept: (sequences, shortest, longest), lengths drawn between and sorted longest
+# first as the runner orders them: the 1,000 x 1,024 -> 1,024 run's steps, the 256-request
+# offline run's, and a few long sequences (split over the length).
+DECODE_STEPS = ((256, 1025, 2047), (256, 200, 1280), (64, 3000, 5000))
 
 
 def make_step(
@@ -122,13 +124,16 @@ def compiled_kernels(found: list[Any]) -> Iterator[None]:
 
 def sweep_tiles(copy_gbps: float) -> None:
     shipped = dict(triton_decode.DECODE_TILES)
-    for num_seqs, length in ((256, 1100), (256, 1536), (64, 4096)):
+    gen = torch.Generator().manual_seed(2)
+    for num_seqs, shortest, longest in DECODE_STEPS:
+        drawn = torch.randint(shortest, longest + 1, (num_seqs,), generator=gen)
+        lens = sorted(drawn.tolist(), reverse=True)
+        name = f"{num_seqs} x [{shortest}, {longest}]"
         for fp8 in (False, True):
-            step = make_step([1] * num_seqs, [length] * num_seqs, fp8)
+            step = make_step([1] * num_seqs, lens, fp8)
             floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
             for tile in TILES[fp8]:
-                triton_decode.DECODE_TILES[fp8, False] = tile
-                triton_decode.DECODE_TILES[fp8, True] = tile
+                triton_decode.DECODE_TILES[fp8] = tile
                 found: list[Any] = []
 
                 def run(step: dict[str, Any] = step) -> None:
@@ -141,11 +146,11 @@ def sweep_tiles(copy_gbps: float) -> None:
                         run()
                     us = graph_us(run)
                 except Exception as exc:  # (a tile that does not fit: say so, go on)
-                    print(f"{num_seqs} x {length} fp8={fp8} {tile}: failed: {exc!r}"[:300])
+                    print(f"{name} fp8={fp8} {tile}: failed: {exc!r}"[:300])
                     continue
                 k = found[-1]
                 print(
-                    f"{num_seqs} x {length} {'fp8 ' if fp8 else 'bf16'} tile {tile}: "
+                    f"{name} {'fp8 ' if fp8 else 'bf16'} tile {tile}: "
                     f"{us:7.1f} us ({floor_us / us:5.1%} of floor {floor_us:.1f} us) "
                     f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}"
                 )

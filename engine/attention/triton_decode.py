@@ -24,20 +24,15 @@ from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
-# (BLOCK_N, warps, stages, register cap) of the partial kernel by (FP8 cache, a launch of many
-# programs: MANY_PROGRAMS_PER_SM or more). bf16/fp16/fp32 at 96-99% of the copy bandwidth with
-# any tile tried. An FP8 cache's tiles pass through registers to be upcast: with many programs
-# (256 sequences: 2,048), 32-token tiles on two warps, two tiles in flight (six programs an SM)
-# were 5% faster than the large tiles, and 6% slower with 1,024 programs (1.3 waves); the large
-# tiles with two in flight (stages 5) were never slower than the shipped 168-register cap
-# (bench/RESULTS.md, "2026-11-27 (session 18)").
-DECODE_TILES: dict[tuple[bool, bool], tuple[int, int, int, int | None]] = {
-    (False, False): (64, 4, 3, None),
-    (False, True): (64, 4, 3, None),
-    (True, False): (128, 4, 5, None),
-    (True, True): (32, 2, 6, None),
+# (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32 (at
+# 96-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
+# the upcast tiles took 202 registers, two programs per SM: capped at 168, three fit, -6% at
+# 256 x 1,100 tokens; the sweeps of bench/RESULTS.md "2026-11-27 (session 18)" found no tile
+# faster on sequences of mixed lengths)
+DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
+    False: (64, 4, 3, None),
+    True: (128, 4, 3, 168),
 }
-MANY_PROGRAMS_PER_SM = 12
 
 
 @triton.jit
@@ -298,9 +293,7 @@ def decode_attention(
     sums = q.new_empty(partial_shape, dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     fp8 = kv_cache_is_fp8(kv_cache)
-    programs = num_seqs * num_kv_heads * num_splits
-    many = programs >= MANY_PROGRAMS_PER_SM * _num_sms(q.device)
-    block_n, warps, stages, max_registers = DECODE_TILES[fp8, many]
+    block_n, warps, stages, max_registers = DECODE_TILES[fp8]
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
