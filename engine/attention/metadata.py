@@ -23,8 +23,9 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU (the torch reference).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    # The first num_decodes sequences have one query token each (the runner orders them
-    # first): a backend may send them to its decode kernel and the rest to the varlen one.
+    # The first num_decodes sequences have one query token each (the runner orders decodes
+    # first; `decodes_to_split`): a backend may send them to its decode kernel and the rest
+    # to the varlen one.
     num_decodes: int = 0
 
     @classmethod
@@ -44,6 +45,20 @@ class AttentionMetadata:
 def leading_decodes(query_lens: list[int]) -> int:
     """How many sequences at the front of a step have one query token each."""
     return next((row for row, n in enumerate(query_lens) if n != 1), len(query_lens))
+
+
+# A mixed step's leading decodes go to the decode kernel when their KV holds at least this many
+# tokens. Below it the varlen kernel's extra reads (~5 ns a KV token) cost less than the decode
+# kernel's two launches a layer in an eager step, which is host-bound when small (prefix hits:
+# 6 ms later without it; bench/RESULTS.md, "2026-11-27 (session 18)").
+SPLIT_DECODES_MIN_KV_TOKENS = 32768
+
+
+def decodes_to_split(query_lens: list[int], seq_lens: list[int]) -> int:
+    """How many sequences at the front of a mixed step an attention backend sends to its
+    decode kernel: the leading decodes, when their KV is large enough to pay for it."""
+    decodes = leading_decodes(query_lens)
+    return decodes if sum(seq_lens[:decodes]) >= SPLIT_DECODES_MIN_KV_TOKENS else 0
 
 
 class AttentionLayer(abc.ABC):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
+from kvfleet.engine.attention.metadata import AttentionMetadata, decodes_to_split
 
 STEP, STOP = 1, 0
 
@@ -130,6 +130,6 @@ class PackedStep:
             max_seqlen_k=max(self.seq_lens_cpu),
             query_lens_cpu=self.query_lens_cpu,
             seq_lens_cpu=self.seq_lens_cpu,
-            num_decodes=leading_decodes(self.query_lens_cpu),
+            num_decodes=decodes_to_split(self.query_lens_cpu, self.seq_lens_cpu),
         )
         return StepInputs(ids, positions, metadata, rows, race)

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvfleet.engine.attention import triton_attention, triton_decode
+from kvfleet.engine.attention.metadata import SPLIT_DECODES_MIN_KV_TOKENS, decodes_to_split
 from kvfleet.engine.attention.torch_backend import TorchAttention
 
 CASES = {
@@ -121,6 +122,14 @@ def test_backend_sends_decode_steps_to_the_decode_kernel(
             inputs["q"], inputs["k"], inputs["v"], inputs["kv_cache"], inputs["metadata"]
         )
     assert rows == [3, 1]
+
+
+def test_a_mixed_step_splits_off_its_leading_decodes_when_their_kv_pays_for_it() -> None:
+    least = SPLIT_DECODES_MIN_KV_TOKENS
+    assert decodes_to_split([1, 1, 30], [least // 2, least - least // 2, 30]) == 2
+    assert decodes_to_split([1, 1, 30], [least // 2, least - least // 2 - 1, 30]) == 0
+    assert decodes_to_split([30, 1, 1], [30, least, least]) == 0  # (not in front)
+    assert decodes_to_split([1, 7, 1], [least, 30, least]) == 1
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
