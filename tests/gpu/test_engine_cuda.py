@@ -16,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvfleet.engine.llm import LLM  # noqa: E402
-from kvfleet.engine.loader import model_cache  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 TOLERANCE = 1e-4  # max |logprob difference| against transformers, float32 on CUDA
@@ -55,17 +54,11 @@ def test_random_models_match_transformers_on_cuda(
 
 
 def test_smollm2_greedy_matches_transformers_on_cuda(
-    hf_greedy: Callable[..., list[int]],
+    hf_greedy: Callable[..., list[int]], smollm2: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        cached, _ = model_cache.ModelCache(model_cache.kvfleet_home()).fetch(
-            model_cache.BUILTIN_MODELS["smollm2"], progress=False
-        )
-    except model_cache.ModelCacheError as exc:
-        pytest.skip(f"SmolLM2 is not available here: {exc}")
-    path = cached.path
+    path = smollm2
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf_model = (
         AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

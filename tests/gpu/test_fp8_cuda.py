@@ -4,6 +4,8 @@ reference. (The Triton interpreter mis-rounds e4m3 on the CPU: this is checked h
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -64,7 +66,7 @@ def test_block_fp8_matches_its_reference_at_llama_shapes(n: int, k: int) -> None
 
 
 @pytest.fixture(scope="module")
-def smollm2_quality() -> dict[str, object]:
+def smollm2_quality(smollm2: Path) -> dict[str, object]:
     from kvfleet.bench.quality import compare, evaluate
 
     base = evaluate("smollm2", dtype="bfloat16", device="cuda")
@@ -88,7 +90,7 @@ def test_online_fp8_keeps_smollm2_perplexity(smollm2_quality: dict[str, object])
     assert float(smollm2_quality["perplexity_rise_pct"]) < 2.0  # type: ignore[arg-type]
 
 
-def test_fp8_decode_graphs_give_the_eager_tokens_on_smollm2() -> None:
+def test_fp8_decode_graphs_give_the_eager_tokens_on_smollm2(smollm2: Path) -> None:
     from kvfleet.engine.llm import LLM
     from kvfleet.engine.sampling_params import SamplingParams
 

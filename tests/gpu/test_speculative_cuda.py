@@ -5,6 +5,7 @@ so is seeded sampling's."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +44,7 @@ def outputs(llm: LLM, params: SamplingParams) -> list[Any]:
 
 
 @pytest.mark.parametrize("method", sorted(SPECULATIVE))
-def test_greedy_output_with_drafts_on_cuda(method: str) -> None:
+def test_greedy_output_with_drafts_on_cuda(method: str, smollm2: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=96)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=64)
     plain = LLM("smollm2", device="cuda", dtype="float32", gpu_memory_utilization=0.3)

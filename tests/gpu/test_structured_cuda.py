@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ SCHEMA = {
 }
 
 
-def test_a_mixed_batch_of_64_keeps_every_constraint() -> None:
+def test_a_mixed_batch_of_64_keeps_every_constraint(smollm2: Path) -> None:
     llm = LLM("smollm2", device="cuda", dtype="bfloat16", max_model_len=1024, num_blocks=2048)
     kinds = [
         GrammarSpec.json_schema(SCHEMA),
@@ -56,7 +57,7 @@ def test_a_mixed_batch_of_64_keeps_every_constraint() -> None:
             assert text in ("alpha", "beta", "gamma"), text
 
 
-def test_an_allowed_greedy_path_is_left_as_it_is_on_cuda() -> None:
+def test_an_allowed_greedy_path_is_left_as_it_is_on_cuda(smollm2: Path) -> None:
     llm = LLM("smollm2", device="cuda", dtype="float32", max_model_len=1024, num_blocks=512)
     prompt = [{"role": "user", "content": "What is the capital of France?"}]
     alone = llm.chat([prompt], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text

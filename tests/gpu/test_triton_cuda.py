@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 from kvfleet.engine.attention import triton_attention  # noqa: E402
 from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
-from kvfleet.engine.loader import model_cache  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA_8B_HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -94,15 +93,6 @@ def test_decode_kernel_matches_torch_at_real_shapes(
     assert relative < 1e-2, relative
 
 
-def _smollm2_available() -> None:
-    try:
-        model_cache.ModelCache(model_cache.kvfleet_home()).fetch(
-            model_cache.BUILTIN_MODELS["smollm2"], progress=False
-        )
-    except model_cache.ModelCacheError as exc:
-        pytest.skip(f"SmolLM2 is not available here: {exc}")
-
-
 def first_difference_is_a_near_tie(a: Any, b: Any, top: int = 5, gap: float = 0.1) -> bool:
     """Two greedy continuations (CompletionOutputs with top logprobs) of one prompt: equal, or
     at the first position where they differ each one's token is in the other's top `top`,
@@ -120,7 +110,7 @@ def first_difference_is_a_near_tie(a: Any, b: Any, top: int = 5, gap: float = 0.
     return True
 
 
-def test_smollm2_triton_and_torch_differ_in_bf16_only_at_near_ties() -> None:
+def test_smollm2_triton_and_torch_differ_in_bf16_only_at_near_ties(smollm2: Path) -> None:
     """Issue 32's bar, as vLLM checks bf16 paths: float32 stays token-exact (the Triton path
     against the torch path; both against Hugging Face in test_engine_cuda.py); in bf16, over
     32 SmolLM2 prompts x 32 tokens, wherever the Triton and torch paths first differ it is a
@@ -128,7 +118,6 @@ def test_smollm2_triton_and_torch_differ_in_bf16_only_at_near_ties() -> None:
     agrees with torch-float32 at least as often as torch-bf16 does. (Two independent bf16
     implementations cannot agree token for token: Hugging Face's own bf16 run matches its
     float32 run on 18 of 32, bench/RESULTS.md.)"""
-    _smollm2_available()
     topics = ["rivers", "chess", "volcanoes", "bread", "satellites", "owls", "glass", "jazz"]
     prompts = [
         f"{kind} about {topic}:"
