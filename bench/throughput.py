@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": steps.summary(),
         "kv_blocks": engine.kv_cache_manager.block_pool.num_blocks,
         "preemptions": engine.scheduler.num_preemptions,
+        "preemptions_swapped": engine.scheduler.num_swapped,
     }
     emit(result, args.json)
     engine.close()

@@ -54,13 +54,13 @@ class LLMEngine:
             else None
         )
         lora = config.lora
-        block_size = config.cache.block_size
+        block_size, caching = config.cache.block_size, config.cache.enable_prefix_caching
         self._device = device_side = build_device_side(config, setup)
         self.runner, num_blocks = device_side.runner, device_side.num_blocks
         self.lora, self.speculator = device_side.lora, device_side.speculator
         self.tp, self.workers = device_side.tp, device_side.workers
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, config.cache.enable_prefix_caching, config.enable_kv_events
+            num_blocks, block_size, caching, config.enable_kv_events, self.runner.num_swap_blocks
         )
         sched = config.scheduler
         self.scheduler = Scheduler(

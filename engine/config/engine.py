@@ -39,6 +39,14 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=setting("reuse the KV blocks of prompts' common prefixes")
     )
+    swap_space_gib: float = field(
+        default=4.0,
+        metadata=setting(
+            "host memory, in GiB, for preempted requests' KV blocks: swapped out there and "
+            "copied back when they resume instead of recomputed (pinned on a GPU; 0: always "
+            "recompute; not used with tensor parallelism or speculative decoding)"
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=setting(
@@ -65,6 +73,8 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be 0 or more, got {self.swap_space_gib}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

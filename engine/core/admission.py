@@ -70,6 +70,27 @@ class AdmissionPolicy:
             cap = min(cap or budget, max(1, budget - num_after))
         return cap
 
+    def tokens_to_schedule(
+        self,
+        request: Request,
+        budget: int,
+        num_hit_tokens: int = 0,
+        num_drafts: int = 0,
+        cap: int | None = None,
+    ) -> int:
+        """The tokens `request` computes this step out of `budget`, after its computed ones
+        or its prefix hits (`cap`: on prompt tokens; a decode's one token and its drafts are
+        never cut)."""
+        if request.num_pending_tokens and request.ends_with_pending(self.max_model_len):
+            return 0  # its pending token is its last: nothing more to compute
+        num_inputs = request.num_tokens + request.num_pending_tokens + num_drafts
+        num_new = num_inputs - max(request.num_computed_tokens, num_hit_tokens)
+        if num_new > budget and not self.enable_chunked_prefill:
+            return 0
+        if cap is not None and num_new - num_drafts > 1:
+            num_new = min(num_new, cap)
+        return min(num_new, budget)
+
     def blocks_to_end(self, request: Request) -> int:
         """The blocks a running request of known end will still take (0 for others)."""
         horizon = request.kv_horizon(self.max_model_len)

@@ -1,4 +1,5 @@
-"""KVCacheManager: each request's block table, prefix-cache hits, and slot allocation."""
+"""KVCacheManager: each request's block table, prefix-cache hits, and slot allocation; and the
+host blocks that hold preempted requests' KV (swapped out, copied back when they resume)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,27 @@ from kvfleet.engine.protocol.kv import ROOT_HASH, hash_full_blocks
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, enable_events: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        enable_events: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks`: blocks of host memory for swapped-out requests (0: none)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_events)
         self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
+        self.num_host_blocks = num_host_blocks
+        self.free_host_blocks = list(range(num_host_blocks))
+        self.req_to_host: dict[RequestId, list[int]] = {}  # a swapped-out request's host blocks
+        # The copies the next step makes before its forward: (device block, host block) out,
+        # (host block, device block) in (`take_swaps`).
+        self.swaps_out: list[tuple[int, int]] = []
+        self.swaps_in: list[tuple[int, int]] = []
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[RequestId, int] = {}
         # Prefix-cache statistics in tokens, vLLM semantics (first start of a request only:
@@ -104,14 +118,74 @@ class KVCacheManager:
         return new_blocks
 
     def reset(self) -> None:
-        """Drop every block table and cached block: after a failed step, when no request
-        holds blocks any more and what the step cached may never have been written."""
+        """Drop every block table, cached block and swapped-out request: after a failed step,
+        when no request holds blocks any more and what the step cached may never have been
+        written."""
         self.block_pool.clear()
         self.req_to_blocks.clear()
         self.num_cached_blocks.clear()
+        self.req_to_host.clear()
+        self.free_host_blocks = list(range(self.num_host_blocks))
+        self.take_swaps()
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its tail is evicted before its head."""
+        """Release the request's blocks, tail first, so its tail is evicted before its head
+        (and its host blocks, if it was swapped out)."""
+        self.drop_swapped(request)
+        self._free_device_blocks(request)
+
+    def swap_out(self, request: Request) -> bool:
+        """Move a preempted request's blocks to host blocks (copied before the next step's
+        forward) and free them; False, changing nothing, when the host blocks are too few."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if not blocks or len(blocks) > len(self.free_host_blocks):
+            return False
+        host = [self.free_host_blocks.pop() for _ in blocks]
+        self.req_to_host[request.request_id] = host
+        self.swaps_out += [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
+        self._free_device_blocks(request)
+        return True
+
+    def is_swapped_out(self, request: Request) -> bool:
+        return request.request_id in self.req_to_host
+
+    def drop_swapped(self, request: Request) -> int:
+        """Free a swapped-out request's host blocks, unread (its prefix hits hold what they
+        held); returns its computed tokens from here on: 0."""
+        self.free_host_blocks += self.req_to_host.pop(request.request_id, [])
+        return 0
+
+    def allocate_swapped(
+        self, request: Request, num_new_tokens: int, hits: Sequence[KVCacheBlock]
+    ) -> list[KVCacheBlock] | None:
+        """`allocate_slots` for a swapped-out request that resumes with its computed tokens
+        (`request.num_computed_tokens`) in host blocks: device blocks for them and the new
+        tokens, the prefix hits first (not copied back); queues the copies of the rest."""
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        try:
+            blocks = self.allocate_slots(
+                request, computed - len(hits) * self.block_size + num_new_tokens, hits
+            )
+        finally:
+            request.num_computed_tokens = computed
+        if blocks is None:
+            return None
+        host = self.req_to_host.pop(request.request_id)
+        device = self.req_to_blocks[request.request_id]
+        self.swaps_in += [
+            (host[i], device[i].block_id) for i in range(len(hits), self.blocks_needed(computed))
+        ]
+        self.free_host_blocks += host
+        return blocks
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies queued since the last call (out, in), for the next step to make."""
+        swaps = self.swaps_out, self.swaps_in
+        self.swaps_out, self.swaps_in = [], []
+        return swaps
+
+    def _free_device_blocks(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(blocks))

@@ -3,8 +3,8 @@
 No prefill or decode phases: every request has `num_computed_tokens` chasing `num_tokens`, so a
 long prompt spreads over steps (chunked prefill) while running requests keep decoding. Running
 requests go first, in priority order; then waiting ones, by priority, then arrival. When blocks
-run out, the lowest-priority, newest running request is preempted (its blocks freed, recomputed
-later).
+run out, the lowest-priority, newest running request is preempted: its blocks swapped out to
+host memory where it has room (copied back when it resumes), else freed (recomputed later).
 
 Which waiting requests may start, and how much of a step a prompt may take: admission.py.
 
@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swapped = 0  # of which swapped out (the rest recomputed)
         self._arrival_order: dict[RequestId, int] = {}
         self._counter = itertools.count()
         self._finished_since_last_step: set[RequestId] = set()
@@ -97,7 +98,8 @@ class Scheduler:
         """A reading of the scheduler now (on the engine thread, for the others)."""
         spec = self.spec_decode_stats if with_spec_decode else None
         kv, running, waiting = self.kv_cache_manager, self.running, self.waiting
-        return read_stats(kv, running, waiting, self.num_preemptions, spec, with_adapters)
+        preemptions = (self.num_preemptions, self.num_swapped)
+        return read_stats(kv, running, waiting, preemptions, spec, with_adapters)
 
     @property
     def num_running(self) -> int:
@@ -149,8 +151,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             self._enqueue(request)
         self.running = []
-        for request in self.waiting:
-            request.num_pending_tokens = 0
+        for request in self.waiting:  # (swapped-out ones too: their host blocks are dropped)
+            request.num_pending_tokens = request.num_computed_tokens = 0
         self.kv_cache_manager.reset()
         self._finished_since_last_step = set()
         waiting = [r.request_id for r in self.waiting]
@@ -176,7 +178,9 @@ class Scheduler:
             proposed = drafts.get(request.request_id) if drafts else None
             spec = request.drafts_that_fit(proposed, budget, self.max_model_len) if proposed else []
             cap = self.admission.prompt_cap(may_admit, budget, len(self.running) - i - 1)
-            num_new = self._num_tokens_to_schedule(request, budget, num_drafts=len(spec), cap=cap)
+            num_new = self.admission.tokens_to_schedule(
+                request, budget, num_drafts=len(spec), cap=cap
+            )
             if num_new == 0:
                 i += 1
                 continue
@@ -221,6 +225,7 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=scheduled_drafts,
+            swaps=self.kv_cache_manager.take_swaps(),
         )
 
     def _admit_waiting(
@@ -252,17 +257,23 @@ class Scheduler:
                 position += 1  # waits for a slot; requests behind it may still start
                 continue
             self._scheduling = request.request_id
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            kv = self.kv_cache_manager
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            # (a swapped-out request's computed tokens are in host blocks: copied back)
+            start = max(request.num_computed_tokens, num_hit_tokens)
             cap = self.admission.prompt_cap(position + 1 < len(self.waiting))
-            num_new = self._num_tokens_to_schedule(request, budget, num_hit_tokens, cap=cap)
+            num_new = self.admission.tokens_to_schedule(request, budget, num_hit_tokens, cap=cap)
             if num_new == 0:
                 break
-            idle = not self.running
             if not self.admission.can_start(
-                request, hits, num_hit_tokens + num_new, reserved, idle
+                request, hits, start + num_new, reserved, idle=not self.running
             ):
                 break
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits)
+            if kv.is_swapped_out(request) and start > num_hit_tokens:
+                new_blocks = kv.allocate_swapped(request, num_new, hits)
+            else:
+                request.num_computed_tokens = kv.drop_swapped(request)  # (its hits hold them)
+                new_blocks = kv.allocate_slots(request, num_new, hits)
             if new_blocks is None:
                 break
             self.waiting.pop(position)
@@ -270,7 +281,7 @@ class Scheduler:
                 adapters.add(request.lora_name)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = start
             if request.num_cached_tokens is None:  # (its first start)
                 request.num_cached_tokens = num_hit_tokens
                 self.kv_cache_manager.record_prefix_query(request.num_tokens, num_hit_tokens)
@@ -282,7 +293,7 @@ class Scheduler:
                     request.num_prompt_tokens,
                     request.sampling_params,
                     self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_hit_tokens,
+                    start,
                     request.lora_name,
                 )
             )
@@ -343,25 +354,6 @@ class Scheduler:
         stats.num_accepted_tokens += num_accepted
         stats.num_rejections += num_accepted < num_drafts
 
-    def _num_tokens_to_schedule(
-        self,
-        request: Request,
-        budget: int,
-        num_hit_tokens: int = 0,
-        num_drafts: int = 0,
-        cap: int | None = None,
-    ) -> int:
-        """`cap`: on prompt tokens (a decode's one token and its drafts are never cut)."""
-        if request.num_pending_tokens and request.ends_with_pending(self.max_model_len):
-            return 0  # its pending token is its last: nothing more to compute
-        num_inputs = request.num_tokens + request.num_pending_tokens + num_drafts
-        num_new = num_inputs - max(request.num_computed_tokens, num_hit_tokens)
-        if num_new > budget and not self.enable_chunked_prefill:
-            return 0
-        if cap is not None and num_new - num_drafts > 1:
-            num_new = min(num_new, cap)
-        return min(num_new, budget)
-
     def _advance(self, request: Request, num_new: int, num_drafts: int = 0) -> None:
         """`num_new` tokens scheduled: a step that reaches the last input (the last draft, if
         any) samples one more (and with drafts maybe several: counted when they arrive)."""
@@ -372,11 +364,14 @@ class Scheduler:
             request.num_pending_tokens += 1
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        swapped = self.kv_cache_manager.swap_out(request)  # (its computed tokens kept)
+        if not swapped:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_swapped += swapped
         self._enqueue(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

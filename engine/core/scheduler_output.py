@@ -43,6 +43,9 @@ class SchedulerOutput:
     # Draft tokens to verify, per decoding request that carries some: its scheduled tokens are
     # its last token, then these (speculative decoding).
     scheduled_spec_decode_tokens: dict[RequestId, list[int]] = field(default_factory=dict)
+    # KV copies to make before the step's forward: preempted requests' blocks out to host
+    # memory (device block, host block), resumed ones' back in (host block, device block).
+    swaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
 
     @property
     def is_empty(self) -> bool:

@@ -39,6 +39,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache so far
     prefix_cache_hits: int  # of which found
     num_preemptions: int
+    num_preemptions_swapped: int  # of which swapped out to host memory (the rest recomputed)
     # adapters of running and of waiting requests (empty without LoRA)
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
@@ -49,11 +50,12 @@ def read_stats(
     kv: KVCacheManager,
     running: Sequence[Request],
     waiting: Sequence[Request],
-    num_preemptions: int,
+    preemptions: tuple[int, int],
     spec_decode: SpecDecodeStats | None,
     with_adapters: bool,
 ) -> SchedulerStats:
-    """A scheduler's reading from its parts (`spec_decode` copied; adapters' names sorted)."""
+    """A scheduler's reading from its parts (`preemptions`: all, and of them swapped out;
+    `spec_decode` copied; adapters' names sorted)."""
 
     def adapters(requests: Sequence[Request]) -> tuple[str, ...]:
         if not with_adapters:
@@ -66,7 +68,8 @@ def read_stats(
         kv_cache_usage=kv.usage,
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
-        num_preemptions=num_preemptions,
+        num_preemptions=preemptions[0],
+        num_preemptions_swapped=preemptions[1],
         running_adapters=adapters(running),
         waiting_adapters=adapters(waiting),
         spec_decode=dataclasses.replace(spec_decode) if spec_decode is not None else None,

@@ -118,6 +118,7 @@ class _State:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,
+            num_preemptions_swapped=stats.num_preemptions_swapped,
             lora=(
                 (list(stats.running_adapters), list(stats.waiting_adapters), lora.max_loras)
                 if lora is not None

@@ -93,6 +93,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_preemptions_swapped: int = 0  # of which swapped out to host memory, not recomputed
     # LoRA (None when off): adapters of running and of waiting requests, and the slot count
     lora: tuple[list[str], list[str], int] | None = None
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
@@ -159,10 +160,25 @@ class _EngineCollector(Collector):
                 counter = CounterMetricFamily(p + name, doc, labels=["model_name"])
                 counter.add_metric([self.model_name], value)
                 yield counter
+            if p == "kvfleet:":
+                yield _preemptions_by_kind(p, self.model_name, stats)
             if stats.lora is not None:
                 yield _lora_info(p, stats.lora)
             if stats.spec_decode is not None:
                 yield from _spec_decode(p, self.model_name, stats.spec_decode)
+
+
+def _preemptions_by_kind(prefix: str, model_name: str, stats: EngineStats) -> Metric:
+    counter = CounterMetricFamily(
+        prefix + "preemptions_by_kind",
+        "Requests preempted for lack of KV-cache blocks, by how they come back: swapped out to "
+        "host memory and copied back, or recomputed.",
+        labels=["model_name", "kind"],
+    )
+    swapped = stats.num_preemptions_swapped
+    counter.add_metric([model_name, "swap"], swapped)
+    counter.add_metric([model_name, "recompute"], stats.num_preemptions - swapped)
+    return counter
 
 
 def _spec_decode(prefix: str, model_name: str, stats: SpecDecodeStats) -> Iterator[Metric]:

@@ -26,6 +26,7 @@ from kvfleet.engine.worker.setup import (
     num_kv_blocks,
     uses_graphs,
 )
+from kvfleet.engine.worker.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,12 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
         group, own = tp, num_blocks  # every rank holds the same blocks
         num_blocks = workers.run_while_alive(lambda: group.min_int(own))
     runner.allocate_kv_cache(num_blocks)
+    swap_blocks = int(config.cache.swap_space_gib * 2**30) // SwapSpace.bytes_per_block(
+        runner.kv_caches
+    )
+    # NOTE: one rank's copies only, and a draft model's cache holds no swapped blocks.
+    if swap_blocks and tp is None and not config.speculative:
+        runner.swap_space = SwapSpace(runner.kv_caches, swap_blocks)
     if uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
         runner.enable_decode_graphs(
             config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)

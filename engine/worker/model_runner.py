@@ -37,6 +37,7 @@ from kvfleet.engine.worker.inputs import (
     prepare_inputs,
     update_states,
 )
+from kvfleet.engine.worker.swap_space import SwapSpace
 
 
 class LaunchedStep:
@@ -159,6 +160,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_space: SwapSpace | None = None  # host blocks of swapped-out requests
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.sampling = SamplingPlanner(self.config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -173,6 +175,11 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
+
+    @property
+    def num_swap_blocks(self) -> int:
+        """Host blocks for swapped-out requests (0: preempted requests are recomputed)."""
+        return self.swap_space.num_blocks if self.swap_space is not None else 0
 
     @torch.inference_mode()
     def profile_peak_bytes(self, max_num_tokens: int, max_num_seqs: int) -> int:
@@ -253,6 +260,8 @@ class ModelRunner:
         back; returns without waiting for them (`collect` does). `hold_sampling`: queue the
         forward only; `sample` queues the rest."""
         update_states(scheduler_output, self.requests, self.sampling, self.device)
+        if self.swap_space is not None:
+            self.swap_space.copy(self.kv_caches, scheduler_output.swaps)
         if scheduler_output.is_empty:
             return LaunchedStep(scheduler_output, [], [])
         # (its sampling planned, the sampling tensors queued: the last thing that can fail on

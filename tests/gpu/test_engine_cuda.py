@@ -146,3 +146,42 @@ def test_no_kernel_compiles_mid_serving() -> None:
     finally:
         knobs.runtime.jit_cache_hook = None
     assert met == []
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_preempted_requests_swapped_out_and_back_keep_their_outputs(
+    hf_model_dir: Callable[[str], tuple[Any, Path]], kv_cache_dtype: str
+) -> None:
+    """A pool too small for six growing requests (EOS not ignored: their end is unknown):
+    preempted ones are swapped out to pinned host blocks and copied back (Triton kernels,
+    decode graphs), and each output equals its output alone; with no swap space they are
+    recomputed, to the same outputs."""
+    _, folder = hf_model_dir("llama2-tied")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (30 + 5 * i,), generator=gen).tolist() for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40)
+
+    def run(num_blocks: int, swap_space_gib: float) -> tuple[list[list[int]], Any]:
+        llm = LLM(
+            str(folder),
+            device="cuda",
+            dtype="float32",
+            skip_tokenizer_init=True,
+            block_size=16,
+            num_blocks=num_blocks,
+            max_model_len=128,
+            max_num_batched_tokens=64,
+            kv_cache_dtype=kv_cache_dtype,
+            swap_space_gib=swap_space_gib,
+        )
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return outputs, llm.engine.scheduler.stats()
+
+    alone, _ = run(256, 0.0)
+    swapped, stats = run(13, 1.0)
+    assert stats.num_preemptions_swapped == stats.num_preemptions > 0
+    recomputed, stats = run(13, 0.0)
+    assert stats.num_preemptions > 0
+    assert stats.num_preemptions_swapped == 0
+    assert swapped == alone
+    assert recomputed == alone

@@ -199,6 +199,9 @@ def test_disconnect_aborts_the_request_and_spares_the_others(server: Server) -> 
         metrics[f'kvfleet:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}']
         >= 1
     )
+    for kind in ("swap", "recompute"):  # (by kind, beside vLLM's num_preemptions: none here)
+        name = f'kvfleet:preemptions_by_kind_total{{kind="{kind}",model_name="{MODEL}"}}'
+        assert metrics[name] == 0
 
 
 def test_kv_events_stream_and_snapshot(server: Server, client: OpenAI) -> None:

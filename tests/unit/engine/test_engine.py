@@ -25,6 +25,7 @@ def make_engine(hf_model_dir: HfModelDir) -> Callable[..., LLMEngine]:
 
     def make_engine(num_blocks: int = 256, budget: int = 128, **kwargs: Any) -> LLMEngine:
         caching = kwargs.pop("enable_prefix_caching", True)
+        swap_space = kwargs.pop("swap_space_gib", CacheConfig.swap_space_gib)
         return LLMEngine(
             EngineConfig(
                 model=str(folder),
@@ -32,7 +33,10 @@ def make_engine(hf_model_dir: HfModelDir) -> Callable[..., LLMEngine]:
                 skip_tokenizer_init=True,
                 max_model_len=kwargs.pop("max_model_len", 512),
                 cache=CacheConfig(
-                    block_size=16, num_blocks=num_blocks, enable_prefix_caching=caching
+                    block_size=16,
+                    num_blocks=num_blocks,
+                    enable_prefix_caching=caching,
+                    swap_space_gib=swap_space,
                 ),
                 scheduler=SchedulerConfig(
                     max_num_batched_tokens=budget,
@@ -88,14 +92,20 @@ def test_shared_prefix_computes_only_new_tokens(make_engine: Callable[..., LLMEn
     assert cold_out["b"].num_cached_tokens == 0
 
 
+# Swap space: the default (room for every preempted request), none (recompute), and room for
+# one request's blocks at a time (~6 blocks of this model: 2 layers x 2 x 16 x 4 x 16 x 4 B).
+SWAP_SPACES = {"swap": CacheConfig.swap_space_gib, "recompute": 0.0, "some": 40_000 / 2**30}
+
+
+@pytest.mark.parametrize("swap", list(SWAP_SPACES))
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_small_kv_pool_preempts_and_every_request_completes(
-    make_engine: Callable[..., LLMEngine], ignore_eos: bool
+    make_engine: Callable[..., LLMEngine], ignore_eos: bool, swap: str
 ) -> None:
     """Requests whose end is unknown (they may stop at EOS) start by their prompts and are
-    preempted as they grow, then recomputed; ignoring EOS, their end is known and they start
-    only when the pool holds them to it: no preemption. Either way each one's output is its
-    output alone."""
+    preempted as they grow, then swapped back in (or recomputed: no swap space, or too little
+    for them); ignoring EOS, their end is known and they start only when the pool holds them
+    to it: no preemption. Either way each one's output is its output alone."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=ignore_eos)
     prompts = {f"r{i}": tokens(30 + 5 * i, i) for i in range(6)}
     alone = {}
@@ -106,13 +116,23 @@ def test_small_kv_pool_preempts_and_every_request_completes(
     assert all(len(out) == 40 for out in alone.values())  # (no EOS: they all grow)
 
     # 12 usable blocks of 16 tokens: room for two or three of the six at a time.
-    tight = make_engine(num_blocks=13, max_model_len=128, budget=64)
+    tight = make_engine(
+        num_blocks=13, max_model_len=128, budget=64, swap_space_gib=SWAP_SPACES[swap]
+    )
     for rid, prompt in prompts.items():
         tight.add_request(rid, prompt, params)
     together = run(tight)
-    assert (tight.scheduler.num_preemptions > 0) == (not ignore_eos)
+    stats = tight.scheduler.stats()
+    assert (stats.num_preemptions > 0) == (not ignore_eos)
+    swapped = {"swap": stats.num_preemptions, "recompute": 0}.get(swap)
+    if swap == "some":  # (some swapped, the others recomputed)
+        assert 0 < stats.num_preemptions_swapped < stats.num_preemptions or ignore_eos
+    else:
+        assert stats.num_preemptions_swapped == swapped
     assert {rid: out.outputs[0].token_ids for rid, out in together.items()} == alone
-    assert tight.kv_cache_manager.usage == 0.0
+    kv = tight.kv_cache_manager
+    assert kv.usage == 0.0
+    assert sorted(kv.free_host_blocks) == list(range(kv.num_host_blocks))  # (all given back)
 
 
 @pytest.mark.parametrize(
