@@ -102,11 +102,9 @@ def test_decode_kernel_sliding_window_and_float16(
         assert (out.float() - expected.float()).abs().max() < 2e-3
 
 
-def test_backend_sends_decode_steps_to_the_decode_kernel(
-    attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A decode-only step's rows all go to the decode kernel; of a mixed step, the leading
-    decodes only (the one after a prompt chunk stays in the varlen kernel)."""
+@pytest.fixture
+def decode_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each call of the backend's decode kernel, recorded as they come."""
     rows: list[int] = []
     real = triton_attention.decode_attention
 
@@ -115,13 +113,21 @@ def test_backend_sends_decode_steps_to_the_decode_kernel(
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "decode_attention", spy)
+    return rows
+
+
+def test_backend_sends_decode_steps_to_the_decode_kernel(
+    attention_case: Callable[..., dict[str, Any]], decode_rows: list[int]
+) -> None:
+    """A decode-only step's rows all go to the decode kernel; of a mixed step, the leading
+    decodes only (the one after a prompt chunk stays in the varlen kernel)."""
     backend = triton_attention.TritonAttention(4, 2, 32)
     for case in ("decode-only", "mixed", "prefill-with-prefix"):
         inputs = attention_case(*CASES[case])
         backend.forward(
             inputs["q"], inputs["k"], inputs["v"], inputs["kv_cache"], inputs["metadata"]
         )
-    assert rows == [3, 1]
+    assert decode_rows == [3, 1]
 
 
 def test_a_mixed_step_splits_off_its_leading_decodes_when_their_kv_pays_for_it() -> None:
@@ -134,21 +140,11 @@ def test_a_mixed_step_splits_off_its_leading_decodes_when_their_kv_pays_for_it()
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_mixed_step_sends_its_decode_rows_to_the_decode_kernel(
-    attention_case: Callable[..., dict[str, Any]],
-    monkeypatch: pytest.MonkeyPatch,
-    softcap: float | None,
+    attention_case: Callable[..., dict[str, Any]], decode_rows: list[int], softcap: float | None
 ) -> None:
     """A mixed step whose first sequences are decodes (as the runner orders them): those rows
     go to the decode kernel, the prompt chunks to the varlen one from the first chunk on, and
     together they give the torch backend's output, every row written."""
-    rows: list[int] = []
-    real = triton_attention.decode_attention
-
-    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rows.append(q.shape[0])
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(triton_attention, "decode_attention", spy)
     inputs = attention_case([1, 1, 1, 33, 70, 1], [100, 90, 17, 33, 100, 5], seed=23)
     metadata = inputs["metadata"]
     assert metadata.num_decodes == 3
@@ -158,7 +154,7 @@ def test_mixed_step_sends_its_decode_rows_to_the_decode_kernel(
     expected = reference.forward(q, inputs["k"], inputs["v"], cache_ref, metadata)
     backend = triton_attention.TritonAttention(4, 2, 32, softcap=softcap)
     out = backend.forward(q, inputs["k"], inputs["v"], inputs["kv_cache"].clone(), metadata)
-    assert rows == [3]
+    assert decode_rows == [3]
     assert not out.isnan().any()
     assert (out - expected).abs().max() < 1e-4
 
