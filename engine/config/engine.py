@@ -43,8 +43,9 @@ class CacheConfig:
         default=4.0,
         metadata=setting(
             "host memory, in GiB, for preempted requests' KV blocks: swapped out there and "
-            "copied back when they resume instead of recomputed (pinned on a GPU; 0: always "
-            "recompute; not used with tensor parallelism or speculative decoding)"
+            "copied back when they resume instead of recomputed (pinned on a GPU; at most as "
+            "many blocks as the KV cache; 0: always recompute; not used with tensor "
+            "parallelism or speculative decoding)"
         ),
     )
     kv_cache_dtype: str = field(

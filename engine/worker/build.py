@@ -104,9 +104,9 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
         group, own = tp, num_blocks  # every rank holds the same blocks
         num_blocks = workers.run_while_alive(lambda: group.min_int(own))
     runner.allocate_kv_cache(num_blocks)
-    swap_blocks = int(config.cache.swap_space_gib * 2**30) // SwapSpace.bytes_per_block(
-        runner.kv_caches
-    )
+    swap_bytes = int(config.cache.swap_space_gib * 2**30)
+    # (no more blocks than the cache's own: on the CPU they share one memory)
+    swap_blocks = min(swap_bytes // SwapSpace.bytes_per_block(runner.kv_caches), num_blocks)
     # NOTE: one rank's copies only, and a draft model's cache holds no swapped blocks.
     if swap_blocks and tp is None and not config.speculative:
         runner.swap_space = SwapSpace(runner.kv_caches, swap_blocks)
