@@ -45,7 +45,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[RequestId, list[int]] = field(default_factory=dict)
     # KV copies to make before the step's forward: preempted requests' blocks out to host
     # memory (device block, host block), resumed ones' back in (host block, device block).
-    swaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+    swaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(
+        default_factory=lambda: ([], [])
+    )
 
     @property
     def is_empty(self) -> bool:
