@@ -23,9 +23,9 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU (the torch reference).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    # The first num_decodes sequences have one query token each (the runner orders decodes
-    # first; `decodes_to_split`): a backend may send them to its decode kernel and the rest
-    # to the varlen one.
+    # Of a mixed step, the first num_decodes sequences have one query token each (the runner
+    # orders decodes first; `decodes_to_split`): a backend may send them to its decode kernel
+    # and the rest to the varlen one. (0 in a decode-only step: all rows are decodes.)
     num_decodes: int = 0
 
     @classmethod

@@ -74,8 +74,11 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.swap_space_gib < 0:
-            raise ValueError(f"swap_space_gib must be 0 or more, got {self.swap_space_gib}")
+        if not 0 <= self.swap_space_gib < float("inf"):  # (NaN fails too)
+            raise ValueError(
+                f"swap_space_gib must be a finite number of GiB, 0 or more, got "
+                f"{self.swap_space_gib}"
+            )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvfleet.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvfleet.engine.core.request import Request, RequestId
+from kvfleet.engine.core.scheduler_output import Swaps
 from kvfleet.engine.protocol.kv import ROOT_HASH, hash_full_blocks
 
 
@@ -92,13 +93,16 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_held: int | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Blocks for `num_new_tokens` more tokens of `request` (after its computed ones and the
-        prefix hits `new_computed_blocks`); None, changing nothing, when too few are free."""
+        """Blocks for `num_new_tokens` more tokens of `request` (after the `num_held` tokens
+        its blocks hold, by default its computed ones, and the prefix hits
+        `new_computed_blocks`); None, changing nothing, when too few are free."""
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be at least 1, got {num_new_tokens}")
         req_blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        held = request.num_computed_tokens if num_held is None else num_held
+        num_computed = held + len(new_computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # Touching a free cached block takes it out of the free queue.
@@ -149,11 +153,10 @@ class KVCacheManager:
     def is_swapped_out(self, request: Request) -> bool:
         return request.request_id in self.req_to_host
 
-    def drop_swapped(self, request: Request) -> int:
-        """Free a swapped-out request's host blocks, unread (its prefix hits hold what they
-        held); returns its computed tokens from here on: 0."""
+    def drop_swapped(self, request: Request) -> None:
+        """Free a swapped-out request's host blocks, unread (finished, or its prefix hits hold
+        what they held)."""
         self.free_host_blocks += self.req_to_host.pop(request.request_id, [])
-        return 0
 
     def allocate_swapped(
         self, request: Request, num_new_tokens: int, hits: Sequence[KVCacheBlock]
@@ -162,13 +165,8 @@ class KVCacheManager:
         (`request.num_computed_tokens`) in host blocks: device blocks for them and the new
         tokens, the prefix hits first (not copied back); queues the copies of the rest."""
         computed = request.num_computed_tokens
-        request.num_computed_tokens = 0
-        try:
-            blocks = self.allocate_slots(
-                request, computed - len(hits) * self.block_size + num_new_tokens, hits
-            )
-        finally:
-            request.num_computed_tokens = computed
+        to_copy = computed - len(hits) * self.block_size  # (it holds no device blocks now)
+        blocks = self.allocate_slots(request, to_copy + num_new_tokens, hits, num_held=0)
         if blocks is None:
             return None
         host = self.req_to_host.pop(request.request_id)
@@ -179,7 +177,7 @@ class KVCacheManager:
         self.free_host_blocks += host
         return blocks
 
-    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_swaps(self) -> Swaps:
         """The copies queued since the last call (out, in), for the next step to make."""
         swaps = self.swaps_out, self.swaps_in
         self.swaps_out, self.swaps_in = [], []

@@ -271,8 +271,9 @@ class Scheduler:
                 break
             if kv.is_swapped_out(request) and start > num_hit_tokens:
                 new_blocks = kv.allocate_swapped(request, num_new, hits)
-            else:
-                request.num_computed_tokens = kv.drop_swapped(request)  # (its hits hold them)
+            else:  # (a swapped-out request whose prefix hits hold all it had: no copy back)
+                kv.drop_swapped(request)
+                request.num_computed_tokens = 0
                 new_blocks = kv.allocate_slots(request, num_new, hits)
             if new_blocks is None:
                 break

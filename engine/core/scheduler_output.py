@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from kvfleet.engine.core.request import RequestId
 from kvfleet.engine.sampling_params import SamplingParams
 
+# A step's KV copies: preempted requests' blocks out to host memory (device block, host block),
+# resumed ones' back in (host block, device block).
+Swaps = tuple[list[tuple[int, int]], list[tuple[int, int]]]
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -43,11 +47,7 @@ class SchedulerOutput:
     # Draft tokens to verify, per decoding request that carries some: its scheduled tokens are
     # its last token, then these (speculative decoding).
     scheduled_spec_decode_tokens: dict[RequestId, list[int]] = field(default_factory=dict)
-    # KV copies to make before the step's forward: preempted requests' blocks out to host
-    # memory (device block, host block), resumed ones' back in (host block, device block).
-    swaps: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(
-        default_factory=lambda: ([], [])
-    )
+    swaps: Swaps = field(default_factory=lambda: ([], []))  # (made before the forward)
 
     @property
     def is_empty(self) -> bool:

@@ -121,15 +121,18 @@ class PackedStep:
         table_size = self.num_seqs * self.max_blocks
         cu_at = _span(table_size, 4)
         lens_at = cu_at + _span(self.num_seqs + 1, 4)
+        max_q = max(self.query_lens_cpu)  # (1: a decode step, no rows to count for a split)
         metadata = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.ints[:table_size].view(self.num_seqs, self.max_blocks),
             cu_seqlens_q=self.ints[cu_at : cu_at + self.num_seqs + 1],
             seq_lens=self.ints[lens_at : lens_at + self.num_seqs],
-            max_seqlen_q=max(self.query_lens_cpu),
+            max_seqlen_q=max_q,
             max_seqlen_k=max(self.seq_lens_cpu),
             query_lens_cpu=self.query_lens_cpu,
             seq_lens_cpu=self.seq_lens_cpu,
-            num_decodes=decodes_to_split(self.query_lens_cpu, self.seq_lens_cpu),
+            num_decodes=decodes_to_split(self.query_lens_cpu, self.seq_lens_cpu)
+            if max_q > 1
+            else 0,
         )
         return StepInputs(ids, positions, metadata, rows, race)

@@ -108,7 +108,9 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
     # (no more blocks than the cache's own: on the CPU they share one memory)
     swap_blocks = min(swap_bytes // SwapSpace.bytes_per_block(runner.kv_caches), num_blocks)
     # NOTE: one rank's copies only, and a draft model's cache holds no swapped blocks.
-    if swap_blocks and tp is None and not config.speculative:
+    if swap_blocks and (tp is not None or config.speculative):
+        logger.info("swap space unused with tensor parallelism or speculative decoding")
+    elif swap_blocks:
         runner.swap_space = SwapSpace(runner.kv_caches, swap_blocks)
     if uses_graphs(config, setup):  # (every rank captures the same graphs, NCCL included)
         runner.enable_decode_graphs(

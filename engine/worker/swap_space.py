@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-Swaps = tuple[list[tuple[int, int]], list[tuple[int, int]]]
+from kvfleet.engine.core.scheduler_output import Swaps
 
 
 class SwapSpace:

@@ -133,6 +133,9 @@ def test_unknown_or_bad_keywords_are_refused() -> None:
         EngineConfig.from_kwargs("smollm2", {"max_num_seq": 8})
     with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be 0"):
         EngineConfig.from_kwargs("smollm2", {"long_prefill_token_threshold": -5})
+    for swap_space in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"swap_space_gib must be a finite number of GiB"):
+            EngineConfig.from_kwargs("smollm2", {"swap_space_gib": swap_space})
     with pytest.raises(ValueError, match=r"speculative_config: .*not valid JSON"):
         EngineConfig.from_kwargs("smollm2", {"speculative_config": "{bad"})
     with pytest.raises(SystemExit, match=r"--speculative-config: .*not valid JSON"):
