@@ -117,6 +117,14 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-prefill-seqs", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--num-blocks", type=int, help="fix the KV pool's size (blocks)")
+    parser.add_argument("--swap-space-gib", type=float, default=4.0, help="0: recompute")
+    parser.add_argument(
+        "--unknown-end",
+        action="store_true",
+        help="requests stop at EOS too, so admission cannot see their end: the pool may "
+        "fill and running requests be preempted (swap against recompute)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")

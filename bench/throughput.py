@@ -4,7 +4,8 @@
         --num-prompts 256 --input-len 128:1024 --output-len 256
 
 Prompts are random token ids (`workload.py`, seeded: the peer script runs the same ones); every
-request generates exactly its output length (EOS ignored), sampled at temperature 1.
+request generates exactly its output length (EOS ignored; with `--unknown-end` it may stop at EOS,
+so admission cannot reserve its end and the pool may preempt), sampled at temperature 1.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_seqs=args.max_prefill_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_blocks,
+        swap_space_gib=args.swap_space_gib,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_prompts, input_len, output_len, config.vocab_size, seed=args.seed
     )
     params = [
-        SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=None)
+        SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=not args.unknown_end, seed=None)
         for n in workload.output_lens
     ]
     # Warm-up (kernel compilation) on requests of the same shapes, outside the timing.
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - began
 
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert generated == workload.num_output_tokens, "a request stopped early"
+    if not args.unknown_end:
+        assert generated == workload.num_output_tokens, "a request stopped early"
     dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
     ceilings = measure_ceilings(engine.device, engine.dtype)
     weight_bytes, linear_flops_factor, fp8_tflops = None, 1.0, None
@@ -106,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_seqs": args.max_prefill_seqs,
         "prefix_caching": not args.no_prefix_caching,
+        "unknown_end": args.unknown_end,
+        "swap_space_gib": args.swap_space_gib,
         "input_tokens": workload.num_input_tokens,
         "output_tokens": generated,
         "elapsed_s": round(elapsed, 3),

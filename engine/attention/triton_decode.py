@@ -83,9 +83,10 @@ def fp8_query(q):
     """The query an FP8 cache's K meets: float16 (e4m3 converts to it exactly, one instruction
     per pair, and its 11-bit mantissa holds the query and the softmax weights closer than
     bfloat16 does), float32 queries as they are."""
-    if q.dtype == tl.float32:
-        return q
-    return q.to(tl.float16)
+    # (one return: Triton refuses a function whose returns differ in type, constexpr or not)
+    if q.dtype != tl.float32:
+        q = q.to(tl.float16)
+    return q
 
 
 # NOTE: the block table's width changes step to step: one compiled kernel for any width.
