@@ -11,6 +11,7 @@ import torch
 
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request
+from kvfleet.engine.worker import swap_space
 from kvfleet.engine.worker.swap_space import SwapSpace
 
 
@@ -72,15 +73,28 @@ def test_prefix_hits_come_back_without_a_copy_and_a_reset_drops_the_host_blocks(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_blocks_copied_out_and_back_in_keep_their_bytes(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 64])
+def test_blocks_copied_out_and_back_in_keep_their_bytes(
+    dtype: torch.dtype, chunk_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of consecutive host ids and lone ones, staged whole or in chunks of 1 or 2 blocks;
+    layers of different widths (each keeps its own bytes)."""
     gen = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, 8, 4, 2, 3, generator=gen).to(dtype) for _ in range(2)]
+    caches = [torch.randn(2, 12, 4, 2, width, generator=gen).to(dtype) for width in (3, 5)]
     before = [c.clone() for c in caches]
-    space = SwapSpace(caches, num_blocks=5)
-    space.copy(caches, ([(1, 0), (3, 4)], []))
+    block_bytes = SwapSpace.bytes_per_block(caches)
+    monkeypatch.setattr(swap_space, "STAGING_BYTES", chunk_blocks * block_bytes)
+    space = SwapSpace(caches, num_blocks=9)
+    assert space.chunk_blocks == chunk_blocks
+    out = [(1, 0), (3, 4), (7, 5), (2, 6), (9, 8)]  # (device, host): runs 0 | 4-6 | 8
+    space.copy(caches, (out, []))
     for cache in caches:
-        cache[:, [1, 3]] = torch.zeros((), dtype=torch.float32).to(dtype)  # (reused)
-    space.copy(caches, ([], [(0, 6), (4, 2)]))
+        cache[:, [d for d, _ in out]] = torch.zeros((), dtype=torch.float32).to(dtype)  # (reused)
+    back = [(0, 10), (4, 11), (5, 1), (6, 3), (8, 2)]  # (host, device)
+    space.copy(caches, ([], back))
     for cache, old in zip(caches, before, strict=True):
-        assert torch.equal(cache[:, 6].view(torch.uint8), old[:, 1].view(torch.uint8))
-        assert torch.equal(cache[:, 2].view(torch.uint8), old[:, 3].view(torch.uint8))
+        for (device, host), (host_in, device_in) in zip(out, back, strict=True):
+            assert host == host_in
+            assert torch.equal(
+                cache[:, device_in].view(torch.uint8), old[:, device].view(torch.uint8)
+            )
