@@ -1,9 +1,14 @@
 """Attention of one layer at Llama-3-8B's head shapes on the GPU: the decode kernel's tiles swept
-over a bf16 and an FP8 cache, and a mixed step (decodes beside prompt chunks) before and after
-its decode rows went to the decode kernel.
+over a bf16 and an FP8 cache, a mixed step (decodes beside prompt chunks) before and after
+its decode rows went to the decode kernel, and the prompt kernel's tiles on prompts (TFLOP/s
+of the causal pairs it must compute, beside the bf16 matmul ceiling).
 
     bench/device_env.sh python3 bench/attention_steps.py --part tiles
     bench/device_env.sh python3 bench/attention_steps.py --part mixed
+    bench/device_env.sh python3 bench/attention_steps.py --part prompt [--base DIR]
+
+`--base DIR`: also time the prompt kernel of another tree (DIR/engine/attention/
+triton_attention.py, loaded beside this one) on the same inputs, for an A/B in one call.
 
 Every figure is a median over repeats in microseconds per layer, of device time (calls
 captured in a CUDA graph, so the host's launch gaps stay out) unless it says eager. The decode
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,6 +52,23 @@ TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
 # first as the runner orders them: the 1,000 x 1,024 -> 1,024 run's steps, the 256-request
 # offline run's, and a few long sequences (split over the length).
 DECODE_STEPS = ((256, 1025, 2047), (256, 200, 1280), (64, 3000, 5000))
+# The prompt kernel's tiles tried on long steps: (BLOCK_M, BLOCK_N, warps, stages).
+PROMPT_TILES = [
+    (64, 32, 4, 3),
+    (64, 64, 4, 3),
+    (64, 128, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+    (128, 128, 8, 4),
+]
+# Prompt steps: (query lengths, KV lengths)
+PROMPT_STEPS = {
+    "one 8,192 prompt": ([8192], [8192]),
+    "a 2,048 chunk after 6,144 cached": ([2048], [8192]),
+    "4 x 1,024 prompts": ([1024] * 4, [1024] * 4),
+    "7.9k prompt tokens of the 1k/1k run": ([1024] * 7 + [774], [1024] * 7 + [774]),
+}
 
 
 def make_step(
@@ -201,16 +224,95 @@ def mixed_steps(copy_gbps: float) -> None:
                 )
 
 
+def causal_flops(query_lens: list[int], seq_lens: list[int]) -> float:
+    """Q.K and P.V over the (query, key) pairs a causal step attends: 4 x head_dim each."""
+    pairs = sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(query_lens, seq_lens, strict=True))
+    return 4.0 * HEAD_DIM * HEADS * pairs
+
+
+def load_base_kernel(base: str) -> Any:
+    """The prompt attention module of another tree, under its own name."""
+    import importlib.util
+
+    path = f"{base}/engine/attention/triton_attention.py"
+    spec = importlib.util.spec_from_file_location("base_triton_attention", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prompt_tiles(matmul_tflops: float, base: str | None) -> None:
+    """Each prompt step with the shipped tiles, the base tree's kernel and each tile of the
+    prompt kernel (for the step's kind): us per layer, TFLOP/s, and the largest difference
+    from the shipped tiles' output."""
+    kernels: dict[str, Callable[..., torch.Tensor]] = {"shipped": triton_attention.paged_attention}
+    if base is not None:
+        kernels["base tree"] = load_base_kernel(base).paged_attention
+    for tile in PROMPT_TILES:
+        kernels[str(tile)] = functools.partial(_with_tile, tile)
+    for name, (query_lens, seq_lens) in PROMPT_STEPS.items():
+        flops = causal_flops(query_lens, seq_lens)
+        for fp8 in (False, True):
+            step = make_step(query_lens, seq_lens, fp8)
+            scales = step["scales"] if fp8 else None
+            kind = triton_attention.prompt_step_kind(step["metadata"])
+            expected = triton_attention.paged_attention(
+                step["q"], step["cache"], step["metadata"], 0.088, kv_scales=scales
+            )
+            for label, kernel in kernels.items():
+
+                def run(
+                    kernel: Callable[..., torch.Tensor] = kernel,
+                    step: dict[str, Any] = step,
+                    scales: torch.Tensor | None = scales,
+                ) -> torch.Tensor:
+                    q, cache, metadata = step["q"], step["cache"], step["metadata"]
+                    return kernel(q, cache, metadata, 0.088, kv_scales=scales)
+
+                try:
+                    differs = (run().float() - expected.float()).abs().max().item()
+                    us = graph_us(run)
+                except Exception as exc:  # (a tile that does not fit: say so, go on)
+                    print(f"{name} fp8={fp8} {label}: failed: {exc!r}"[:300])
+                    continue
+                tflops = flops / us / 1e6
+                print(
+                    f"{name} ({kind}), {'fp8' if fp8 else 'bf16'} cache, {label}: {us:8.1f} us, "
+                    f"{tflops:6.1f} TFLOP/s ({tflops / matmul_tflops:5.1%} of the matmul "
+                    f"ceiling), max |diff| from shipped {differs:.2e}"
+                )
+
+
+def _with_tile(tile: tuple[int, int, int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The prompt kernel with `tile` for steps of every kind but "short"."""
+    shipped = dict(triton_attention.PROMPT_TILES)
+    for key in shipped:
+        if key[1] != "short":
+            triton_attention.PROMPT_TILES[key] = tile
+    try:
+        return triton_attention.paged_attention(*args, **kwargs)
+    finally:
+        triton_attention.PROMPT_TILES.update(shipped)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--part", choices=("tiles", "mixed"), required=True)
+    parser.add_argument("--part", choices=("tiles", "mixed", "prompt"), required=True)
+    parser.add_argument("--base", help="another tree whose prompt kernel is timed beside")
     args = parser.parse_args()
     ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
-    print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s")
+    print(
+        f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s, "
+        f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s"
+    )
     if args.part == "tiles":
         sweep_tiles(ceilings.copy_gbps)
-    else:
+    elif args.part == "mixed":
         mixed_steps(ceilings.copy_gbps)
+    else:
+        prompt_tiles(ceilings.matmul_tflops, args.base)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,30 @@ from kvfleet.engine.layers.triton_layers import kv_cache_value, rotary_and_write
 if TYPE_CHECKING:
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
 
+# (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
+# (no query longer than 16 tokens: decode rows, drafts), "chunks" (longer queries over less
+# than LONG_KV_TOKENS of KV: the 1,024-token prompts of the offline runs), "long". Measured
+# (bench/attention_steps.py --part prompt; bench/RESULTS.md "2026-11-27 (session 19)"): over a
+# bf16 cache 128 x 128 tiles (8 warps) are fastest from a 2k chunk after 6k cached to an 8k
+# prompt, 64 x 32 on ~1k prompts (by 10%: 128-row programs are too few to fill the GPU); over
+# an FP8 cache 128 x 128 in two stages everywhere (the upcast tiles take the third's room).
+PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
+    (False, "short"): (16, 64, 4, 3),
+    (True, "short"): (16, 64, 4, 3),
+    (False, "chunks"): (64, 32, 4, 3),
+    (True, "chunks"): (128, 128, 8, 2),
+    (False, "long"): (128, 128, 8, 3),
+    (True, "long"): (128, 128, 8, 2),
+}
+LONG_KV_TOKENS = 4096
+
+
+def prompt_step_kind(metadata: AttentionMetadata) -> str:
+    """The PROMPT_TILES kind of a step (above)."""
+    if metadata.max_seqlen_q <= 16:
+        return "short"
+    return "long" if metadata.max_seqlen_k >= LONG_KV_TOKENS else "chunks"
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -96,6 +120,30 @@ def write_kv_cache(
     )
 
 
+@triton.jit
+def _scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q . k^T scaled (and soft-capped), in log2 units: the softmax takes exp2 of them."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        s = soft_cap(s * scale, softcap) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    return s
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of scores (log2 units) and its V into the running max, sum and P . V."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # NOTE: the block table's width and the first sequence change step to step: one compiled
 # kernel for any.
 @triton.jit(do_not_specialize=["stride_bt", "first_seq"])
@@ -130,7 +178,8 @@ def _paged_attention_kernel(
     FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
     SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
 ):
-    m_block = tl.program_id(0)
+    # (the last query blocks, which attend to the most keys, start first)
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -161,45 +210,36 @@ def _paged_attention_kernel(
 
     kv_end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
     kv_begin = 0
+    # Keys every query row of the block sees (at or before its first row's position) take
+    # tiles without the causal mask; the rest, up to the diagonal, are masked. (A window:
+    # every tile masked.)
+    unmasked_end = ((seq_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     if sliding_window > 0:
         kv_begin = tl.maximum(0, seq_len - q_len + m_block * BLOCK_M - sliding_window + 1)
         kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
-    for start_n in range(kv_begin, kv_end, BLOCK_N):
+        unmasked_end = kv_begin
+    table = block_tables_ptr + seq * stride_bt
+    for start_n in range(kv_begin, unmasked_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end, kv_head, offs_d,
+            d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
+        )  # fmt: skip
+        s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+    for start_n in range(tl.maximum(kv_begin, unmasked_end), kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         k, v = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_tables_ptr + seq * stride_bt,
-            offs_n,
-            n_mask,
-            kv_head,
-            offs_d,
-            d_mask,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-            FP8,
-            q.dtype,
-        )
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:
-            s = soft_cap(s, softcap)
+            k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
+        )  # fmt: skip
+        s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if sliding_window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:
@@ -231,7 +271,8 @@ def paged_attention(
     num_seqs = metadata.seq_lens.shape[0] - first_seq
     if num_seqs == 0:
         return out
-    block_m = 16 if metadata.max_seqlen_q <= 16 else 64
+    fp8 = kv_cache_is_fp8(kv_cache)
+    block_m, block_n, warps, stages = PROMPT_TILES[fp8, prompt_step_kind(metadata)]
     grid = (triton.cdiv(metadata.max_seqlen_q, block_m), num_seqs, num_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[grid](
@@ -260,12 +301,12 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
-        # 64 x 32 tiles beat 64 x 64 on long prompts (the sweep: bench/RESULTS.md, "Figures
-        # moved out of code comments")
-        BLOCK_N=32 if block_m == 64 else 64,
+        BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=kv_cache_is_fp8(kv_cache),
+        FP8=fp8,
         SOFTCAP=softcap is not None,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 

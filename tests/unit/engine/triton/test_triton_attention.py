@@ -51,6 +51,32 @@ def test_write_and_attend_match_torch(
     assert (out.float() - expected.float()).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("kind", ["chunks", "long"])
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_prompt_tiles_of_every_kind_match_torch(
+    attention_case: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    sliding_window: int | None,
+) -> None:
+    """Each kind's tile (128 x 128 for long KV, made long here by lowering the threshold),
+    over prompts whose blocks lie below, across and beyond the causal diagonal (the tiles
+    below it run unmasked), with and without a window."""
+    if kind == "long":
+        monkeypatch.setattr(triton_attention, "LONG_KV_TOKENS", 64)
+    inputs = attention_case([1, 200, 37, 150], [90, 200, 300, 260], seed=5)
+    assert triton_attention.prompt_step_kind(inputs["metadata"]) == kind
+    reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
+    out = torch.full_like(inputs["q"], float("nan"))
+    triton_attention.paged_attention(
+        inputs["q"], cache, inputs["metadata"], reference.scale, sliding_window, out=out
+    )
+    assert not out.isnan().any()
+    assert (out - expected).abs().max() < 1e-4
+
+
 def test_sliding_window(attention_case: Callable[..., dict[str, Any]]) -> None:
     inputs = attention_case([1, 30], [70, 50], seed=7)
     reference = TorchAttention(4, 2, 32, sliding_window=24)
