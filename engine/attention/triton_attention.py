@@ -43,6 +43,7 @@ PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
     (True, "long"): (128, 128, 8, 2),
 }
 LONG_KV_TOKENS = 4096
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def prompt_step_kind(metadata: AttentionMetadata) -> str:
@@ -50,6 +51,14 @@ def prompt_step_kind(metadata: AttentionMetadata) -> str:
     if metadata.max_seqlen_q <= 16:
         return "short"
     return "long" if metadata.max_seqlen_k >= LONG_KV_TOKENS else "chunks"
+
+
+def prompt_tile(dtype: torch.dtype, fp8: bool, kind: str) -> tuple[int, int, int, int]:
+    """PROMPT_TILES' tile for queries of `dtype` (float32 ones take "chunks" tiles for "long"
+    steps: 128 x 128 float32 tiles would need 320 KB of shared memory)."""
+    if kind == "long" and dtype == torch.float32:
+        kind = "chunks"
+    return PROMPT_TILES[fp8, kind]
 
 
 @triton.jit
@@ -122,22 +131,29 @@ def write_kv_cache(
 
 @triton.jit
 def _scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
-    """q . k^T scaled (and soft-capped), in log2 units: the softmax takes exp2 of them."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    """q . k^T [BLOCK_M, BLOCK_N]: raw (the softmax scales them by `_score_scale`), or
+    soft-capped after the scale, in log2 units, where the model caps them."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SOFTCAP:
-        s = soft_cap(s * scale, softcap) * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
+        s = soft_cap(s * scale, softcap) * LOG2E
     return s
 
 
 @triton.jit
-def _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """One tile of scores (log2 units) and its V into the running max, sum and P . V."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _score_scale(scale, SOFTCAP: tl.constexpr):
+    """What `_online_softmax` multiplies `_scores`' values by: to log2 units, scaled."""
+    return 1.0 if SOFTCAP else scale * LOG2E
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of scores (times qk_scale: log2 units) and its V into the running max, sum
+    and P . V. (qk_scale > 0, so the max of the raw scores scales to theirs; the scale and
+    the max's subtraction are one fused multiply-add.)"""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -219,6 +235,7 @@ def _paged_attention_kernel(
         kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
         unmasked_end = kv_begin
     table = block_tables_ptr + seq * stride_bt
+    qk_scale = _score_scale(scale, SOFTCAP)
     for start_n in range(kv_begin, unmasked_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(
@@ -226,7 +243,7 @@ def _paged_attention_kernel(
             d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
         )  # fmt: skip
         s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     for start_n in range(tl.maximum(kv_begin, unmasked_end), kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
@@ -239,7 +256,7 @@ def _paged_attention_kernel(
         if sliding_window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(allowed, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:
@@ -272,7 +289,7 @@ def paged_attention(
     if num_seqs == 0:
         return out
     fp8 = kv_cache_is_fp8(kv_cache)
-    block_m, block_n, warps, stages = PROMPT_TILES[fp8, prompt_step_kind(metadata)]
+    block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata))
     grid = (triton.cdiv(metadata.max_seqlen_q, block_m), num_seqs, num_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[grid](

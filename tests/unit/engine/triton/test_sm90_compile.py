@@ -1,10 +1,12 @@
-"""The decode attention kernel compiles for the H100 (sm_90) in every variant the engine launches.
+"""The attention kernels compile for the H100 (sm_90) in every variant the engine launches.
 
 The interpreter that runs the other kernel tests on CPU skips Triton's compiler front end, whose
 rules it does not check (e.g. a function whose returns differ in type): the FP8 cache under a
 float32 model failed to compile on the device only. Triton compiles for a target without a GPU
 (its ptxas ships in the wheel), so each variant is compiled here, in a subprocess free of
-TRITON_INTERPRET, with the signature the launch in triton_decode.py passes.
+TRITON_INTERPRET, with the signature its launch passes: the decode kernel in six query/cache
+variants, and the prompt kernel in those times each kind of step with its shipped tile, whose
+shared memory must fit the H100's 227 KB a program (the interpreter has no such limit).
 """
 
 from __future__ import annotations
@@ -20,54 +22,88 @@ pytest.importorskip("triton")
 
 _COMPILE = """
 import json, sys
-import triton
+import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvfleet.engine.attention import triton_decode
+from kvfleet.engine.attention import triton_attention, triton_decode
 
-KERNEL = triton_decode._decode_partial_kernel
+DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
+SHARED_LIMIT = 227 * 1024
 
 
-def compile_for_sm90(q_type, cache_type):
+def compile_for_sm90(kernel, types, constants, warps, stages):
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
+                 for name in kernel.arg_names}
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= SHARED_LIMIT, f"{compiled.metadata.shared} B shared"
+
+
+def decode(q_type, cache_type):
+    fp8 = cache_type == "*fp8e4nv"
     types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
              "kv_scales_ptr": "*fp32", "scale": "fp32", "softcap": "fp32"}
+    block_n, warps, stages, _ = triton_decode.DECODE_TILES[fp8]
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
-                     HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, FP8=cache_type == "*fp8e4nv",
+                     HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False)
-    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
-                 for name in KERNEL.arg_names}
-    source = ASTSource(
-        fn=KERNEL, signature=signature,
-        constexprs={(KERNEL.arg_names.index(k),): v for k, v in constants.items()},
-    )
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 3})
-    assert compiled.asm["cubin"]
+    compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
+
+
+def prompt(q_type, cache_type, kind):
+    fp8 = cache_type == "*fp8e4nv"
+    types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
+             "v_cache_ptr": cache_type, "block_tables_ptr": "*i32",
+             "cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "kv_scales_ptr": "*fp32",
+             "scale": "fp32", "softcap": "fp32"}
+    block_m, block_n, warps, stages = triton_attention.prompt_tile(DTYPES[q_type], fp8, kind)
+    constants = dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
+                     BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8,
+                     DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False)
+    compile_for_sm90(triton_attention._paged_attention_kernel, types, constants, warps, stages)
 
 
 failed = {}
 for variant in sys.argv[1:]:
-    try:
-        compile_for_sm90(*variant.split(","))
-    except Exception as exc:
-        failed[variant] = f"{type(exc).__name__}: {exc}"[-1500:]
+    q_type, cache_type = variant.split(",")
+    for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
+        (f"prompt {kind}", lambda kind=kind: prompt(q_type, cache_type, kind))
+        for kind in ("short", "chunks", "long")
+    ]:
+        try:
+            build()
+        except Exception as exc:
+            failed[f"{name} {variant}"] = f"{type(exc).__name__}: {exc}"[-1500:]
 print(json.dumps(failed))
 """
 
-VARIANTS = [f"{q},{cache}" for q in ("*fp32", "*bf16", "*fp16") for cache in (q, "*fp8e4nv")]
+# (float16 takes bfloat16's code paths and tiles: not compiled again)
+VARIANTS = [f"{q},{cache}" for q in ("*fp32", "*bf16") for cache in (q, "*fp8e4nv")]
 
 
-def test_decode_kernel_compiles_for_sm90_in_every_variant() -> None:
+def test_attention_kernels_compile_for_sm90_in_every_variant() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, *VARIANTS],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
+    # (two processes, a variant pair each: the compiles take a core apiece)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COMPILE, *VARIANTS[half::2]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for half in (0, 1)
+    ]
+    failed = {}
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        failed |= json.loads(out.strip().splitlines()[-1])
+    assert failed == {}
