@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
-from kvfleet.engine.attention import triton_attention, triton_decode
+from kvfleet.engine.attention import triton_attention, triton_decode, triton_prompt
 from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -68,6 +68,7 @@ PROMPT_STEPS = {
     "a 2,048 chunk after 6,144 cached": ([2048], [8192]),
     "4 x 1,024 prompts": ([1024] * 4, [1024] * 4),
     "7.9k prompt tokens of the 1k/1k run": ([1024] * 7 + [774], [1024] * 7 + [774]),
+    "a prefix hit: 32 new tokens after 3,000 cached": ([32], [3032]),
 }
 
 
@@ -247,7 +248,7 @@ def prompt_tiles(matmul_tflops: float, base: str | None) -> None:
     """Each prompt step with the shipped tiles, the base tree's kernel and each tile of the
     prompt kernel (for the step's kind): us per layer, TFLOP/s, and the largest difference
     from the shipped tiles' output."""
-    kernels: dict[str, Callable[..., torch.Tensor]] = {"shipped": triton_attention.paged_attention}
+    kernels: dict[str, Callable[..., torch.Tensor]] = {"shipped": triton_prompt.paged_attention}
     if base is not None:
         kernels["base tree"] = load_base_kernel(base).paged_attention
     for tile in PROMPT_TILES:
@@ -257,8 +258,8 @@ def prompt_tiles(matmul_tflops: float, base: str | None) -> None:
         for fp8 in (False, True):
             step = make_step(query_lens, seq_lens, fp8)
             scales = step["scales"] if fp8 else None
-            kind = triton_attention.prompt_step_kind(step["metadata"])
-            expected = triton_attention.paged_attention(
+            kind = triton_prompt.prompt_step_kind(step["metadata"])
+            expected = triton_prompt.paged_attention(
                 step["q"], step["cache"], step["metadata"], 0.088, kv_scales=scales
             )
             for label, kernel in kernels.items():
@@ -287,14 +288,14 @@ def prompt_tiles(matmul_tflops: float, base: str | None) -> None:
 
 def _with_tile(tile: tuple[int, int, int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
     """The prompt kernel with `tile` for steps of every kind but "short"."""
-    shipped = dict(triton_attention.PROMPT_TILES)
+    shipped = dict(triton_prompt.PROMPT_TILES)
     for key in shipped:
         if key[1] != "short":
-            triton_attention.PROMPT_TILES[key] = tile
+            triton_prompt.PROMPT_TILES[key] = tile
     try:
-        return triton_attention.paged_attention(*args, **kwargs)
+        return triton_prompt.paged_attention(*args, **kwargs)
     finally:
-        triton_attention.PROMPT_TILES.update(shipped)
+        triton_prompt.PROMPT_TILES.update(shipped)
 
 
 def main() -> None:

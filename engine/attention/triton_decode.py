@@ -252,12 +252,39 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def splits_to_fill(programs: int, kv_tokens: int, device: torch.device) -> int:
+    """Splits of the KV that give every SM a few of `programs` x splits programs, none
+    shorter than _MIN_SPLIT_TOKENS of `kv_tokens` (1: the programs are enough already)."""
+    wanted = -(-4 * _num_sms(device) // max(1, programs))
+    return max(1, min(wanted, -(-kv_tokens // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+
 def num_splits_for(
     num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device
 ) -> int:
-    """Enough splits to give every SM a few programs, none shorter than _MIN_SPLIT_TOKENS."""
-    wanted = -(-4 * _num_sms(device) // (num_seqs * num_kv_heads))
-    return max(1, min(wanted, -(-max_seqlen_k // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    """The decode kernel's splits: one program per sequence and KV head, times these."""
+    return splits_to_fill(num_seqs * num_kv_heads, max_seqlen_k, device)
+
+
+def decode_merge(
+    acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out [rows, heads, D] from the splits' partial results: acc [rows, heads, splits, D]
+    (unnormalized P.V), maxes and sums [rows, heads, splits] (natural-log units)."""
+    rows, num_heads, num_splits, head_dim = acc.shape
+    _decode_merge_kernel[(rows, num_heads)](
+        acc,
+        maxes,
+        sums,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
 
 
 def decode_attention(
@@ -335,17 +362,5 @@ def decode_attention(
         **limits,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            acc,
-            maxes,
-            sums,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-        )
+        decode_merge(acc, maxes, sums, out)
     return out

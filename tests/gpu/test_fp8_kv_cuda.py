@@ -13,7 +13,12 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from kvfleet.engine.attention import torch_backend, triton_attention, triton_decode  # noqa: E402
+from kvfleet.engine.attention import (  # noqa: E402
+    torch_backend,
+    triton_attention,
+    triton_decode,
+    triton_prompt,
+)
 from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -52,7 +57,7 @@ def test_fp8_cache_kernels_match_the_torch_backend(
     cache = inputs["kv_cache"].clone()
     triton_attention.write_kv_cache(inputs["k"], inputs["v"], cache, metadata.slot_mapping, scales)
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
-    kernels = [triton_attention.paged_attention]
+    kernels = [triton_prompt.paged_attention]
     if metadata.max_seqlen_q == 1:
         kernels.append(triton_decode.decode_attention)
     for kernel in kernels:

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvfleet.bench.bf16_agreement import PROMPTS, first_difference, from_engine  # noqa: E402
-from kvfleet.engine.attention import triton_attention  # noqa: E402
+from kvfleet.engine.attention import triton_attention, triton_prompt  # noqa: E402
 from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
@@ -49,7 +49,7 @@ def test_kernels_match_torch_at_real_shapes(
     triton_attention.write_kv_cache(inputs["k"], inputs["v"], cache, metadata.slot_mapping)
     assert torch.equal(cache.float(), cache32)
     out = torch.full_like(inputs["q"], float("nan"))
-    triton_attention.paged_attention(inputs["q"], cache, metadata, reference.scale, out=out)
+    triton_prompt.paged_attention(inputs["q"], cache, metadata, reference.scale, out=out)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     relative = float((out.float() - expected).norm() / expected.norm())

@@ -25,7 +25,7 @@ import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvfleet.engine.attention import triton_attention, triton_decode
+from kvfleet.engine.attention import triton_attention, triton_decode, triton_prompt
 
 DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
 SHARED_LIMIT = 227 * 1024
@@ -62,12 +62,14 @@ def prompt(q_type, cache_type, kind):
     types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32",
              "cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "kv_scales_ptr": "*fp32",
+             "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
              "scale": "fp32", "softcap": "fp32"}
-    block_m, block_n, warps, stages = triton_attention.prompt_tile(DTYPES[q_type], fp8, kind)
+    block_m, block_n, warps, stages = triton_prompt.prompt_tile(DTYPES[q_type], fp8, kind)
     constants = dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8,
-                     DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False)
-    compile_for_sm90(triton_attention._paged_attention_kernel, types, constants, warps, stages)
+                     DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
+                     NUM_SPLITS=2)  # (split: the partial results' stores compile too)
+    compile_for_sm90(triton_prompt._paged_attention_kernel, types, constants, warps, stages)
 
 
 failed = {}

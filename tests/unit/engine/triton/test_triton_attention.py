@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.attention import triton_attention, triton_decode
+from kvfleet.engine.attention import triton_attention, triton_decode, triton_prompt
 from kvfleet.engine.attention.metadata import SPLIT_DECODES_MIN_KV_TOKENS, decodes_to_split
 from kvfleet.engine.attention.torch_backend import TorchAttention
 
@@ -44,9 +44,7 @@ def test_write_and_attend_match_torch(
     )
     assert torch.equal(cache, cache_ref)
     out = torch.full_like(inputs["q"], float("nan"))
-    triton_attention.paged_attention(
-        inputs["q"], cache, inputs["metadata"], reference.scale, out=out
-    )
+    triton_prompt.paged_attention(inputs["q"], cache, inputs["metadata"], reference.scale, out=out)
     assert not out.isnan().any()
     assert (out.float() - expected.float()).abs().max() < tolerance
 
@@ -63,18 +61,44 @@ def test_prompt_tiles_of_every_kind_match_torch(
     over prompts whose blocks lie below, across and beyond the causal diagonal (the tiles
     below it run unmasked), with and without a window."""
     if kind == "long":
-        monkeypatch.setattr(triton_attention, "LONG_KV_TOKENS", 64)
+        monkeypatch.setattr(triton_prompt, "LONG_KV_TOKENS", 64)
     inputs = attention_case([1, 200, 37, 150], [90, 200, 300, 260], seed=5)
-    assert triton_attention.prompt_step_kind(inputs["metadata"]) == kind
+    assert triton_prompt.prompt_step_kind(inputs["metadata"]) == kind
     reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
     cache = inputs["kv_cache"].clone()
     expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
     out = torch.full_like(inputs["q"], float("nan"))
-    triton_attention.paged_attention(
+    triton_prompt.paged_attention(
         inputs["q"], cache, inputs["metadata"], reference.scale, sliding_window, out=out
     )
     assert not out.isnan().any()
     assert (out - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_prompt_kernel_split_over_the_keys_matches_torch(
+    attention_case: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    num_splits: int,
+    sliding_window: int | None,
+) -> None:
+    """A step with few query blocks over a long KV (a prefix hit's new tokens, a decode row,
+    a short prompt) splits the keys across programs and merges them: every split count,
+    with and without a window; with `first_seq`, the rows before it are left alone."""
+    monkeypatch.setattr(triton_prompt, "splits_to_fill", lambda *_: num_splits)
+    inputs = attention_case([1, 5, 40, 3], [300, 700, 40, 260], seed=9)
+    reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
+    for first_seq in (0, 1):
+        out = torch.full_like(inputs["q"], float("nan"))
+        triton_prompt.paged_attention(
+            inputs["q"], cache, inputs["metadata"], reference.scale, sliding_window, out=out,
+            first_seq=first_seq,
+        )  # fmt: skip
+        assert out[:first_seq].isnan().all()
+        assert (out[first_seq:] - expected[first_seq:]).abs().max() < 1e-4
 
 
 def test_sliding_window(attention_case: Callable[..., dict[str, Any]]) -> None:
@@ -200,9 +224,7 @@ def test_soft_capped_scores_and_another_scale_match_torch(
         uncapped = TorchAttention(4, 2, 32, sliding_window=window, scale=0.3)
         plain = uncapped.forward(q, inputs["k"], inputs["v"], cache.clone(), inputs["metadata"])
         assert (plain - expected).abs().max() > 1e-2  # the cap changes the output
-        out = triton_attention.paged_attention(
-            q, cache, inputs["metadata"], 0.3, window, softcap=2.0
-        )
+        out = triton_prompt.paged_attention(q, cache, inputs["metadata"], 0.3, window, softcap=2.0)
         assert (out - expected).abs().max() < 1e-4
         decodes = attention_case([1] * 3, [10, 90, 400], seed=22)
         q = decodes["q"] * 4

@@ -1,0 +1,101 @@
+"""Where a prefix-cache hit's time goes, one request at a time (no queueing, no server).
+
+    bench/device_env.sh python3 bench/prefix_probe.py [--prefix-len 3000] [--new-len 32]
+
+Llama-3-8B shape, dummy weights. A shared prefix is primed once; then, alternately, requests
+of the prefix plus `--new-len` fresh tokens (hits) and of wholly fresh prompts of the same
+length (misses), one output token each: the wall time of each `generate` (its TTFT), the
+engine steps it took and their wall times, then a cProfile of a few hits (host time by
+function) and the GPU time of one hit's step (torch profiler), to tell host from device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.sampling_params import SamplingParams
+
+
+def timed_steps(engine: Any) -> list[float]:
+    """Wall time of every engine step from now on (appended as they run)."""
+    times: list[float] = []
+    real = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        out = real(*args, **kwargs)
+        times.append(time.perf_counter() - began)
+        return out
+
+    engine.step = step
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--prefix-len", type=int, default=3000)
+    parser.add_argument("--new-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        max_model_len=8192,
+        enforce_eager=args.enforce_eager,
+    )
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.model_config.vocab_size
+    total = args.prefix_len + args.new_len
+
+    def fresh(n: int) -> list[int]:
+        return torch.randint(10, vocab - 10, (n,), generator=gen).tolist()
+
+    prefix = fresh(args.prefix_len)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([prefix + fresh(args.new_len)], one)  # primes the prefix (and compiles)
+    llm.generate([fresh(total)], one)
+    steps = timed_steps(llm.engine)
+    results: dict[str, list[tuple[float, list[float]]]] = {"hit": [], "miss": []}
+    for _ in range(args.repeats):
+        for kind in ("hit", "miss"):
+            prompt = prefix + fresh(args.new_len) if kind == "hit" else fresh(total)
+            steps.clear()
+            began = time.perf_counter()
+            llm.generate([prompt], one)
+            results[kind].append((time.perf_counter() - began, list(steps)))
+    for kind, runs in results.items():
+        walls = [1e3 * w for w, _ in runs]
+        step_ms = [[round(1e3 * s, 2) for s in st] for _, st in runs[:3]]
+        print(
+            f"{kind}: TTFT median {statistics.median(walls):.2f} ms (min {min(walls):.2f}); "
+            f"steps of the first three: {step_ms}"
+        )
+    hit, miss = (statistics.median(w for w, _ in results[k]) for k in ("hit", "miss"))
+    print(f"miss / hit: {miss / hit:.2f}x")
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        llm.generate([prefix + fresh(args.new_len)], one)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(35)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate([prefix + fresh(args.new_len)], one)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    llm.engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The varlen paged attention kernel of prompt chunks (and of decode rows a step does not send to
+the decode kernel): each program takes BLOCK_M query tokens of one sequence and one query head,
+and walks that sequence's KV blocks through its block table with an online softmax; where a
+step has too few query blocks to fill the GPU over a long KV (a prefix-cache hit's few new
+tokens after thousands cached), the keys are split across programs and merged as the decode
+kernel's splits are. The torch backend (`torch_backend.py`) is its reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
+from kvfleet.engine.attention.triton_decode import (
+    decode_merge,
+    fp8_query,
+    load_kv_tile,
+    soft_cap,
+    splits_to_fill,
+)
+
+# (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
+# (no query longer than 16 tokens: decode rows, drafts), "chunks" (longer queries over less
+# than LONG_KV_TOKENS of KV: the 1,024-token prompts of the offline runs), "long". Measured
+# (bench/attention_steps.py --part prompt; bench/RESULTS.md "2026-11-27 (session 19)"): over a
+# bf16 cache 128 x 128 tiles (8 warps) are fastest from a 2k chunk after 6k cached to an 8k
+# prompt, 64 x 32 on ~1k prompts (by 10%: 128-row programs are too few to fill the GPU); over
+# an FP8 cache 128 x 128 in two stages everywhere (the upcast tiles take the third's room).
+PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
+    (False, "short"): (16, 64, 4, 3),
+    (True, "short"): (16, 64, 4, 3),
+    (False, "chunks"): (64, 32, 4, 3),
+    (True, "chunks"): (128, 128, 8, 2),
+    (False, "long"): (128, 128, 8, 3),
+    (True, "long"): (128, 128, 8, 2),
+}
+LONG_KV_TOKENS = 4096
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def prompt_step_kind(metadata: AttentionMetadata) -> str:
+    """The PROMPT_TILES kind of a step (above)."""
+    if metadata.max_seqlen_q <= 16:
+        return "short"
+    return "long" if metadata.max_seqlen_k >= LONG_KV_TOKENS else "chunks"
+
+
+def prompt_tile(dtype: torch.dtype, fp8: bool, kind: str) -> tuple[int, int, int, int]:
+    """PROMPT_TILES' tile for queries of `dtype` (float32 ones take "chunks" tiles for "long"
+    steps: 128 x 128 float32 tiles would need 320 KB of shared memory)."""
+    if kind == "long" and dtype == torch.float32:
+        kind = "chunks"
+    return PROMPT_TILES[fp8, kind]
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q . k^T [BLOCK_M, BLOCK_N]: raw (the softmax scales them by `_score_scale`), or
+    soft-capped after the scale, in log2 units, where the model caps them."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        s = soft_cap(s * scale, softcap) * LOG2E
+    return s
+
+
+@triton.jit
+def _score_scale(scale, SOFTCAP: tl.constexpr):
+    """What `_online_softmax` multiplies `_scores`' values by: to log2 units, scaled."""
+    return 1.0 if SOFTCAP else scale * LOG2E
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of scores (times qk_scale: log2 units) and its V into the running max, sum
+    and P . V. (qk_scale > 0, so the max of the raw scores scales to theirs; the scale and
+    the max's subtraction are one fused multiply-add.)"""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _key_range(first_pos, seq_len, sliding_window, split, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
+    """The keys of a query block whose first row sits at `first_pos`: (begin, end of the
+    tiles every row sees whole, so unmasked; end). Tiles from the unmasked end up to the
+    diagonal are masked (with a window, every tile). With NUM_SPLITS, this split's share."""
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    kv_begin = 0
+    unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    if sliding_window > 0:
+        kv_begin = (tl.maximum(0, first_pos - sliding_window + 1) // BLOCK_N) * BLOCK_N
+        unmasked_end = kv_begin
+    if NUM_SPLITS > 1:  # (in whole tiles)
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_begin += split * per_split
+        kv_end = tl.minimum(kv_end, kv_begin + per_split)
+        unmasked_end = tl.minimum(unmasked_end, (kv_end // BLOCK_N) * BLOCK_N)
+    return kv_begin, unmasked_end, kv_end
+
+
+# NOTE: the block table's width and the first sequence change step to step: one compiled
+# kernel for any.
+@triton.jit(do_not_specialize=["stride_bt", "first_seq"])
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim]: written directly when NUM_SPLITS == 1
+    acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32: unnormalized P.V
+    max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32: running max (natural log units)
+    sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32: sum of exp(score - max)
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32: KV length after this step
+    kv_scales_ptr,  # [2] float32 (an FP8 cache's K and V scales)
+    scale,
+    sliding_window,  # 0: none
+    softcap,  # read when SOFTCAP
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    first_seq,  # the sequences before it are another kernel's (decode rows)
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
+    FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
+    SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
+    NUM_SPLITS: tl.constexpr,  # programs sharing a query block's keys (merged after)
+):
+    # (the last query blocks, which attend to the most keys, start first)
+    split = tl.program_id(0) % NUM_SPLITS
+    m_block = tl.num_programs(0) // NUM_SPLITS - 1 - tl.program_id(0) // NUM_SPLITS
+    seq = first_seq + tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // QUERIES_PER_KV
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # Absolute positions of this program's queries; padding rows sit past the last one.
+    q_pos = seq_len - q_len + offs_m
+
+    if FP8:
+        q = fp8_query(q)
+        scale *= tl.load(kv_scales_ptr)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    kv_begin, unmasked_end, kv_end = _key_range(
+        seq_len - q_len + m_block * BLOCK_M, seq_len, sliding_window, split, BLOCK_M, BLOCK_N,
+        NUM_SPLITS,
+    )  # fmt: skip
+    table = block_tables_ptr + seq * stride_bt
+    qk_scale = _score_scale(scale, SOFTCAP)
+    for start_n in range(kv_begin, unmasked_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end, kv_head, offs_d,
+            d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
+        )  # fmt: skip
+        s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    for start_n in range(tl.maximum(kv_begin, unmasked_end), kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
+        )  # fmt: skip
+        s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if sliding_window > 0:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    if FP8:
+        acc *= tl.load(kv_scales_ptr + 1)
+    tokens = q_start + offs_m
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+    else:  # (an empty split stores max -inf and sum 0: the merge gives it no weight)
+        row = (tokens * tl.num_programs(2) + head) * NUM_SPLITS + split
+        tl.store(max_ptr + row, m_i * LN2, mask=m_mask)
+        tl.store(sum_ptr + row, l_i, mask=m_mask)
+        tl.store(
+            acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
+    first_seq: int = 0,
+) -> torch.Tensor:
+    """q [num_tokens, Hq, D] against each sequence's cached K/V -> [num_tokens, Hq, D] (an
+    FP8 cache's times `kv_scales`; scores soft-capped at `softcap`); from sequence
+    `first_seq` on (the rows of the ones before it are left as they are in `out`)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = metadata.seq_lens.shape[0] - first_seq
+    if num_seqs == 0:
+        return out
+    fp8 = kv_cache_is_fp8(kv_cache)
+    block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata))
+    m_blocks = triton.cdiv(metadata.max_seqlen_q, block_m)
+    num_splits = splits_to_fill(m_blocks * num_seqs * num_heads, metadata.max_seqlen_k, q.device)
+    partial = (q.shape[0], num_heads, num_splits)
+    acc = q.new_empty((*partial, head_dim) if num_splits > 1 else (1,), dtype=torch.float32)
+    maxes = q.new_empty(partial if num_splits > 1 else (1,), dtype=torch.float32)
+    sums = torch.empty_like(maxes)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[(m_blocks * num_splits, num_seqs, num_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        acc,
+        maxes,
+        sums,
+        metadata.block_tables,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens,
+        kv_scales if kv_scales is not None else metadata.seq_lens,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        metadata.block_tables.stride(0),
+        first_seq,
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=fp8,
+        SOFTCAP=softcap is not None,
+        NUM_SPLITS=num_splits,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    if num_splits > 1:  # (the decode rows before first_seq hold a token each)
+        decode_merge(acc[first_seq:], maxes[first_seq:], sums[first_seq:], out[first_seq:])
+    return out
