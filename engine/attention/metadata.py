@@ -29,17 +29,20 @@ class AttentionMetadata:
     num_decodes: int = 0
 
     @classmethod
-    def one_prompt(cls, slot_mapping: torch.Tensor, block_table: torch.Tensor) -> AttentionMetadata:
-        """One sequence whose whole prompt is this step: its tokens written at `slot_mapping`
-        [n] int64, read through `block_table` [max_blocks] int32 (warm-up, profiling, scoring
-        a text)."""
+    def one_prompt(
+        cls, slot_mapping: torch.Tensor, block_table: torch.Tensor, cached: int = 0
+    ) -> AttentionMetadata:
+        """One sequence whose prompt's last n tokens are this step, after `cached` ones: its
+        tokens written at `slot_mapping` [n] int64, read through `block_table` [max_blocks]
+        int32 (warm-up, profiling, scoring a text)."""
         n = int(slot_mapping.shape[0])
         device = slot_mapping.device
         # NOTE: separate tensors, not views of one: a pointer off 16-byte alignment is a
         # different Triton specialization, compiled again once serving starts.
         cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
-        return cls(slot_mapping, block_table[None], cu_seqlens_q, seq_lens, n, n, [n], [n])
+        seq_lens = torch.tensor([n + cached], dtype=torch.int32, device=device)
+        total = n + cached
+        return cls(slot_mapping, block_table[None], cu_seqlens_q, seq_lens, n, total, [n], [total])
 
 
 def leading_decodes(query_lens: list[int]) -> int:

@@ -8,6 +8,9 @@ kernel's splits are. The torch backend (`torch_backend.py`) is its reference.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +59,21 @@ def prompt_tile(dtype: torch.dtype, fp8: bool, kind: str) -> tuple[int, int, int
     return PROMPT_TILES[fp8, kind]
 
 
+# Split counts forced by `splits_forced` (innermost last).
+_forced_splits: list[int] = []
+
+
+@contextmanager
+def splits_forced(num_splits: int) -> Iterator[None]:
+    """Every prompt-kernel launch inside splits its keys `num_splits` ways (the warm-up:
+    a split launch and an unsplit one are two compiled variants of each tile)."""
+    _forced_splits.append(num_splits)
+    try:
+        yield
+    finally:
+        _forced_splits.pop()
+
+
 @triton.jit
 def _scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """q . k^T [BLOCK_M, BLOCK_N]: raw (the softmax scales them by `_score_scale`), or
@@ -88,19 +106,19 @@ def _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _key_range(first_pos, seq_len, sliding_window, split, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
+def _key_range(first_pos, seq_len, sliding_window, split, num_splits, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """The keys of a query block whose first row sits at `first_pos`: (begin, end of the
     tiles every row sees whole, so unmasked; end). Tiles from the unmasked end up to the
-    diagonal are masked (with a window, every tile). With NUM_SPLITS, this split's share."""
+    diagonal are masked (with a window, every tile). With SPLIT, this split's share."""
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     kv_begin = 0
     unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     if sliding_window > 0:
         kv_begin = (tl.maximum(0, first_pos - sliding_window + 1) // BLOCK_N) * BLOCK_N
         unmasked_end = kv_begin
-    if NUM_SPLITS > 1:  # (in whole tiles)
-        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:  # (in whole tiles)
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
         kv_begin += split * per_split
         kv_end = tl.minimum(kv_end, kv_begin + per_split)
         unmasked_end = tl.minimum(unmasked_end, (kv_end // BLOCK_N) * BLOCK_N)
@@ -109,7 +127,7 @@ def _key_range(first_pos, seq_len, sliding_window, split, BLOCK_M: tl.constexpr,
 
 # NOTE: the block table's width and the first sequence change step to step: one compiled
 # kernel for any.
-@triton.jit(do_not_specialize=["stride_bt", "first_seq"])
+@triton.jit(do_not_specialize=["stride_bt", "first_seq", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -134,6 +152,7 @@ def _paged_attention_kernel(
     stride_oh,
     stride_bt,
     first_seq,  # the sequences before it are another kernel's (decode rows)
+    num_splits,  # programs sharing a query block's keys (merged after; 1 without SPLIT)
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -143,11 +162,11 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
     FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
     SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
-    NUM_SPLITS: tl.constexpr,  # programs sharing a query block's keys (merged after)
+    SPLIT: tl.constexpr,  # num_splits > 1: partial results out, for the merge
 ):
     # (the last query blocks, which attend to the most keys, start first)
-    split = tl.program_id(0) % NUM_SPLITS
-    m_block = tl.num_programs(0) // NUM_SPLITS - 1 - tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % num_splits
+    m_block = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
     seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -177,8 +196,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     kv_begin, unmasked_end, kv_end = _key_range(
-        seq_len - q_len + m_block * BLOCK_M, seq_len, sliding_window, split, BLOCK_M, BLOCK_N,
-        NUM_SPLITS,
+        seq_len - q_len + m_block * BLOCK_M, seq_len, sliding_window, split, num_splits,
+        BLOCK_M, BLOCK_N, SPLIT,
     )  # fmt: skip
     table = block_tables_ptr + seq * stride_bt
     qk_scale = _score_scale(scale, SOFTCAP)
@@ -207,7 +226,7 @@ def _paged_attention_kernel(
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
     tokens = q_start + offs_m
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -215,7 +234,7 @@ def _paged_attention_kernel(
             mask=m_mask[:, None] & d_mask[None, :],
         )
     else:  # (an empty split stores max -inf and sum 0: the merge gives it no weight)
-        row = (tokens * tl.num_programs(2) + head) * NUM_SPLITS + split
+        row = (tokens * tl.num_programs(2) + head) * num_splits + split
         tl.store(max_ptr + row, m_i * LN2, mask=m_mask)
         tl.store(sum_ptr + row, l_i, mask=m_mask)
         tl.store(
@@ -248,7 +267,11 @@ def paged_attention(
     fp8 = kv_cache_is_fp8(kv_cache)
     block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata))
     m_blocks = triton.cdiv(metadata.max_seqlen_q, block_m)
-    num_splits = splits_to_fill(m_blocks * num_seqs * num_heads, metadata.max_seqlen_k, q.device)
+    num_splits = (
+        _forced_splits[-1]
+        if _forced_splits
+        else splits_to_fill(m_blocks * num_seqs * num_heads, metadata.max_seqlen_k, q.device)
+    )
     partial = (q.shape[0], num_heads, num_splits)
     acc = q.new_empty((*partial, head_dim) if num_splits > 1 else (1,), dtype=torch.float32)
     maxes = q.new_empty(partial if num_splits > 1 else (1,), dtype=torch.float32)
@@ -278,6 +301,7 @@ def paged_attention(
         out.stride(1),
         metadata.block_tables.stride(0),
         first_seq,
+        num_splits,
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
@@ -287,7 +311,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
         SOFTCAP=softcap is not None,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         num_warps=warps,
         num_stages=stages,
     )

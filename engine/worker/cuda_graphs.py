@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.triton_prompt import LONG_KV_TOKENS, splits_forced
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.lora.layers import LoRAContext
 from kvfleet.engine.lora.ops import LoRABatch
@@ -81,31 +82,36 @@ class DecodeGraphs:
                         self.graphs[bucket, q, with_lora] = self._capture(bucket, q, with_lora)
         self.warm_up_prefill_kernels()
 
-    # Query lengths whose attention kernels compile apart (a 16-row query tile up to 16 tokens a
-    # sequence, a 64-row one beyond): `warm_up_prefill_kernels` runs one step of each.
-    WARM_QUERY_LENS = (2, 17)
+    # Steps whose prompt-kernel launches compile apart: (query tokens, tokens cached before)
+    # for each kind of triton_prompt's tiles: "short" (16 query tokens or fewer), "chunks",
+    # "long" (LONG_KV_TOKENS of KV) — each run with its keys whole and split in two.
+    WARM_STEPS = ((2, 0), (17, 0), (17, LONG_KV_TOKENS - 17))
 
     @torch.inference_mode()
     def warm_up_prefill_kernels(self) -> None:
-        """One eager step of each of WARM_QUERY_LENS tokens (one sequence, its K/V written into
-        the null block, its outputs dropped), at startup: Triton compiles a kernel variant the
-        first time a step needs it, and a step of each kind would otherwise stall its batch for
-        the compile (0.2-0.6 s on an H100) mid-serving; a prefix-cache hit that leaves a few
-        prompt tokens to compute is the first short multi-token query a plain engine meets."""
+        """One eager step of each of WARM_STEPS (one sequence, its K/V written into and read
+        from the null block, its outputs dropped), at startup: Triton compiles a kernel variant
+        the first time a step needs it, and a step of each kind would otherwise stall its
+        batch for the compile (0.2-1.2 s on an H100) mid-serving; a prefix-cache hit that
+        leaves a few prompt tokens to compute over a long prefix is the first short
+        multi-token query a plain engine meets, and the first split one."""
         device = self.input_ids.device
         block_size = self.kv_caches[0].shape[2]
         width = self.block_tables.shape[1]
-        for q in self.WARM_QUERY_LENS:
-            if q > width * block_size:
+        for q, cached in self.WARM_STEPS:
+            if q + cached > width * block_size:
                 continue
             null = NULL_BLOCK_ID
             metadata = AttentionMetadata.one_prompt(
                 torch.full((q,), null, dtype=torch.int64, device=device),
                 torch.full((width,), null, dtype=torch.int32, device=device),
+                cached,
             )
             input_ids = torch.zeros(q, dtype=torch.int64, device=device)
-            positions = torch.arange(q, dtype=torch.int64, device=device)
-            self.model(input_ids, positions, self.kv_caches, metadata)
+            positions = torch.arange(cached, cached + q, dtype=torch.int64, device=device)
+            for num_splits in (1, 2):
+                with splits_forced(num_splits):
+                    self.model(input_ids, positions, self.kv_caches, metadata)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         num_seqs = len(metadata.query_lens_cpu)

@@ -113,9 +113,11 @@ def test_llama3_8b_shape_dummy_bf16() -> None:
 
 def test_no_kernel_compiles_mid_serving() -> None:
     """After a first greedy and a first sampled request, steps of other shapes (odd and even
-    token counts, batch sizes, a prefix-cache hit leaving 5 prompt tokens to compute) meet no
-    new Triton kernel variant: none stalls its batch for a compile (0.2-0.6 s each, seen on the
-    H100 when the packed step inputs' alignment followed the token count)."""
+    token counts, batch sizes, a prefix-cache hit leaving 5 prompt tokens to compute, one
+    leaving 40 after 4k cached, whose keys the prompt kernel splits, a 4.2k-token prompt of
+    its "long" tiles) meet no new Triton kernel variant: none stalls its batch for a compile
+    (0.2-1.2 s each, seen on the H100 when the packed step inputs' alignment followed the
+    token count, and at the first split prefix hit before the warm-up took one)."""
     from triton import knobs
 
     llm = LLM(
@@ -123,8 +125,8 @@ def test_no_kernel_compiles_mid_serving() -> None:
         load_format="dummy",
         device="cuda",
         dtype="bfloat16",
-        max_model_len=1024,
-        num_blocks=512,
+        max_model_len=8192,
+        num_blocks=2048,
         max_num_seqs=8,
     )
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -140,6 +142,9 @@ def test_no_kernel_compiles_mid_serving() -> None:
     knobs.runtime.jit_cache_hook = hook
     try:
         llm.generate([*first[:96], 7, 8, 9, 10, 11], greedy)  # (96 cached, 5 computed)
+        long = list(range(5000, 9200))
+        llm.generate(long, greedy)
+        llm.generate([*long[:4096], *range(40)], greedy)  # (4,096 cached, 40 computed)
         for count, length in ((3, 37), (5, 50), (2, 51), (7, 18)):
             prompts = [list(range(3000 + 100 * i, 3000 + 100 * i + length)) for i in range(count)]
             llm.generate(prompts, [greedy, sampled] * (count // 2) + [greedy] * (count % 2))
