@@ -5,8 +5,9 @@ rules it does not check (e.g. a function whose returns differ in type): the FP8 
 float32 model failed to compile on the device only. Triton compiles for a target without a GPU
 (its ptxas ships in the wheel), so each variant is compiled here, in a subprocess free of
 TRITON_INTERPRET, with the signature its launch passes: the decode kernel in six query/cache
-variants, and the prompt kernel in those times each kind of step with its shipped tile, whose
-shared memory must fit the H100's 227 KB a program (the interpreter has no such limit).
+variants, and the prompt kernel in those times each kind of step with its shipped tile, its keys
+whole and split, whose shared memory must fit the H100's 227 KB a program (the interpreter has
+no such limit).
 """
 
 from __future__ import annotations
@@ -57,8 +58,15 @@ def decode(q_type, cache_type):
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
 
 
-def prompt(q_type, cache_type, kind):
+COMPILED = set()
+
+
+def prompt(q_type, cache_type, kind, split):
     fp8 = cache_type == "*fp8e4nv"
+    tile = triton_prompt.prompt_tile(DTYPES[q_type], fp8, kind)
+    if (q_type, cache_type, tile, split) in COMPILED:  # (float32: "long" takes "chunks" tiles)
+        return
+    COMPILED.add((q_type, cache_type, tile, split))
     types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32",
              "cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "kv_scales_ptr": "*fp32",
@@ -68,7 +76,7 @@ def prompt(q_type, cache_type, kind):
     constants = dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
-                     NUM_SPLITS=2)  # (split: the partial results' stores compile too)
+                     SPLIT=split)
     compile_for_sm90(triton_prompt._paged_attention_kernel, types, constants, warps, stages)
 
 
@@ -76,8 +84,9 @@ failed = {}
 for variant in sys.argv[1:]:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
-        (f"prompt {kind}", lambda kind=kind: prompt(q_type, cache_type, kind))
-        for kind in ("short", "chunks", "long")
+        (f"prompt {kind}{' split' if split else ''}",
+         lambda kind=kind, split=split: prompt(q_type, cache_type, kind, split))
+        for kind in ("short", "chunks", "long") for split in (False, True)
     ]:
         try:
             build()
