@@ -47,6 +47,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
+    for name in ("prefix_len", "new_len", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefix_len + args.new_len > 8192:
+        parser.error("--prefix-len + --new-len must fit the 8,192-token context")
     llm = LLM(
         args.model,
         load_format="dummy",

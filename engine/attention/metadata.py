@@ -40,8 +40,8 @@ class AttentionMetadata:
         # NOTE: separate tensors, not views of one: a pointer off 16-byte alignment is a
         # different Triton specialization, compiled again once serving starts.
         cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([n + cached], dtype=torch.int32, device=device)
         total = n + cached
+        seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
         return cls(slot_mapping, block_table[None], cu_seqlens_q, seq_lens, n, total, [n], [total])
 
 

@@ -266,7 +266,7 @@ def num_splits_for(
     return splits_to_fill(num_seqs * num_kv_heads, max_seqlen_k, device)
 
 
-def decode_merge(
+def merge_splits(
     acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor, out: torch.Tensor
 ) -> None:
     """out [rows, heads, D] from the splits' partial results: acc [rows, heads, splits, D]
@@ -362,5 +362,5 @@ def decode_attention(
         **limits,
     )
     if num_splits > 1:
-        decode_merge(acc, maxes, sums, out)
+        merge_splits(acc, maxes, sums, out)
     return out

@@ -17,9 +17,9 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import (
-    decode_merge,
     fp8_query,
     load_kv_tile,
+    merge_splits,
     soft_cap,
     splits_to_fill,
 )
@@ -272,10 +272,13 @@ def paged_attention(
         if _forced_splits
         else splits_to_fill(m_blocks * num_seqs * num_heads, metadata.max_seqlen_k, q.device)
     )
-    partial = (q.shape[0], num_heads, num_splits)
-    acc = q.new_empty((*partial, head_dim) if num_splits > 1 else (1,), dtype=torch.float32)
-    maxes = q.new_empty(partial if num_splits > 1 else (1,), dtype=torch.float32)
-    sums = torch.empty_like(maxes)
+    # Partial results of split keys (whole: never touched, any tensor stands in for them)
+    acc = maxes = sums = metadata.seq_lens
+    if num_splits > 1:
+        partial = (q.shape[0], num_heads, num_splits)
+        acc = q.new_empty((*partial, head_dim), dtype=torch.float32)
+        maxes = q.new_empty(partial, dtype=torch.float32)
+        sums = torch.empty_like(maxes)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
@@ -316,5 +319,5 @@ def paged_attention(
         num_stages=stages,
     )
     if num_splits > 1:  # (the decode rows before first_seq hold a token each)
-        decode_merge(acc[first_seq:], maxes[first_seq:], sums[first_seq:], out[first_seq:])
+        merge_splits(acc[first_seq:], maxes[first_seq:], sums[first_seq:], out[first_seq:])
     return out

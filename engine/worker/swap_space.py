@@ -31,8 +31,8 @@ class SwapSpace:
         """`num_blocks` host blocks, each holding one block of every layer of `kv_caches`
         (pinned for a CUDA cache)."""
         self.num_blocks = num_blocks
-        self.layer_bytes = [c[:, :1].numel() * c.element_size() for c in kv_caches]
-        self.block_bytes = self.bytes_per_block(kv_caches)
+        self.layer_bytes = _layer_bytes(kv_caches)
+        self.block_bytes = sum(self.layer_bytes)
         self.host = torch.empty(
             (num_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=kv_caches[0].is_cuda
         )
@@ -41,7 +41,7 @@ class SwapSpace:
     @staticmethod
     def bytes_per_block(kv_caches: list[torch.Tensor]) -> int:
         """One block's bytes over every layer (K and V)."""
-        return sum(c[:, :1].numel() * c.element_size() for c in kv_caches)
+        return sum(_layer_bytes(kv_caches))
 
     @torch.inference_mode()
     def copy(self, kv_caches: list[torch.Tensor], swaps: Swaps) -> None:
@@ -50,6 +50,8 @@ class SwapSpace:
         a preempted one has just left. (Host blocks a resume frees are taken again only by a
         later step's swaps, queued after these.)"""
         out, into = swaps
+        if not out and not into:  # (most steps)
+            return
         layers = [c.view(torch.uint8).view(2, c.shape[1], -1) for c in kv_caches]  # (any dtype)
         pairs_out = sorted((host, device) for device, host in out)  # (runs of host ids)
         for begin in range(0, len(pairs_out), self.chunk_blocks):
@@ -84,6 +86,11 @@ class SwapSpace:
             parts.append(staging[:, offset : offset + size].view(len(staging), 2, size // 2))
             offset += size
         return parts
+
+
+def _layer_bytes(kv_caches: list[torch.Tensor]) -> list[int]:
+    """Each layer's bytes of one block (K and V)."""
+    return [c[:, :1].numel() * c.element_size() for c in kv_caches]
 
 
 def _runs(host_ids: list[int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:

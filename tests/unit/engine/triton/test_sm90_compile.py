@@ -70,8 +70,10 @@ def prompt(q_type, cache_type, kind, split):
     types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32",
              "cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "kv_scales_ptr": "*fp32",
-             "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
              "scale": "fp32", "softcap": "fp32"}
+    # (partial results: float32 when split, else the launch's int32 stand-in)
+    partial = "*fp32" if split else "*i32"
+    types |= {"acc_ptr": partial, "max_ptr": partial, "sum_ptr": partial}
     block_m, block_n, warps, stages = triton_prompt.prompt_tile(DTYPES[q_type], fp8, kind)
     constants = dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8,
