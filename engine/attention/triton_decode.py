@@ -20,6 +20,11 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
+from kvfleet.engine.layers.dependent_launch import (
+    dependent_launch,
+    let_next_start,
+    wait_for_previous,
+)
 
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
@@ -125,10 +130,13 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     kv_begin = 0
     if sliding_window > 0:
@@ -219,9 +227,12 @@ def _decode_merge_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
@@ -272,6 +283,7 @@ def merge_splits(
     """out [rows, heads, D] from the splits' partial results: acc [rows, heads, splits, D]
     (unnormalized P.V), maxes and sums [rows, heads, splits] (natural-log units)."""
     rows, num_heads, num_splits, head_dim = acc.shape
+    pdl = dependent_launch(out.device)
     _decode_merge_kernel[(rows, num_heads)](
         acc,
         maxes,
@@ -284,6 +296,8 @@ def merge_splits(
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
 
 
@@ -323,6 +337,7 @@ def decode_attention(
     fp8 = kv_cache_is_fp8(kv_cache)
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
     limits = {} if max_registers is None else {"maxnreg": max_registers}
+    pdl = dependent_launch(q.device)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -357,8 +372,10 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
         SOFTCAP=softcap is not None,
+        PDL=pdl,
         num_warps=warps,
         num_stages=stages,
+        launch_pdl=pdl,
         **limits,
     )
     if num_splits > 1:

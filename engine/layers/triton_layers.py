@@ -13,6 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.layers.dependent_launch import (
+    dependent_launch,
+    let_next_start,
+    wait_for_previous,
+)
+
 # Warps of the norm kernels: the fused all-reduce + norm (engine/parallel/triton_peer.py) uses
 # the same, so both reduce a row's squares in the same order (the same bits).
 NORM_WARPS = 8
@@ -68,17 +74,20 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    let_next_start(PDL)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(
             x_ptr.dtype.element_ty
         )
     tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     normed = rms_normalize(x, weight, hidden, eps, OFFSET)
     tl.store(out_ptr + row * stride_o + cols, normed, mask=mask)
 
@@ -98,6 +107,7 @@ def add_rms_norm(
     if num_tokens == 0:
         return out, residual_out
     source = residual if residual is not None else x
+    pdl = dependent_launch(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
         x,
         source,
@@ -113,7 +123,9 @@ def add_rms_norm(
         HAS_RESIDUAL=residual is not None,
         OFFSET=offset,
         BLOCK=triton.next_power_of_2(hidden),
+        PDL=pdl,
         num_warps=NORM_WARPS,
+        launch_pdl=pdl,
     )
     return out, residual_out
 
@@ -256,8 +268,11 @@ def _rotary_write_kv_kernel(
     BLOCK_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     token = tl.program_id(0)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     position = tl.load(positions_ptr + token)
     d = tl.arange(0, HALF)[None, :]
     dtype = q_ptr.dtype.element_ty
@@ -311,6 +326,7 @@ def rotary_and_write_kv(
         return
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "the head dimension must be contiguous"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = dependent_launch(q.device)
     _rotary_write_kv_kernel[(num_tokens,)](
         q,
         k,
@@ -338,6 +354,8 @@ def rotary_and_write_kv(
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
 
 
@@ -350,10 +368,13 @@ def _act_and_mul_kernel(
     inner,
     GELU_TANH: tl.constexpr,  # GELU (tanh approximation) instead of SiLU: Gemma's GeGLU
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=mask, other=0.0)
@@ -375,6 +396,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
         return out
     assert gate_up.stride(1) == 1, "the feature dimension must be contiguous"
     block = min(1024, triton.next_power_of_2(inner))
+    pdl = dependent_launch(gate_up.device)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
         gate_up,
         out,
@@ -383,5 +405,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
         inner,
         GELU_TANH=activation == "gelu_tanh",
         BLOCK=block,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

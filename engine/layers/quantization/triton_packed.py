@@ -28,6 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.layers.dependent_launch import (
+    dependent_launch,
+    let_next_start,
+    wait_for_previous,
+)
 from kvfleet.engine.layers.quantization.packed import PackedWeights
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
@@ -48,10 +53,53 @@ def _placed(word, mask):
 
 
 @triton.jit
+def _words(qweight_ptr, ks, cols, col_ok, N, K, BITS: tl.constexpr):
+    """The words [rows, BLOCK_N] holding inputs ks (each row's first) of columns `cols`."""
+    return tl.load(
+        qweight_ptr + (ks // (32 // BITS))[:, None] * N + cols[None, :],
+        mask=(ks < K)[:, None] & col_ok[None, :],
+        other=0,
+    )
+
+
+@triton.jit
 def _x(x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr):
     if HAS_PERM:
         ks = tl.load(perm_ptr + ks, mask=ok, other=0)
     return tl.load(x_ptr + ks, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, BITS: tl.constexpr):
+    """(sum over each word's values q_j of x[ks + j] q_j [rows, BLOCK_N], sum_j x[ks + j]
+    [rows]) for words `packed` [rows, BLOCK_N] whose row r holds inputs ks[r] onwards."""
+    x0 = _x(x_ptr, perm_ptr, ks, ok, HAS_PERM)
+    x1 = _x(x_ptr, perm_ptr, ks + 1, ok, HAS_PERM)
+    x2 = _x(x_ptr, perm_ptr, ks + 2, ok, HAS_PERM)
+    x3 = _x(x_ptr, perm_ptr, ks + 3, ok, HAS_PERM)
+    if BITS == 4:
+        high = packed >> 20
+        x4 = _x(x_ptr, perm_ptr, ks + 4, ok, HAS_PERM)
+        x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
+        x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
+        x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
+        xq = x0[:, None] * _placed(packed, 0xF)
+        xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0)
+        xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00)
+        xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000)
+        xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000)
+        xq += x5[:, None] * _placed(high, 0xF)
+        xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0)
+        xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00)
+        x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+    else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
+        high = packed >> 16
+        xq = x0[:, None] * _placed(packed, 0xFF)
+        xq += (x1 * 0.00390625)[:, None] * _placed(packed, 0xFF00)
+        xq += x2[:, None] * _placed(high, 0xFF)
+        xq += (x3 * 0.00390625)[:, None] * _placed(high, 0xFF00)
+        x_sum = x0 + x1 + x2 + x3
+    return xq, x_sum
 
 
 @triton.jit
@@ -82,55 +130,33 @@ def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
     out_ptr, N, K, group_size,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [K] . W (+ bias), W of BITS (4 or 8) bit values, 32 / BITS to a word.
-    BLOCK_K divides the group size (a step is in one group)."""
+    BLOCK_K divides the group size (a step is in one group). Launched dependent (PDL), it loads
+    its first step's words while the kernel before it finishes, then waits for x (and for the
+    workspace, which the kernel before may still be reading)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     firsts = tl.arange(0, BLOCK_K * BITS // 32) * (32 // BITS)  # each word row's first input
     acc = tl.zeros((BLOCK_K * BITS // 32, BLOCK_N), dtype=tl.float32)
+    let_next_start(PDL)
+    first = _words(qweight_ptr, pid_k * STEPS * BLOCK_K + firsts, cols, col_ok, N, K, BITS)
+    wait_for_previous(PDL)
     for step in tl.static_range(STEPS):
         k0 = (pid_k * STEPS + step) * BLOCK_K
         ok = k0 + firsts < K
-        packed = tl.load(
-            qweight_ptr + ((k0 + firsts) // (32 // BITS))[:, None] * N + cols[None, :],
-            mask=ok[:, None] & col_ok[None, :],
-            other=0,
-        )
+        if step == 0:  # noqa: SIM108  (a compile-time choice: no load at step 0)
+            packed = first
+        else:
+            packed = _words(qweight_ptr, k0 + firsts, cols, col_ok, N, K, BITS)
         # (a step past K, in the last program, has its words and inputs masked to 0)
         group = tl.minimum(k0 // group_size, K // group_size - 1)
         scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        ks = k0 + firsts
-        x0 = _x(x_ptr, perm_ptr, ks, ok, HAS_PERM)
-        x1 = _x(x_ptr, perm_ptr, ks + 1, ok, HAS_PERM)
-        x2 = _x(x_ptr, perm_ptr, ks + 2, ok, HAS_PERM)
-        x3 = _x(x_ptr, perm_ptr, ks + 3, ok, HAS_PERM)
-        if BITS == 4:
-            high = packed >> 20
-            x4 = _x(x_ptr, perm_ptr, ks + 4, ok, HAS_PERM)
-            x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
-            x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
-            x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
-            xq = x0[:, None] * _placed(packed, 0xF)
-            xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0)
-            xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00)
-            xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000)
-            xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000)
-            xq += x5[:, None] * _placed(high, 0xF)
-            xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0)
-            xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00)
-            x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
-        else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
-            high = packed >> 16
-            xq = x0[:, None] * _placed(packed, 0xFF)
-            xq += (x1 * 0.00390625)[:, None] * _placed(packed, 0xFF00)
-            xq += x2[:, None] * _placed(high, 0xFF)
-            xq += (x3 * 0.00390625)[:, None] * _placed(high, 0xFF00)
-            x_sum = x0 + x1 + x2 + x3
+        xq, x_sum = _unpacked_products(packed, x_ptr, perm_ptr, k0 + firsts, ok, HAS_PERM, BITS)
         acc += xq * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -293,13 +319,15 @@ def packed_gemv(
     block_n, block_k, steps, split, warps = gemv_plan(k, weights.group_size, tiles)
     space = shared_workspace(x.device, split * n, triton.cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = dependent_launch(x.device)
     _packed_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
         out, n, k, weights.group_size, BITS=weights.bits,
         HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -33,6 +33,7 @@ SHARED_LIMIT = 227 * 1024
 
 
 def compile_for_sm90(kernel, types, constants, warps, stages):
+    # (returns the kernel's PTX)
     signature = {name: "constexpr" if name in constants else types.get(name, "i32")
                  for name in kernel.arg_names}
     source = ASTSource(
@@ -43,6 +44,7 @@ def compile_for_sm90(kernel, types, constants, warps, stages):
                               options={"num_warps": warps, "num_stages": stages})
     assert compiled.asm["cubin"]
     assert compiled.metadata.shared <= SHARED_LIMIT, f"{compiled.metadata.shared} B shared"
+    return compiled.asm["ptx"]
 
 
 def decode(q_type, cache_type):
@@ -54,7 +56,8 @@ def decode(q_type, cache_type):
     block_n, warps, stages, _ = triton_decode.DECODE_TILES[fp8]
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
                      HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8,
-                     DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False)
+                     DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
+                     PDL=True)
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
 
 
@@ -82,8 +85,54 @@ def prompt(q_type, cache_type, kind, split):
     compile_for_sm90(triton_prompt._paged_attention_kernel, types, constants, warps, stages)
 
 
+def dependent_launch():
+    # Each kernel launched dependent (PDL=True) waits (griddepcontrol.wait) and lets its
+    # successor start; the GEMVs load weights before the wait, the others nothing.
+    from kvfleet.engine.layers import triton_layers
+    from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
+    cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
+    kernels = {
+        "norm": (triton_layers._add_rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
+                 "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
+                 "eps": "fp32"}, dict(HAS_RESIDUAL=True, OFFSET=False, BLOCK=4096), 1),
+        "rotary": (triton_layers._rotary_write_kv_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16",
+                   "v_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                   "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
+                   "kv_scales_ptr": "*fp32"} | cache,
+                   dict(HALF=64, BLOCK_H=32, BLOCK_KV=8, BLOCK_SIZE=16, FP8=False), 0),
+        "act": (triton_layers._act_and_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"},
+                dict(GELU_TANH=False, BLOCK=1024), 0),
+        "merge": (triton_decode._decode_merge_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32",
+                  "sum_ptr": "*fp32", "out_ptr": "*bf16"},
+                  dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, BLOCK_D=128), 0),
+        "fp8 gemv": (triton_fp8._fp8_gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv",
+                     "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
+                     "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
+                     dict(STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512), 1),
+        "packed gemv": (triton_packed._packed_gemv_kernel, {"x_ptr": "*bf16", "perm_ptr": "*i32",
+                        "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
+                        "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",
+                        "out_ptr": "*bf16"}, dict(BITS=4, HAS_PERM=False, HAS_BIAS=False,
+                        SPLIT=16, BLOCK_N=64, BLOCK_K=128, STEPS=2), 1),
+    }
+    for name, (kernel, types, constants, loads_first) in kernels.items():
+        ptx = compile_for_sm90(kernel, types, constants | {"PDL": True}, 4, 3)
+        before, wait, _ = ptx.partition("griddepcontrol.wait")
+        assert wait, f"{name}: no griddepcontrol.wait"
+        assert "griddepcontrol.launch_dependents" in before, f"{name}: successor not let start"
+        assert ("ld.global" in before) == bool(loads_first), f"{name}: loads before the wait"
+        assert "st.global" not in before, f"{name}: stores before the wait"
+        plain = compile_for_sm90(kernel, types, constants | {"PDL": False}, 4, 3)
+        assert "griddepcontrol" not in plain, f"{name}: PDL=False still waits"
+
+
 failed = {}
-for variant in sys.argv[1:]:
+if sys.argv[1:] == ["dependent-launch"]:
+    try:
+        dependent_launch()
+    except Exception as exc:
+        failed["dependent launch"] = f"{type(exc).__name__}: {exc}"[-1500:]
+for variant in sys.argv[1:] if sys.argv[1:] != ["dependent-launch"] else []:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
         (f"prompt {kind}{' split' if split else ''}",
@@ -120,3 +169,19 @@ def test_attention_kernels_compile_for_sm90_in_every_variant() -> None:
         assert run.returncode == 0, err[-3000:]
         failed |= json.loads(out.strip().splitlines()[-1])
     assert failed == {}
+
+
+def test_dependent_launch_kernels_wait_before_reading_what_came_before() -> None:
+    """engine/layers/dependent_launch.py's rule, on the compiled code: before its
+    griddepcontrol.wait a kernel stores nothing and loads only its weights (the GEMVs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, "dependent-launch"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {}

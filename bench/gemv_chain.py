@@ -1,0 +1,83 @@
+"""A batch-1 layer's chain of the engine's kernels at Llama-3-8B's shapes (residual add + norm,
+the qkv and o GEMVs, add + norm, gate_up, SiLU x mul, down; FP8 or 4-bit weights), launched
+normally and launched dependent (engine/layers/dependent_launch.py), each in a CUDA graph over
+16 layers of distinct weights (so they come from HBM): us per layer beside the weights' bytes
+floor at the copy bandwidth measured in the same run.
+
+    bench/device_env.sh python3 bench/gemv_chain.py
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.fp8_linear import graphed
+from kvfleet.engine.layers import dependent_launch as pdl
+from kvfleet.engine.layers.quantization.fp8 import quantize_rows
+from kvfleet.engine.layers.quantization.packed import quantize_rtn
+from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+from kvfleet.engine.layers.quantization.triton_packed import packed_gemv
+from kvfleet.engine.layers.triton_layers import act_and_mul, add_rms_norm
+
+HIDDEN, INNER, LAYERS = 4096, 14336, 16
+SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN),
+          "down": (HIDDEN, INNER)}  # fmt: skip
+
+
+def chain(
+    layers: list[dict[str, Any]], linear: Callable[..., Any], x: torch.Tensor, norm: torch.Tensor
+) -> torch.Tensor:
+    hidden, residual = x, None
+    for w in layers:
+        y, residual = add_rms_norm(hidden, residual, norm, 1e-5)
+        o = linear(linear(y, w["qkv"])[:, :HIDDEN].contiguous(), w["o"])
+        y, residual = add_rms_norm(o, residual, norm, 1e-5)
+        hidden = linear(act_and_mul(linear(y, w["gate_up"])), w["down"])
+    return hidden
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    copy = measure_ceilings(device, torch.bfloat16).copy_gbps * 1e9
+    x = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
+    norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
+    kinds = {
+        "fp8": (quantize_rows, lambda x, w: fp8_gemv(x, *w), lambda n, k: n * k),
+        "int4": (
+            lambda w: quantize_rtn(w, 128, torch.bfloat16),
+            packed_gemv,
+            lambda n, k: n * k // 2 + 2 * 2 * n * (k // 128),
+        ),
+    }
+    print(f"copy {copy / 1e9:.0f} GB/s; us per layer (median graph replay / {LAYERS})")
+    for kind, (quantize, linear, nbytes) in kinds.items():
+        layers = [
+            {
+                name: quantize(torch.randn(n, k, device=device) * 0.02)
+                for name, (n, k) in SHAPES.items()
+            }
+            for _ in range(LAYERS)
+        ]
+
+        def step(
+            layers: list[dict[str, Any]] = layers, linear: Callable[..., Any] = linear
+        ) -> torch.Tensor:
+            return chain(layers, linear, x, norm)
+
+        floor = sum(nbytes(n, k) for n, k in SHAPES.values()) / copy * 1e6
+        line = f"{kind:5s} floor {floor:6.1f}"
+        for on in ("0", "1"):
+            os.environ[pdl.ENV_SWITCH] = on
+            graph = graphed(step)
+            us = median_seconds(graph.replay, device, repeats=20) / LAYERS * 1e6
+            line += f" | dependent={on}: {us:6.1f} ({floor / us:5.1%} of floor)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode path's Triton kernels.
+
+A batch-1 decode step is ~300 short kernels, each waiting for the one before it to finish
+before it even launches; every start then pays the launch and its first loads' DRAM latency
+again. Launched dependent, a kernel's programs start while its predecessor's last ones still
+run: they fetch what no earlier kernel writes (a GEMV's first weight tile), then wait
+(`griddepcontrol.wait`) until the predecessor has finished and its writes are visible. Every
+such kernel also lets its own successor start (`griddepcontrol.launch_dependents`) as soon as
+it runs. Inside a CUDA graph the dependencies are captured as programmatic edges (CUDA 12.3+).
+
+NOTE: a kernel launched with `launch_pdl=True` must, before `wait_for_previous`, read only
+data no kernel of the step writes (weights, scales, constant tables) and store nothing; it
+must call `wait_for_previous` on every path. Kernels launched normally need nothing: a
+normal launch waits for its predecessor to complete, as always.
+
+`KVFLEET_DEPENDENT_LAUNCH=0` launches every kernel normally (for A/B timing).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_SWITCH = "KVFLEET_DEPENDENT_LAUNCH"
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch dependent: a CUDA device of compute capability 9.0
+    or later, unless the environment turns it off."""
+    if device.type != "cuda" or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """Let the next kernel of the stream launch now (its programs wait before they read)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Wait until the previous kernel of the stream has finished and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
