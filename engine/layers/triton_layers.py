@@ -142,13 +142,16 @@ def _rms_norm_heads_kernel(
     eps,
     OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < head_dim
-    x = tl.load(x_ptr + token * stride_t + head * stride_h + cols, mask=mask, other=0.0)
+    let_next_start(PDL)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    wait_for_previous(PDL)
+    x = tl.load(x_ptr + token * stride_t + head * stride_h + cols, mask=mask, other=0.0)
     row = token * num_heads + head
     normed = rms_normalize(x, weight, head_dim, eps, OFFSET)
     tl.store(out_ptr + row * head_dim + cols, normed, mask=mask)
@@ -162,6 +165,7 @@ def rms_norm_heads(
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(2) == 1, "the head dimension must be contiguous"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch(x.device)
     if num_tokens:
         _rms_norm_heads_kernel[(num_tokens, num_heads)](
             x,
@@ -174,6 +178,8 @@ def rms_norm_heads(
             eps,
             OFFSET=offset,
             BLOCK=triton.next_power_of_2(head_dim),
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return out
 

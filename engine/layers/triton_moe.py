@@ -17,6 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.layers.dependent_launch import (
+    dependent_launch,
+    let_next_start,
+    wait_for_previous,
+)
 from kvfleet.engine.layers.moe import max_padded_rows
 
 
@@ -31,9 +36,12 @@ def _route_kernel(
     K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     """`moe.route` for one token: softmax in float32, the top k (highest first), rescaled."""
     token = tl.program_id(0)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     offs = tl.arange(0, E_PAD)
     logits = tl.load(
         logits_ptr + token * stride_l + offs, mask=offs < num_experts, other=float("-inf")
@@ -62,6 +70,7 @@ def route_fused(
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    pdl = dependent_launch(router_logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
             router_logits,
@@ -73,6 +82,8 @@ def route_fused(
             K_PAD=triton.next_power_of_2(top_k),
             E_PAD=triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return weights, ids
 
@@ -89,11 +100,14 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     """`align_rows` in one program (no sort): count each expert's rows, pad and place the runs,
     then drop each row at its run's start plus a slot taken atomically. The order of rows
     within a run is arbitrary; no row's result depends on it. (Atomics relaxed, scoped to the
     program: the barriers order them. On the H100 at 8 to 16k rows: 2-41 us.)"""
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     experts = tl.arange(0, E_PAD)
     counts_ptr = scratch_ptr
     cursor_ptr = scratch_ptr + E_PAD
@@ -138,6 +152,7 @@ def align_rows_fused(
     run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(num_experts)
     scratch = torch.empty(2, e_pad, dtype=torch.int32, device=device)
+    pdl = dependent_launch(device)
     _align_kernel[(1,)](
         ids,
         sorted_rows,
@@ -149,7 +164,9 @@ def align_rows_fused(
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=256,
+        PDL=pdl,
         num_warps=8,
+        launch_pdl=pdl,
     )
     return sorted_rows, run_ends
 
@@ -161,8 +178,11 @@ def _combine_kernel(
     hidden,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     token = tl.program_id(0).to(tl.int64)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -208,7 +228,10 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
+    let_next_start(PDL)
+    wait_for_previous(PDL)  # (which expert, hence which weights, comes from the kernel before)
     rows, row_mask, expert, past = _block_rows(
         sorted_rows_ptr, run_ends_ptr, num_rows, num_experts, BLOCK_M, E_PAD
     )
@@ -263,7 +286,10 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
+    let_next_start(PDL)
+    wait_for_previous(PDL)  # (which expert, hence which weights, comes from the kernel before)
     rows, row_mask, expert, past = _block_rows(
         sorted_rows_ptr, run_ends_ptr, num_rows, num_experts, BLOCK_M, E_PAD
     )
@@ -320,14 +346,17 @@ def fused_experts(
     sorted_rows, run_ends = align_rows_fused(ids, num_experts, block_m)
     num_blocks = sorted_rows.shape[0] // block_m
     block_n, block_k, warps, stages = GEMM_TILES[block_m]
+    pdl = dependent_launch(x.device)
     tiles = {
         "E_PAD": triton.next_power_of_2(num_experts),
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
         "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+        "PDL": pdl,
         "num_warps": warps,
         "num_stages": stages,
+        "launch_pdl": pdl,
     }
     h = x.new_empty(num_rows, inner)
     _gate_up_kernel[(num_blocks, triton.cdiv(inner, block_n))](
@@ -368,6 +397,6 @@ def fused_experts(
     out = x.new_empty(num_tokens, hidden)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        rows_out, out, hidden, TOP_K=top_k, BLOCK=block
+        rows_out, out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, launch_pdl=pdl
     )
     return out

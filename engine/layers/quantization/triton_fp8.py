@@ -19,9 +19,11 @@ from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, cols, x_stride, out_stride, fp8_max, min_scale,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
     x = tl.load(x_ptr + row * x_stride + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -40,9 +42,10 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
+        pdl = dependent_launch(x.device)
         _quantize_rows_kernel[(rows,)](
             x, out, scales, cols, x.stride(0), out.stride(0), FP8_MAX, _MIN_SCALE,
-            BLOCK=block, num_warps=8 if block >= 4096 else 4,
+            BLOCK=block, PDL=pdl, num_warps=8 if block >= 4096 else 4, launch_pdl=pdl,
         )  # fmt: skip
     return out, scales
 

@@ -88,7 +88,7 @@ def prompt(q_type, cache_type, kind, split):
 def dependent_launch():
     # Each kernel launched dependent (PDL=True) waits (griddepcontrol.wait) and lets its
     # successor start; the GEMVs load weights before the wait, the others nothing.
-    from kvfleet.engine.layers import triton_layers
+    from kvfleet.engine.layers import triton_layers, triton_moe
     from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
     cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     kernels = {
@@ -100,6 +100,27 @@ def dependent_launch():
                    "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
                    "kv_scales_ptr": "*fp32"} | cache,
                    dict(HALF=64, BLOCK_H=32, BLOCK_KV=8, BLOCK_SIZE=16, FP8=False), 0),
+        "head norm": (triton_layers._rms_norm_heads_kernel, {"x_ptr": "*bf16",
+                      "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+                      dict(OFFSET=False, BLOCK=128), 1),
+        "quantize rows": (triton_fp8._quantize_rows_kernel, {"x_ptr": "*bf16",
+                          "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "fp8_max": "fp32",
+                          "min_scale": "fp32"}, dict(BLOCK=4096), 0),
+        "route": (triton_moe._route_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
+                  "ids_ptr": "*i64"}, dict(TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True), 0),
+        "align": (triton_moe._align_kernel, {"ids_ptr": "*i64", "sorted_rows_ptr": "*i32",
+                  "run_ends_ptr": "*i32", "scratch_ptr": "*i32"},
+                  dict(BLOCK_M=16, E_PAD=128, CHUNK=256), 0),
+        "combine": (triton_moe._combine_kernel, {"rows_ptr": "*bf16", "out_ptr": "*bf16"},
+                    dict(TOP_K=8, BLOCK=1024), 0),
+        "experts gate_up": (triton_moe._gate_up_kernel, {"x_ptr": "*bf16", "w13_ptr": "*bf16",
+                            "out_ptr": "*bf16", "sorted_rows_ptr": "*i32",
+                            "run_ends_ptr": "*i32"}, dict(TOP_K=8, E_PAD=128, BLOCK_M=16,
+                            BLOCK_N=32, BLOCK_K=128, DOT_PRECISION="tf32"), 0),
+        "experts down": (triton_moe._down_kernel, {"h_ptr": "*bf16", "w2_ptr": "*bf16",
+                         "weights_ptr": "*fp32", "out_ptr": "*bf16", "sorted_rows_ptr": "*i32",
+                         "run_ends_ptr": "*i32"}, dict(E_PAD=128, BLOCK_M=16, BLOCK_N=32,
+                         BLOCK_K=128, DOT_PRECISION="tf32"), 0),
         "act": (triton_layers._act_and_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"},
                 dict(GELU_TANH=False, BLOCK=1024), 0),
         "merge": (triton_decode._decode_merge_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32",
