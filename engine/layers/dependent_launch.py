@@ -30,7 +30,9 @@ ENV_SWITCH = "KVFLEET_DEPENDENT_LAUNCH"
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    """Hopper or later, under a CUDA runtime that captures programmatic edges in graphs."""
+    runtime = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(index) >= (9, 0) and runtime >= (12, 3)
 
 
 def dependent_launch(device: torch.device) -> bool:
