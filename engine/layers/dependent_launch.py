@@ -30,9 +30,17 @@ ENV_SWITCH = "KVFLEET_DEPENDENT_LAUNCH"
 
 @functools.cache
 def _capable(index: int) -> bool:
-    """Hopper or later, under a CUDA runtime that captures programmatic edges in graphs."""
+    """Hopper or later, under a CUDA runtime that captures programmatic edges in graphs, with
+    a Triton that launches dependent (3.4 on: `launch_pdl`, `gdc_wait`)."""
     runtime = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    return torch.cuda.get_device_capability(index) >= (9, 0) and runtime >= (12, 3)
+    if torch.cuda.get_device_capability(index) < (9, 0) or runtime < (12, 3):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def dependent_launch(device: torch.device) -> bool:
