@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
 from kvfleet.engine.layers.dependent_launch import (
-    dependent_launch,
+    dependent_launch_args,
     let_next_start,
     wait_for_previous,
 )
@@ -283,7 +283,7 @@ def merge_splits(
     """out [rows, heads, D] from the splits' partial results: acc [rows, heads, splits, D]
     (unnormalized P.V), maxes and sums [rows, heads, splits] (natural-log units)."""
     rows, num_heads, num_splits, head_dim = acc.shape
-    pdl = dependent_launch(out.device)
+    pdl = dependent_launch_args(out.device)
     _decode_merge_kernel[(rows, num_heads)](
         acc,
         maxes,
@@ -296,8 +296,7 @@ def merge_splits(
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
 
 
@@ -337,7 +336,7 @@ def decode_attention(
     fp8 = kv_cache_is_fp8(kv_cache)
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
     limits = {} if max_registers is None else {"maxnreg": max_registers}
-    pdl = dependent_launch(q.device)
+    pdl = dependent_launch_args(q.device)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -372,10 +371,9 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
         SOFTCAP=softcap is not None,
-        PDL=pdl,
+        **pdl,
         num_warps=warps,
         num_stages=stages,
-        launch_pdl=pdl,
         **limits,
     )
     if num_splits > 1:

@@ -13,7 +13,9 @@ data no kernel of the step writes (weights, scales, constant tables) and store n
 must call `wait_for_previous` on every path. Kernels launched normally need nothing: a
 normal launch waits for its predecessor to complete, as always.
 
-`KVFLEET_DEPENDENT_LAUNCH=0` launches every kernel normally (for A/B timing).
+`KVFLEET_DEPENDENT_LAUNCH=0` launches every kernel normally (for A/B timing); 1, the default,
+where the device can. Kernels take `**dependent_launch_args(device)`: their PDL flag and the
+launch option always agree (a dependent launch of a kernel that does not wait would race).
 """
 
 from __future__ import annotations
@@ -45,10 +47,20 @@ def _capable(index: int) -> bool:
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch dependent: a CUDA device of compute capability 9.0
-    or later, unless the environment turns it off."""
-    if device.type != "cuda" or os.environ.get(ENV_SWITCH, "1") == "0":
+    or later, unless the environment turns it off (ValueError for a value other than 0 or 1)."""
+    switch = os.environ.get(ENV_SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {switch!r}")
+    if device.type != "cuda" or switch == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dependent_launch_args(device: torch.device) -> dict[str, bool]:
+    """A PDL-aware kernel's launch arguments on `device`: its `PDL` constexpr and Triton's
+    `launch_pdl` option, set together."""
+    pdl = dependent_launch(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.layers.dependent_launch import (
-    dependent_launch,
+    dependent_launch_args,
     let_next_start,
     wait_for_previous,
 )
@@ -107,7 +107,7 @@ def add_rms_norm(
     if num_tokens == 0:
         return out, residual_out
     source = residual if residual is not None else x
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch_args(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
         x,
         source,
@@ -123,9 +123,8 @@ def add_rms_norm(
         HAS_RESIDUAL=residual is not None,
         OFFSET=offset,
         BLOCK=triton.next_power_of_2(hidden),
-        PDL=pdl,
+        **pdl,
         num_warps=NORM_WARPS,
-        launch_pdl=pdl,
     )
     return out, residual_out
 
@@ -165,7 +164,7 @@ def rms_norm_heads(
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(2) == 1, "the head dimension must be contiguous"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch_args(x.device)
     if num_tokens:
         _rms_norm_heads_kernel[(num_tokens, num_heads)](
             x,
@@ -178,8 +177,7 @@ def rms_norm_heads(
             eps,
             OFFSET=offset,
             BLOCK=triton.next_power_of_2(head_dim),
-            PDL=pdl,
-            launch_pdl=pdl,
+            **pdl,
         )
     return out
 
@@ -332,7 +330,7 @@ def rotary_and_write_kv(
         return
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "the head dimension must be contiguous"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = dependent_launch(q.device)
+    pdl = dependent_launch_args(q.device)
     _rotary_write_kv_kernel[(num_tokens,)](
         q,
         k,
@@ -360,8 +358,7 @@ def rotary_and_write_kv(
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
 
 
@@ -402,7 +399,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
         return out
     assert gate_up.stride(1) == 1, "the feature dimension must be contiguous"
     block = min(1024, triton.next_power_of_2(inner))
-    pdl = dependent_launch(gate_up.device)
+    pdl = dependent_launch_args(gate_up.device)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
         gate_up,
         out,
@@ -411,7 +408,6 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
         inner,
         GELU_TANH=activation == "gelu_tanh",
         BLOCK=block,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.layers.dependent_launch import (
-    dependent_launch,
+    dependent_launch_args,
     let_next_start,
     wait_for_previous,
 )
@@ -70,7 +70,7 @@ def route_fused(
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    pdl = dependent_launch(router_logits.device)
+    pdl = dependent_launch_args(router_logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
             router_logits,
@@ -82,8 +82,7 @@ def route_fused(
             K_PAD=triton.next_power_of_2(top_k),
             E_PAD=triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
-            PDL=pdl,
-            launch_pdl=pdl,
+            **pdl,
         )
     return weights, ids
 
@@ -152,7 +151,7 @@ def align_rows_fused(
     run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(num_experts)
     scratch = torch.empty(2, e_pad, dtype=torch.int32, device=device)
-    pdl = dependent_launch(device)
+    pdl = dependent_launch_args(device)
     _align_kernel[(1,)](
         ids,
         sorted_rows,
@@ -164,9 +163,8 @@ def align_rows_fused(
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=256,
-        PDL=pdl,
+        **pdl,
         num_warps=8,
-        launch_pdl=pdl,
     )
     return sorted_rows, run_ends
 
@@ -346,17 +344,16 @@ def fused_experts(
     sorted_rows, run_ends = align_rows_fused(ids, num_experts, block_m)
     num_blocks = sorted_rows.shape[0] // block_m
     block_n, block_k, warps, stages = GEMM_TILES[block_m]
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch_args(x.device)
     tiles = {
         "E_PAD": triton.next_power_of_2(num_experts),
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
         "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-        "PDL": pdl,
+        **pdl,
         "num_warps": warps,
         "num_stages": stages,
-        "launch_pdl": pdl,
     }
     h = x.new_empty(num_rows, inner)
     _gate_up_kernel[(num_blocks, triton.cdiv(inner, block_n))](
@@ -397,6 +394,6 @@ def fused_experts(
     out = x.new_empty(num_tokens, hidden)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        rows_out, out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, launch_pdl=pdl
+        rows_out, out, hidden, TOP_K=top_k, BLOCK=block, **pdl
     )
     return out

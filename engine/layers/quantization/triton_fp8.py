@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.layers.dependent_launch import (
-    dependent_launch,
+    dependent_launch_args,
     let_next_start,
     wait_for_previous,
 )
@@ -42,10 +42,10 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
-        pdl = dependent_launch(x.device)
+        pdl = dependent_launch_args(x.device)
         _quantize_rows_kernel[(rows,)](
             x, out, scales, cols, x.stride(0), out.stride(0), FP8_MAX, _MIN_SCALE,
-            BLOCK=block, PDL=pdl, num_warps=8 if block >= 4096 else 4, launch_pdl=pdl,
+            BLOCK=block, **pdl, num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
     return out, scales
 
@@ -132,13 +132,12 @@ def fp8_gemv(
     assert x.is_contiguous()
     assert w_q.is_contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch_args(x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w_q, w_scale, x_scale if x_scale is not None else w_scale,
         bias if bias is not None else w_scale, out, n, k, FP8_MAX, _MIN_SCALE,
         STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, **pdl, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.layers.dependent_launch import (
-    dependent_launch,
+    dependent_launch_args,
     let_next_start,
     wait_for_previous,
 )
@@ -319,15 +319,14 @@ def packed_gemv(
     block_n, block_k, steps, split, warps = gemv_plan(k, weights.group_size, tiles)
     space = shared_workspace(x.device, split * n, triton.cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch_args(x.device)
     _packed_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
         out, n, k, weights.group_size, BITS=weights.bits,
         HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, PDL=pdl, num_warps=warps,
-        launch_pdl=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, **pdl, num_warps=warps,
     )  # fmt: skip
     return out
 
