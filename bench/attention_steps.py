@@ -190,8 +190,8 @@ def time_mixed(step: dict[str, Any], fp8: bool) -> dict[str, float]:
     backend = triton_attention.TritonAttention(HEADS, KV_HEADS, HEAD_DIM)
     q, cache = step["q"], step["cache"]
     figures = {
-        "all rows in the varlen kernel": lambda: backend._attend(q, cache, joined, scales),
-        "decodes split off": lambda: backend._attend(q, cache, split, scales),
+        "all rows in the varlen kernel": lambda: backend.attend(q, cache, joined, scales),
+        "decodes split off": lambda: backend.attend(q, cache, split, scales),
         "(the decode kernel alone)": lambda: triton_decode.decode_attention(
             q[: split.num_decodes], cache, split, backend.scale, kv_scales=scales
         ),

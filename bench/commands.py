@@ -36,6 +36,15 @@ def add_commands(commands: Any) -> None:
     structured.set_defaults(run=_run_structured)
 
 
+def _add_prefill_graphs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=512,
+        help="steps with prompt tokens up to this many replay CUDA graphs in pieces (0: eager)",
+    )
+
+
 def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -64,6 +73,7 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="fraction of the batch that names an adapter (round robin); 0: LoRA on, base only",
     )
+    _add_prefill_graphs_argument(parser)
     parser.add_argument("--json", help="also write the result to this file")
 
 
@@ -127,6 +137,7 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    _add_prefill_graphs_argument(parser)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"

@@ -82,6 +82,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=not args.no_async_scheduling,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         **lora,
     )
     freeze_startup_heap()  # (as a server would)

@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--new-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--prefill-graph-tokens", type=int, default=512, help="0: steps with prompt tokens eager"
+    )
     args = parser.parse_args()
     for name in ("prefix_len", "new_len", "repeats"):
         if getattr(args, name) < 1:
@@ -57,6 +60,7 @@ def main() -> None:
         load_format="dummy",
         max_model_len=8192,
         enforce_eager=args.enforce_eager,
+        prefill_graph_tokens=args.prefill_graph_tokens,
     )
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         swap_space_gib=args.swap_space_gib,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=not args.no_async_scheduling,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,18 +87,58 @@ class AttentionLayer(abc.ABC):
         self.sliding_window = sliding_window
         self.softcap = softcap
 
+    # While PrefillGraphs (engine/worker/prefill_graphs.py) runs or captures a forward in
+    # pieces: called in place of `attend`, with attend's arguments (the one point of a layer
+    # that the pieces' graphs leave out).
+    graph_break: Callable[..., torch.Tensor] | None = None
+
     @abc.abstractmethod
-    def forward(
+    def write(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,  # [2] float32 (K, V) for an FP8 cache
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's K/V into the layer's cache, then attend each query to its sequence.
-        An FP8 (e4m3) cache stores K / k_scale and V / v_scale, read back times the scales."""
+    ) -> None:
+        """Write this step's K/V into the layer's cache (an FP8 (e4m3) cache stores K / k_scale
+        and V / v_scale)."""
+
+    @abc.abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] contiguous
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: `out` when given
+        """Attend each query to its sequence's cached K/V (written already), an FP8 cache's read
+        back times the scales."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the layer's cache, then attend each query to its sequence."""
+        self.write(k, v, kv_cache, metadata, kv_scales)
+        return self.attend_or_break(q, kv_cache, metadata, kv_scales)
+
+    def attend_or_break(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.graph_break is not None:
+            return self.graph_break(self, q, kv_cache, metadata, kv_scales)
+        return self.attend(q, kv_cache, metadata, kv_scales)
 
     def forward_rotary(
         self,

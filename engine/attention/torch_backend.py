@@ -43,17 +43,25 @@ def write_kv_cache(
 
 
 class TorchAttention(AttentionLayer):
-    def forward(
+    def write(
         self,
-        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> None:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
-        out = torch.empty_like(q)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
         query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
         # Decode rows (one query token) run as one padded batch; prompt chunks one by one.
         decode_rows = [i for i, n in enumerate(query_lens) if n == 1]

@@ -92,17 +92,15 @@ def write_kv_cache(
 
 
 class TritonAttention(AttentionLayer):
-    def forward(
+    def write(
         self,
-        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> None:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
-        return self._attend(q, kv_cache, metadata, kv_scales)
 
     def forward_rotary(
         self,
@@ -122,14 +120,15 @@ class TritonAttention(AttentionLayer):
         rotary_and_write_kv(
             q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping, kv_scales
         )
-        return self._attend(q, kv_cache, metadata, kv_scales)
+        return self.attend_or_break(q, kv_cache, metadata, kv_scales)
 
-    def _attend(
+    def attend(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        kv_scales: torch.Tensor | None,
+        kv_scales: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode rows (a decode-only step's, or a mixed step's first `num_decodes`) through
         the GQA-grouped decode kernel, the rest through the varlen one: one query token in
@@ -141,11 +140,12 @@ class TritonAttention(AttentionLayer):
                 metadata,
                 self.scale,
                 self.sliding_window,
+                out,
                 kv_scales=kv_scales,
                 softcap=self.softcap,
             )
         q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         decodes = metadata.num_decodes
         if decodes:
             decode_attention(

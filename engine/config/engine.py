@@ -252,6 +252,10 @@ def _speculative_flag(config: SpeculativeConfig) -> list[str]:
     return [json.dumps(given, separators=(",", ":"))]
 
 
+# Above this the host's launches are a small part of a step's time, and the static buffers large.
+MAX_PREFILL_GRAPH_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` and `kvfleet engine` accept. `model` is an alias (`smollm2`), a
@@ -287,7 +291,14 @@ class EngineConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    enforce_eager: bool = field(default=False, metadata=setting("no CUDA graphs for decode steps"))
+    enforce_eager: bool = field(default=False, metadata=setting("no CUDA graphs"))
+    prefill_graph_tokens: int = field(
+        default=512,
+        metadata=setting(
+            "steps holding prompt tokens, up to this many tokens, replay CUDA graphs in pieces "
+            "around attention (0: such steps run eagerly)"
+        ),
+    )
     attention_backend: str = field(
         default="auto",
         metadata=setting("auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS),
@@ -336,6 +347,11 @@ class EngineConfig:
             raise ValueError("LoRA adapters are not available with tensor parallelism yet")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not 0 <= self.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
+            raise ValueError(
+                f"prefill_graph_tokens must be between 0 and {MAX_PREFILL_GRAPH_TOKENS}, "
+                f"got {self.prefill_graph_tokens}"
+            )
 
     @classmethod
     def from_kwargs(

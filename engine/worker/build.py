@@ -24,6 +24,7 @@ from kvfleet.engine.worker.setup import (
     load_draft,
     load_rank_model,
     num_kv_blocks,
+    prefill_graph_tokens,
     uses_graphs,
 )
 from kvfleet.engine.worker.swap_space import SwapSpace
@@ -116,6 +117,8 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
         runner.enable_decode_graphs(
             config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)
         )
+    if tokens := prefill_graph_tokens(config, setup):
+        runner.enable_prefill_graphs(tokens)
     if config.cache.calculate_kv_scales:  # (after the warm-up and profiling steps)
         model.calibrate_kv_scales()
     speculator = build_speculator(config, setup, model, draft, num_blocks, setup.max_model_len)

@@ -37,6 +37,7 @@ from kvfleet.engine.worker.inputs import (
     prepare_inputs,
     update_states,
 )
+from kvfleet.engine.worker.prefill_graphs import PrefillGraphs
 from kvfleet.engine.worker.swap_space import SwapSpace
 
 
@@ -164,6 +165,7 @@ class ModelRunner:
         self.requests: dict[RequestId, CachedRequestState] = {}
         self.sampling = SamplingPlanner(self.config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._in_flight: InFlight | None = None  # the last step launched
         self.ranks_in_step = False  # a step's forward was broadcast to the other ranks, not run
 
@@ -230,10 +232,17 @@ class ModelRunner:
         )
         self.decode_graphs.capture_all()
 
+    def enable_prefill_graphs(self, max_tokens: int) -> None:
+        """Replay steps holding prompt tokens, up to `max_tokens` of them, from CUDA graphs in
+        pieces around attention (engine/worker/prefill_graphs.py)."""
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, max_tokens, self.device)
+        self.prefill_graphs.capture_all()
+
     def release_graphs(self) -> None:
-        """Free the decode graphs once the device is done with them (before leaving a
+        """Free the graphs once the device is done with them (before leaving a
         tensor-parallel group: they hold its collectives)."""
         self.decode_graphs = None
+        self.prefill_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -339,13 +348,17 @@ class ModelRunner:
     def _forward(
         self, step: StepInputs, lora: LoRABatch | None = None, gather: bool = True
     ) -> torch.Tensor:
-        """The forward (a graph replay for decode-only steps), then the sampled rows' logits
-        (this rank's vocabulary shard unless `gather`). Every rank makes the same choices from
-        the same inputs, so their collectives match."""
-        graphs = self.decode_graphs
+        """The forward (a graph replay for decode-only steps, replays in pieces for small steps
+        with prompt tokens), then the sampled rows' logits (this rank's vocabulary shard unless
+        `gather`). Every rank makes the same choices from the same inputs, so their collectives
+        match."""
+        graphs, pieces = self.decode_graphs, self.prefill_graphs
+        num_tokens = step.input_ids.shape[0]
         try:
             if graphs is not None and graphs.can_run(step.metadata):
                 hidden = graphs.run(step.input_ids, step.positions, step.metadata, lora)
+            elif pieces is not None and pieces.can_run(num_tokens, lora is not None):
+                hidden = pieces.run(step.input_ids, step.positions, step.metadata)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         finally:

@@ -31,6 +31,7 @@ from kvfleet.engine.parallel.partition import TPPlan
 from kvfleet.engine.spec_decode.speculator import Speculator
 from kvfleet.engine.worker.draft_model import DraftModelProposer
 from kvfleet.engine.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from kvfleet.engine.worker.prefill_graphs import prefill_graph_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,15 @@ def uses_graphs(config: EngineConfig, setup: RankSetup) -> bool:
     return setup.attention_backend == "triton" and not config.enforce_eager
 
 
+def prefill_graph_tokens(config: EngineConfig, setup: RankSetup) -> int:
+    """Steps holding prompt tokens, up to this many, replay graphs in pieces (0: none): where
+    graphs are used at all, on one GPU (the pieces hold no tensor-parallel collectives yet),
+    and no more than a step may hold."""
+    if not uses_graphs(config, setup) or config.tensor_parallel_size > 1:
+        return 0
+    return min(config.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
+
+
 def load_draft(config: EngineConfig, setup: RankSetup) -> ModelRunner | None:
     """The draft model's runner (its KV cache not allocated yet) for the `draft` speculative
     method, else None. Dummy weights for a dummy target (random drafts, for benchmarks)."""
@@ -297,6 +307,9 @@ def num_kv_blocks(
         outside = total - free - torch.cuda.memory_reserved(setup.device)
         weights = torch.cuda.memory_allocated(setup.device)
         budget = total * cache.gpu_memory_utilization - outside - weights - peak - _GRAPHS_RESERVE
+        budget -= prefill_graph_bytes(
+            runner.model, prefill_graph_tokens(config, setup), runner.dtype
+        )
         logger.info(
             "memory: %.2f GiB total, weights %.2f GiB, largest step %.2f GiB, outside "
             "torch %.2f GiB; %.2f GiB for the KV cache at utilization %.2f",
