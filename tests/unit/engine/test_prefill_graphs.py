@@ -22,12 +22,22 @@ from kvfleet.engine.worker.setup import load_rank_model, resolve_setup
 BLOCK = 16
 
 
-@pytest.fixture
-def runner(tiny_config: Callable[..., Path]) -> ModelRunner:
+@pytest.fixture(params=["torch", "triton"])
+def runner(tiny_config: Callable[..., Path], request: pytest.FixtureRequest) -> ModelRunner:
+    """A tiny model on the CPU through either attention backend (Triton's interpreted)."""
     path = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=4)
     config = EngineConfig(model=str(path), load_format="dummy", device="cpu", dtype="float32")
     setup = resolve_setup(config)
-    made = ModelRunner(load_rank_model(config, setup, None), BLOCK, setup.dtype, setup.device)
+    model = load_rank_model(config, setup, None)
+    if request.param == "triton":  # (the engine runs it on CUDA only: swapped in here)
+        from kvfleet.engine.attention.triton_attention import TritonAttention
+
+        for layer in model.layers:
+            old = layer.self_attn.backend
+            layer.self_attn.backend = TritonAttention(
+                old.num_heads, old.num_kv_heads, old.head_dim, old.sliding_window, old.scale
+            )
+    made = ModelRunner(model, BLOCK, setup.dtype, setup.device)
     made.allocate_kv_cache(8)
     for cache in made.kv_caches:
         cache.normal_()
