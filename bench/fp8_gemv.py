@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
-"""The fused Triton FP8 GEMV (engine/layers/quantization/triton_fp8.py `fp8_gemv`: the
+"""The fused Triton FP8 GEMV (engine/layers/triton_gemv.py `gemv` over e4m3 weights: the
 activation's per-row quantization and both scales inside one kernel) against the unfused path
 (the Triton row quantization, then cuBLASLt's scaled GEMM) and bf16 `F.linear`, at decode row
 counts and Llama-3-8B shapes, each timed inside a CUDA graph (20 weight copies per replay, so
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from kvfleet.bench.ceilings import measure_ceilings
 from kvfleet.bench.fp8_linear import graphed
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
-from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv, quantize_rows_triton
+from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
+from kvfleet.engine.layers.triton_gemv import gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
@@ -64,10 +65,10 @@ def main() -> None:
                 f"(floor {2 * floor_us:5.1f}) | quant+scaled_mm {_replay_us(graphed(unfused)):6.1f}"
             )
             for bn, bk, warps, stages in TILINGS:
-                got = fp8_gemv(x, *weights[0], None, None, bn, bk, warps, stages).float()
+                tiles = (bn, bk, warps, stages)
+                got = gemv(x, *weights[0], tiles=tiles).float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
-                graph = graphed(lambda: [fp8_gemv(x, w, s, None, None, bn, bk, warps, stages)
-                                         for w, s in weights])  # fmt: skip
+                graph = graphed(lambda: [gemv(x, w, s, tiles=tiles) for w, s in weights])
                 line += f" | {bn}/{bk}/{warps}/{stages}: {_replay_us(graph):5.1f} ({err:.0e})"
             print(line)
 

@@ -1,6 +1,8 @@
-"""Batch-1 matmuls (GEMV) at the weight shapes of a tensor-parallel decode step: cuBLAS through
-F.linear against torch.mv (cuBLAS's matrix-vector path), in CUDA graphs of 20 calls over
-distinct weights (no cache reuse), beside the copy bandwidth.
+"""Batch-1 matmuls (GEMV) in bf16 at the weight shapes of decode steps (Llama-3-70B over two GPUs,
+Llama-3-8B, Qwen3-30B-A3B's attention and router): cuBLAS through F.linear against torch.mv
+(cuBLAS's matrix-vector path) and the Triton GEMV (engine/layers/triton_gemv.py, launched
+dependent where the GPU can: consecutive calls overlap as consecutive layers do), in CUDA
+graphs of 20 calls over distinct weights (no cache reuse), beside the copy bandwidth.
 
     bench/device_env.sh python3 bench/gemv.py
 """
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.engine.layers.triton_gemv import gemv
 
 # name: (out_features, in_features) per rank
 SHAPES = {
@@ -18,8 +21,13 @@ SHAPES = {
     "70b-tp2-o": (8192, 4096),
     "70b-tp2-gate_up": (28672, 8192),
     "70b-tp2-down": (8192, 14336),
+    "8b-tp1-qkv": (6144, 4096),
     "8b-tp1-o": (4096, 4096),
+    "8b-tp1-gate_up": (28672, 4096),
     "8b-tp1-down": (4096, 14336),
+    "30b-a3b-qkv": (5120, 2048),
+    "30b-a3b-o": (2048, 4096),
+    "30b-a3b-router": (128, 2048),
 }
 COPIES = 20
 
@@ -36,6 +44,7 @@ def main() -> None:
             "linear": lambda w: F.linear(x, w),  # noqa: B023
             "mv": lambda w: torch.mv(w, x[0]),  # noqa: B023
             "matmul_t": lambda w: (w @ x.t()).t(),  # noqa: B023
+            "triton": lambda w: gemv(x, w),  # noqa: B023
         }
         want = F.linear(x, weights[0]).float()
         row = [f"{name:16s} floor {floor_us:7.1f} us"]

@@ -1,5 +1,6 @@
 """A batch-1 layer's chain of the engine's kernels at Llama-3-8B's shapes (residual add + norm,
-the qkv and o GEMVs, add + norm, gate_up, SiLU x mul, down; FP8 or 4-bit weights), launched
+the qkv and o GEMVs, add + norm, gate_up, SiLU x mul, down; bf16 through the engine's `Linear`
+(cuBLAS, or the Triton GEMV where it takes the weight), FP8 or 4-bit weights), launched
 normally and launched dependent (engine/layers/dependent_launch.py), each in a CUDA graph over
 16 layers of distinct weights (so they come from HBM): us per layer beside the weights' bytes
 floor at the copy bandwidth measured in the same run.
@@ -18,6 +19,7 @@ import torch
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
 from kvfleet.bench.fp8_linear import graphed
 from kvfleet.engine.layers import dependent_launch as pdl
+from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.packed import quantize_rtn
 from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
@@ -41,12 +43,20 @@ def chain(
     return hidden
 
 
+def _bf16_layer(weight: torch.Tensor) -> Linear:
+    n, k = weight.shape
+    layer = Linear(k, n, bias=False, device=weight.device, dtype=torch.bfloat16)
+    layer.weight.data.copy_(weight)
+    return layer
+
+
 def main() -> None:
     device = torch.device("cuda")
     copy = measure_ceilings(device, torch.bfloat16).copy_gbps * 1e9
     x = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
     norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
     kinds = {
+        "bf16": (_bf16_layer, lambda x, layer: layer(x), lambda n, k: 2 * n * k),
         "fp8": (quantize_rows, lambda x, w: fp8_gemv(x, *w), lambda n, k: n * k),
         "int4": (
             lambda w: quantize_rtn(w, 128, torch.bfloat16),

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.quantization.linear import expect_shape
 
 # A checkpoint's names for each expert's three projections (Mixtral's, then the rest's)
@@ -115,7 +116,7 @@ class SparseMoeBlock(nn.Module):
         """`inner`: this rank's share of each expert's inner dimension; `fused`: the Triton
         kernels on CUDA."""
         super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = Linear(hidden, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner), requires_grad=False)
         self.top_k = top_k

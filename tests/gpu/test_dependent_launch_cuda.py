@@ -23,25 +23,25 @@ from kvfleet.engine.layers.triton_layers import act_and_mul, add_rms_norm  # noq
 HIDDEN, INNER, LAYERS = 4096, 14336, 4
 
 
+SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN),
+          "down": (HIDDEN, INNER)}  # fmt: skip
+
+
 def _fp8_layers() -> list[dict[str, object]]:
-    shapes = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN),
-              "down": (HIDDEN, INNER)}  # fmt: skip
     return [
         {
             name: quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-            for name, (n, k) in shapes.items()
+            for name, (n, k) in SHAPES.items()
         }
         for _ in range(LAYERS)
     ]
 
 
 def _int4_layers() -> list[dict[str, object]]:
-    shapes = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN),
-              "down": (HIDDEN, INNER)}  # fmt: skip
     return [
         {
             name: quantize_rtn(torch.randn(n, k, device="cuda") * 0.02, 128, torch.bfloat16)
-            for name, (n, k) in shapes.items()
+            for name, (n, k) in SHAPES.items()
         }
         for _ in range(LAYERS)
     ]
@@ -81,6 +81,41 @@ def _runs(
     return [eager, *replays]
 
 
+def _bf16_layers() -> list[dict[str, object]]:
+    from kvfleet.engine.layers.linear import Linear
+
+    def layer(n: int, k: int) -> Linear:
+        made = Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        torch.nn.init.normal_(made.weight, std=0.02)
+        return made
+
+    return [{name: layer(n, k) for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
+
+
+def test_a_bf16_layer_chain_launched_dependent_is_stable_and_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bf16 layers whose small weights (qkv, o) take the Triton GEMV when launched dependent
+    (cuBLAS otherwise: other bits): the same bits eager and in every replay, and within
+    bf16's rounding of the cuBLAS chain."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dependent launch needs compute capability 9.0")
+    torch.manual_seed(0)
+    layers = _bf16_layers()
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def run() -> torch.Tensor:
+        return _chain(layers, lambda x, layer: layer(x), x, norm)  # type: ignore[operator]
+
+    plain = _runs(monkeypatch, run, on=False)
+    dependent = _runs(monkeypatch, run, on=True)
+    for got in dependent[1:]:
+        assert torch.equal(got, dependent[0])
+    error = (dependent[0].float() - plain[0].float()).norm() / plain[0].float().norm()
+    assert error.item() < 2e-2
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_a_layer_chain_gives_the_same_bits_launched_dependent(
     monkeypatch: pytest.MonkeyPatch, kind: str
@@ -108,3 +143,40 @@ def test_a_layer_chain_gives_the_same_bits_launched_dependent(
     assert plain[0].abs().max() > 0
     for got in plain[1:] + dependent:
         assert torch.equal(got, plain[0])
+
+
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (4096, 14336), (5120, 2048), (128, 2048)]
+)
+def test_the_bf16_gemv_matches_cublas(n: int, k: int) -> None:
+    """The Triton GEMV the engine's `Linear` takes for one row of a small bf16 weight, against
+    F.linear in float32, beside cuBLAS's own bf16 result."""
+    from kvfleet.engine.layers.triton_gemv import gemv
+
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        cublas = torch.nn.functional.linear(x, weight, bias).float()
+        got = gemv(x, weight, bias=bias).float()
+        error = ((got - want).norm() / want.norm()).item()
+        assert error <= 2 * ((cublas - want).norm() / want.norm()).item() + 1e-4
+
+
+def test_the_linear_layer_takes_the_triton_gemv_for_small_weights_only() -> None:
+    from kvfleet.engine.layers.linear import TRITON_GEMV_MAX_BYTES, Linear
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dependent launch needs compute capability 9.0")
+    small = Linear(4096, 6144, bias=False, device="cuda", dtype=torch.bfloat16)
+    large = Linear(4096, 28672, bias=False, device="cuda", dtype=torch.bfloat16)
+    assert small.weight.numel() * 2 <= TRITON_GEMV_MAX_BYTES < large.weight.numel() * 2
+    one = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert small.uses_triton_gemv(one)
+    assert not large.uses_triton_gemv(one)
+    assert not small.uses_triton_gemv(torch.cat([one, one], dim=1))
+    want = torch.nn.functional.linear(one.float(), small.weight.float())
+    got = small(one)
+    assert got.shape == (1, 1, 6144)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2

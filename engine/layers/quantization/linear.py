@@ -1,6 +1,7 @@
 """The projections of a model under a quantization scheme: `make_linear` builds each one (a
-plain `nn.Linear` where nothing is quantized), and quantized layers fill themselves from
-checkpoint tensors through one interface (`QuantizedLinear.load_part`)."""
+plain `Linear`, engine/layers/linear.py's `nn.Linear`, where nothing is quantized), and
+quantized layers fill themselves from checkpoint tensors through one interface
+(`QuantizedLinear.load_part`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.quantization.scheme import PackedScheme, QuantScheme
 
 # (first output row, rows) of a fused layer one checkpoint tensor fills; None: all of it
@@ -79,7 +81,7 @@ def make_linear_factory(scheme: QuantScheme | None, dtype: torch.dtype) -> Linea
     def plain(
         modules: tuple[str, ...], in_features: int, out_features: int, bias: bool
     ) -> nn.Module:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
 
     if scheme is None:
         return plain

@@ -14,6 +14,7 @@ from kvfleet.engine.layers.dependent_launch import (
     wait_for_previous,
 )
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
+from kvfleet.engine.layers.triton_gemv import gemv
 
 
 @triton.jit
@@ -50,96 +51,17 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scales
 
 
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, N, K, fp8_max, min_scale,
-    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """out [N] = (the row x [K] quantized to e4m3 as `quantize_rows` does) . w [N, K]^T (e4m3),
-    times both scales (+ bias): decode of one sequence in one kernel. Each program takes
-    BLOCK_N output columns over the whole of K: it first finds the row's largest magnitude (x
-    is small and stays in L2), then streams its weight rows once, multiplying on the CUDA cores
-    into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at the end (products of e4m3
-    values are exact in float32). Launched dependent (PDL), it loads its first weight tile
-    while the kernel before it finishes, then waits for x."""
-    pid_n = tl.program_id(0)
-    offsets = tl.arange(0, BLOCK_K)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    let_next_start(PDL)
-    w_first = tl.load(
-        w_ptr + cols[:, None] * K + offsets[None, :],
-        mask=col_ok[:, None] & (offsets < K)[None, :],
-        other=0.0,
-    )
-    wait_for_previous(PDL)
-    if STATIC:
-        x_scale = tl.load(x_scale_ptr)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            ks = k + offsets
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        x_scale = tl.maximum(tl.max(amax, axis=0), min_scale) / fp8_max
-    acc = _fp8_products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_ptr.dtype.element_ty)
-    for k in range(BLOCK_K, K, BLOCK_K):
-        ks = k + offsets
-        k_ok = ks < K
-        w = tl.load(
-            w_ptr + cols[:, None] * K + ks[None, :],
-            mask=col_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        acc += _fp8_products(x_ptr, ks, K, x_scale, fp8_max, w, w_ptr.dtype.element_ty)
-    out = tl.sum(acc, axis=1) * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _fp8_products(x_ptr, ks, K, x_scale, fp8_max, w, fp8: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] float32: the inputs x[ks] quantized to e4m3 times the weight tile w."""
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-    x_q = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(fp8).to(tl.float32)
-    return x_q[None, :] * w.to(tl.float32)
-
-
 def fp8_gemv(
     x: torch.Tensor,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
 ) -> torch.Tensor:
-    """One row x [1, K] (bf16/fp16/fp32; quantized inside, or with the static per-tensor
-    `x_scale`) times e4m3 w_q [N, K] (contiguous) with scales [N, 1]: [1, N] in x's dtype.
-    Default tiles: the fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes (fewer,
-    longer rows per program where N is small; see bench/RESULTS.md)."""
-    m, k = x.shape
-    n = w_q.shape[0]
-    if block_n is None:
-        block_n = 8 if n <= 4096 else 16
-    if block_k is None:
-        block_k = 1024 if n <= 4096 else 512
-    assert m == 1
-    assert x.is_contiguous()
-    assert w_q.is_contiguous()
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = dependent_launch_args(x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w_q, w_scale, x_scale if x_scale is not None else w_scale,
-        bias if bias is not None else w_scale, out, n, k, FP8_MAX, _MIN_SCALE,
-        STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, **pdl, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return out
+    """One row x [1, K] (bf16/fp16/fp32; quantized to e4m3 inside, or with the static
+    per-tensor `x_scale`) times e4m3 w_q [N, K] with scales [N, 1]: [1, N] in x's dtype
+    (engine/layers/triton_gemv.py)."""
+    return gemv(x, w_q, w_scale, bias, x_scale)
 
 
 def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

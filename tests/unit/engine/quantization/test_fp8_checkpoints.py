@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvfleet.engine.config import ModelConfig
+from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, Fp8Linear, dequantize_blocks
 from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, resolve_quantization
 from kvfleet.engine.loader.model_loader import load_model
@@ -183,7 +184,7 @@ def test_ignored_modules_stay_in_the_model_dtype(
     ours = _ours(tmp_path)
     assert isinstance(ours.layers[0].mlp.down_proj, Fp8Linear)
     plain = ours.layers[1].mlp.down_proj
-    assert type(plain) is torch.nn.Linear
+    assert type(plain) is Linear  # (the engine's unquantized layer)
     assert torch.equal(plain.weight, state["model.layers.1.mlp.down_proj.weight"])
 
 

@@ -108,7 +108,7 @@ def test_the_fused_gemv_equals_the_reference_in_the_interpreter(static: bool) ->
     """Triton's interpreter rounds e4m3 casts its own way, so the activations are chosen on
     e4m3's grid (their row maximum at 448 times the scale): the kernel's quantization then
     rounds nothing, and what is checked is the rest of it, to float32's summation noise."""
-    from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+    from kvfleet.engine.layers.triton_gemv import gemv
 
     generator = torch.Generator().manual_seed(1)
     grid = (torch.randn(1, 200, generator=generator) * 60).clamp(-448, 448)
@@ -118,6 +118,6 @@ def test_the_fused_gemv_equals_the_reference_in_the_interpreter(static: bool) ->
     weight, scale = quantize_rows(torch.randn(40, 200, generator=generator) * 0.1)
     bias = torch.randn(40, generator=generator)
     x_scale = torch.tensor(0.25) if static else None
-    out = fp8_gemv(x, weight, scale, bias, x_scale, block_n=16, block_k=64)
+    out = gemv(x, weight, scale, bias, x_scale, tiles=(16, 64, 4, 3))
     want = grid * 0.25 @ (weight.float() * scale).t() + bias
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)

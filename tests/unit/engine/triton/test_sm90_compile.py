@@ -88,7 +88,7 @@ def prompt(q_type, cache_type, kind, split):
 def dependent_launch():
     # Each kernel launched dependent (PDL=True) waits (griddepcontrol.wait) and lets its
     # successor start; the GEMVs load weights before the wait, the others nothing.
-    from kvfleet.engine.layers import triton_layers, triton_moe
+    from kvfleet.engine.layers import triton_gemv, triton_layers, triton_moe
     from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
     cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     kernels = {
@@ -126,10 +126,16 @@ def dependent_launch():
         "merge": (triton_decode._decode_merge_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32",
                   "sum_ptr": "*fp32", "out_ptr": "*bf16"},
                   dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, BLOCK_D=128), 0),
-        "fp8 gemv": (triton_fp8._fp8_gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv",
+        "fp8 gemv": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv",
                      "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
-                     dict(STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512), 1),
+                     dict(QUANTIZE=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
+                          BLOCK_K=512), 1),
+        "bf16 gemv": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                      "w_scale_ptr": "*bf16", "x_scale_ptr": "*bf16", "bias_ptr": "*bf16",
+                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
+                      dict(QUANTIZE=False, STATIC=False, HAS_BIAS=True, BLOCK_N=8,
+                           BLOCK_K=512), 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, {"x_ptr": "*bf16", "perm_ptr": "*i32",
                         "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
                         "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",

@@ -1,0 +1,130 @@
+"""One-row GEMVs in Triton: decode of one sequence through a linear layer in one kernel, over
+e4m3 weights (the row quantized to e4m3 inside, both scales applied) or bf16/fp16 weights.
+
+Each program takes BLOCK_N output rows of the weight over the whole of K, streaming them once
+and multiplying on the CUDA cores into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at
+the end (a reduction across threads per tile was 2-10x slower). Launched dependent (PDL,
+engine/layers/dependent_launch.py), a program loads its first weight tile while the kernel
+before it finishes, then waits for x: at batch 1 the weights of consecutive layers stream
+with no gap between kernels, which cuBLAS's GEMVs (launched normally) cannot do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.engine.layers.dependent_launch import (
+    dependent_launch_args,
+    let_next_start,
+    wait_for_previous,
+)
+from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K] contiguous: e4m3 (QUANTIZE) or the model dtype
+    w_scale_ptr,  # [N] float32 (QUANTIZE)
+    x_scale_ptr,  # [1] float32 (QUANTIZE and STATIC: the checkpoint's input scale)
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [N]
+    N, K, fp8_max, min_scale,
+    QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
+    largest magnitude found first: x is small and stays in L2; or the static scale), times both
+    scales (products of e4m3 values are exact in float32)."""
+    pid_n = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK_K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    let_next_start(PDL)
+    w_first = tl.load(
+        w_ptr + cols[:, None] * K + offsets[None, :],
+        mask=col_ok[:, None] & (offsets < K)[None, :],
+        other=0.0,
+    )
+    wait_for_previous(PDL)
+    x_scale = 1.0
+    if QUANTIZE:
+        if STATIC:
+            x_scale = tl.load(x_scale_ptr)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                ks = k + offsets
+                x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            x_scale = tl.maximum(tl.max(amax, axis=0), min_scale) / fp8_max
+    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_ptr.dtype.element_ty, QUANTIZE)
+    for k in range(BLOCK_K, K, BLOCK_K):
+        ks = k + offsets
+        w = tl.load(
+            w_ptr + cols[:, None] * K + ks[None, :],
+            mask=col_ok[:, None] & (ks < K)[None, :],
+            other=0.0,
+        )
+        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_ptr.dtype.element_ty, QUANTIZE)
+    out = tl.sum(acc, axis=1)
+    if QUANTIZE:
+        out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, QUANTIZE: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] float32: the inputs x[ks] (quantized to e4m3 when QUANTIZE) times
+    the weight tile w."""
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    if QUANTIZE:
+        x = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(w_dtype).to(tl.float32)
+    return x[None, :] * w.to(tl.float32)
+
+
+def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): for e4m3 the fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's
+    shapes (fewer, longer rows per program where N is small); a wider element halves BLOCK_K
+    so a tile holds the same bytes."""
+    block_n = 8 if n <= 4096 else 16
+    block_k = (1024 if n <= 4096 else 512) // weight_bytes
+    return block_n, min(block_k, triton.next_power_of_2(k))
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype. An
+    e4m3 weight takes its scales [N, 1] and the row is quantized inside (or with the static
+    per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m == 1
+    assert x.is_contiguous()
+    assert weight.is_contiguous()
+    quantize = weight.dtype == FP8
+    assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
+    block_n, block_k = gemv_tiles(n, k, weight.element_size())
+    warps, stages = 4, 3
+    if tiles is not None:
+        block_n, block_k, warps, stages = tiles
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = dependent_launch_args(x.device)
+    placeholder = weight_scale if weight_scale is not None else out
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, placeholder, x_scale if x_scale is not None else placeholder,
+        bias if bias is not None else placeholder, out, n, k, FP8_MAX, _MIN_SCALE,
+        QUANTIZE=quantize, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, **pdl, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,42 @@
+"""The one-row Triton GEMV over bf16/fp16-style weights (engine/layers/triton_gemv.py) in the
+interpreter, against F.linear: float32 and float16, a shape no tile divides, with and without a
+bias. (Its e4m3 form: tests/unit/engine/quantization/test_fp8_linear.py; at real shapes on
+the GPU: tests/gpu/test_dependent_launch_cuda.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kvfleet.engine.layers.linear import Linear
+from kvfleet.engine.layers.triton_gemv import gemv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(1, 200, generator=generator).to(dtype)
+    out = gemv(x, weight, bias=bias, tiles=(16, 64, 4, 3))
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_scales_go_with_e4m3_weights_only() -> None:
+    with pytest.raises(AssertionError, match="e4m3"):
+        gemv(torch.ones(1, 8), torch.ones(4, 8), torch.ones(4, 1))
+
+
+def test_the_linear_layer_keeps_cublas_off_hopper() -> None:
+    """On the CPU (and any device that does not launch dependent) the layer is nn.Linear."""
+    layer = Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(1, 8, dtype=torch.bfloat16)
+    assert not layer.uses_triton_gemv(x)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
