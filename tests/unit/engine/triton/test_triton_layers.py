@@ -147,3 +147,45 @@ def test_rms_norm_over_each_head_of_a_strided_view(
         out = triton_layers.rms_norm_heads(q, norm.weight, 1e-6, offset)
     assert out.is_contiguous()
     assert (out.float() - expected.float()).abs().max() < tolerance
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_q_and_k_norms_fused_into_rope_and_the_kv_write(
+    dtype: torch.dtype, tolerance: float, offset: bool
+) -> None:
+    """The q/k norms (Qwen3's; Gemma 3's, times 1 + w) inside the RoPE + cache write kernel
+    give what rms_norm_heads before it gives: q normalized then rotated in place, k normalized
+    and rotated into the cache, k itself unchanged."""
+    from kvfleet.engine.attention.triton_attention import write_kv_cache
+
+    gen = torch.Generator().manual_seed(8)
+    rotary = RotaryEmbedding(32, 256, 10000.0)
+    num_tokens, block_size = 6, 4
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    slots = torch.randperm(6 * block_size, generator=gen)[:num_tokens] + block_size
+    qkv = (torch.randn(num_tokens, 8 * 32, generator=gen) * 3).to(dtype)
+    q, k = qkv[:, :128].view(-1, 4, 32), qkv[:, 128:192].view(-1, 2, 32)
+    v = qkv[:, 192:].view(-1, 2, 32)
+    norms = [RMSNorm(32, 1e-6, offset=offset).to(dtype) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1 + 0.3 * torch.randn(32, generator=gen))
+    cos, sin = rotary.caches(torch.device("cpu"))
+
+    expected_q = triton_layers.rms_norm_heads(q, norms[0].weight, 1e-6, offset)
+    expected_k = triton_layers.rms_norm_heads(k, norms[1].weight, 1e-6, offset)
+    rotary_inplace(expected_q, positions, cos, sin)
+    rotary_inplace(expected_k, positions, cos, sin)
+    expected_cache = torch.zeros(2, 8, block_size, 2, 32, dtype=dtype)
+    write_kv_cache(expected_k, v, expected_cache, slots)
+
+    k_before = k.clone()
+    cache = torch.zeros_like(expected_cache)
+    qk_norm = triton_layers.QKNorm(norms[0].weight, norms[1].weight, 1e-6, offset)
+    with torch.no_grad():
+        triton_layers.rotary_and_write_kv(q, k, v, positions, cos, sin, cache, slots, None, qk_norm)
+    # (the squares summed in two halves, not one row: the last bit may differ, one step of dtype)
+    assert (q.float() - expected_q.float()).abs().max() <= tolerance * expected_q.abs().max()
+    assert (cache.float() - expected_cache.float()).abs().max() <= tolerance * 4
+    assert torch.equal(k, k_before)
