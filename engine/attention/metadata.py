@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
+    from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,13 @@ class AttentionLayer(abc.ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor:
-        """`forward` after rotating q and k (RoPE); a backend may do both in fewer kernels."""
+        """`forward` after normalizing each head of q and k by `qk_norms` (Qwen3, Gemma 3) and
+        rotating them (RoPE); a backend may do all of it in fewer kernels."""
+        if qk_norms is not None:
+            q, _ = qk_norms[0](q)
+            k, _ = qk_norms[1](k)
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v, kv_cache, metadata, kv_scales)
 

@@ -17,10 +17,10 @@ import triton.language as tl
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import decode_attention
 from kvfleet.engine.attention.triton_prompt import paged_attention
-from kvfleet.engine.layers.triton_layers import kv_cache_value, rotary_and_write_kv
+from kvfleet.engine.layers.triton_layers import QKNorm, kv_cache_value, rotary_and_write_kv
 
 if TYPE_CHECKING:
-    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
+    from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
 
 
 @triton.jit
@@ -112,13 +112,21 @@ class TritonAttention(AttentionLayer):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor:
-        """RoPE and the cache write in one kernel (where the rotary one is fused)."""
+        """The q/k norms, RoPE and the cache write in one kernel (where the rotary one is
+        fused)."""
         if not (rotary.fused and q.is_cuda):
-            return super().forward_rotary(rotary, positions, q, k, v, kv_cache, metadata, kv_scales)
+            return super().forward_rotary(
+                rotary, positions, q, k, v, kv_cache, metadata, kv_scales, qk_norms
+            )
         cos, sin = rotary.caches(q.device)
+        norm = None
+        if qk_norms is not None:
+            q_norm, k_norm = qk_norms
+            norm = QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
         rotary_and_write_kv(
-            q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping, kv_scales
+            q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping, kv_scales, norm
         )
         return self.attend_or_break(q, kv_cache, metadata, kv_scales)
 

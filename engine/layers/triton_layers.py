@@ -9,6 +9,8 @@ applied, each RoPE product and SiLU's output in the model dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,17 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorms of q and k (Qwen3, Gemma 3), for the kernels that apply them."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
+    offset: bool  # times (1 + weight) (Gemma)
+
 
 # Warps of the norm kernels: the fused all-reduce + norm (engine/parallel/triton_peer.py) uses
 # the same, so both reduce a row's squares in the same order (the same bits).
@@ -245,6 +258,23 @@ def kv_cache_value(x, kv_scales_ptr, part: tl.constexpr, cache_ptr, FP8: tl.cons
 
 
 @triton.jit
+def _normed_halves(
+    x1, x2, weight_ptr, d, eps, HALF: tl.constexpr, OFFSET: tl.constexpr, dtype: tl.constexpr
+):
+    """RMSNorm over each row of [x1 | x2] (one head's two halves, float32 [heads, HALF]),
+    rounded where `rms_normalize` rounds: the normalized values in `dtype`, then times the
+    weight, in `dtype` (OFFSET: times 1 + weight in float32, rounded once); float32 out."""
+    squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    rstd = tl.rsqrt(squares * (1.0 / (2 * HALF)) + eps)[:, None]
+    w1 = tl.load(weight_ptr + d).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
+    if OFFSET:
+        return _rounded(x1 * rstd * (1.0 + w1), dtype), _rounded(x2 * rstd * (1.0 + w2), dtype)
+    n1 = _rounded(w1 * _rounded(x1 * rstd, dtype), dtype)
+    return n1, _rounded(w2 * _rounded(x2 * rstd, dtype), dtype)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
     k_ptr,  # [num_tokens, num_kv_heads, head_dim], read only: rotated into the cache
@@ -256,6 +286,8 @@ def _rotary_write_kv_kernel(
     positions_ptr,  # [num_tokens] int64
     slot_mapping_ptr,  # [num_tokens] int64
     kv_scales_ptr,  # [2] float32 (an FP8 cache's K and V scales)
+    q_norm_ptr,  # [head_dim]: q's per-head RMSNorm weight (QK_NORM)
+    k_norm_ptr,  # [head_dim]
     stride_qt,
     stride_qh,
     stride_kt,
@@ -267,11 +299,14 @@ def _rotary_write_kv_kernel(
     stride_ch,
     num_heads,
     num_kv_heads,
+    eps,  # the q/k norms' (QK_NORM)
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    QK_NORM: tl.constexpr,  # each head of q and k RMS-normalized first (Qwen3, Gemma 3)
+    OFFSET: tl.constexpr,  # those norms times (1 + weight) (Gemma)
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     token = tl.program_id(0)
@@ -287,6 +322,8 @@ def _rotary_write_kv_kernel(
     mask = heads < num_heads
     x1 = tl.load(q, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(q + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = _normed_halves(x1, x2, q_norm_ptr, d, eps, HALF, OFFSET, dtype)
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     tl.store(q, out1.to(dtype), mask=mask)
     tl.store(q + HALF, out2.to(dtype), mask=mask)
@@ -295,6 +332,8 @@ def _rotary_write_kv_kernel(
     k = k_ptr + token * stride_kt + kv_heads * stride_kh + d
     x1 = tl.load(k, mask=kv_mask, other=0.0).to(tl.float32)
     x2 = tl.load(k + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = _normed_halves(x1, x2, k_norm_ptr, d, eps, HALF, OFFSET, dtype)
     slot = tl.load(slot_mapping_ptr + token)
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_heads * stride_ch
     dest += d
@@ -320,10 +359,12 @@ def rotary_and_write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
+    qk_norm: QKNorm | None = None,
 ) -> None:
     """Rotate q in place and k, v into the cache, in one launch: the bits `rotary_inplace`
     then the attention's cache write give (k itself is left as it was). An FP8 cache takes
-    k and v divided by `kv_scales`."""
+    k and v divided by `kv_scales`. `qk_norm`: each head of q and k RMS-normalized first, as
+    `rms_norm_heads` would (the normalized q is what is rotated in place)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
@@ -342,6 +383,8 @@ def rotary_and_write_kv(
         positions,
         slot_mapping,
         kv_scales if kv_scales is not None else cos,
+        qk_norm.q_weight if qk_norm is not None else cos,
+        qk_norm.k_weight if qk_norm is not None else cos,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -353,11 +396,14 @@ def rotary_and_write_kv(
         k_cache.stride(2),
         num_heads,
         num_kv_heads,
+        qk_norm.eps if qk_norm is not None else 0.0,
         HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        QK_NORM=qk_norm is not None,
+        OFFSET=qk_norm is not None and qk_norm.offset,
         **pdl,
     )
 

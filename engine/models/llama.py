@@ -112,15 +112,19 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        norms = None
         if self.q_norm is not None and self.k_norm is not None:
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
+            norms = (self.q_norm, self.k_norm)  # (the backend may fuse them into RoPE)
         if self.calibrate_kv and num_tokens > 1:  # (a prompt; K's amax before RoPE: headroom)
+            if norms is not None:
+                q, _ = norms[0](q)
+                k, _ = norms[1](k)
+                norms = None
             amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
             self.kv_scales.copy_(amax.clamp_min(KV_CALIBRATION_RANGE * 1e-6) / KV_CALIBRATION_RANGE)
             self.calibrate_kv = False
         out = self.backend.forward_rotary(
-            self.rotary, positions, q, k, v, kv_cache, metadata, self.kv_scales
+            self.rotary, positions, q, k, v, kv_cache, metadata, self.kv_scales, norms
         )
         return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
 

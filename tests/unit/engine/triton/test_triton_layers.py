@@ -100,34 +100,65 @@ def test_rotary_layer_rotates_q_and_k_of_one_qkv_buffer_together(
     assert launches[1:] == [(5, 4, 32), (5, 2, 32)]
 
 
+BLOCK = 4  # (cache block size of the RoPE + cache write tests)
+
+
+def _rope_step(seed: int, dtype: torch.dtype, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """q, k, v (4, 2, 2 heads of 32) as views of one fused QKV output, with positions, slots
+    (past the null block) and the rotary tables, for a few tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = 7
+    cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))
+    qkv = (torch.randn(num_tokens, 8 * 32, generator=gen) * scale).to(dtype)
+    return {
+        "q": qkv[:, :128].view(-1, 4, 32),
+        "k": qkv[:, 128:192].view(-1, 2, 32),
+        "v": qkv[:, 192:].view(-1, 2, 32),
+        "positions": torch.randint(0, 256, (num_tokens,), generator=gen),
+        "slots": torch.randperm(6 * BLOCK, generator=gen)[:num_tokens] + BLOCK,
+        "cos": cos,
+        "sin": sin,
+    }
+
+
+def _rotated_and_written(
+    step: dict[str, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused path: q and k rotated in place (rotary_inplace), then written with v into a
+    fresh cache by write_kv_cache; (q, the cache)."""
+    from kvfleet.engine.attention.triton_attention import write_kv_cache
+
+    rotary_inplace(q, step["positions"], step["cos"], step["sin"])
+    rotary_inplace(k, step["positions"], step["cos"], step["sin"])
+    cache = torch.zeros(2, 8, BLOCK, 2, 32, dtype=q.dtype)
+    write_kv_cache(k, step["v"], cache, step["slots"])
+    return q, cache
+
+
+def _rotary_and_write_kv(
+    step: dict[str, torch.Tensor], qk_norm: triton_layers.QKNorm | None = None
+) -> torch.Tensor:
+    """The fused kernel on the step (q rotated in place): the cache it fills."""
+    cache = torch.zeros(2, 8, BLOCK, 2, 32, dtype=step["q"].dtype)
+    with torch.no_grad():
+        triton_layers.rotary_and_write_kv(
+            step["q"], step["k"], step["v"], step["positions"], step["cos"], step["sin"],
+            cache, step["slots"], None, qk_norm,
+        )  # fmt: skip
+    return cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rotary_and_kv_write_in_one_kernel_equal_the_two(dtype: torch.dtype) -> None:
     """The fused RoPE + cache write gives the bits of rotary_inplace then write_kv_cache (q
     rotated in place; rotated k and v in the cache at each token's slot; k itself unchanged)."""
-    from kvfleet.engine.attention.triton_attention import write_kv_cache
-
-    gen = torch.Generator().manual_seed(4)
-    rotary = RotaryEmbedding(32, 256, 10000.0)
-    num_tokens, block_size = 7, 4
-    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
-    slots = torch.randperm(6 * block_size, generator=gen)[:num_tokens] + block_size
-    qkv = torch.randn(num_tokens, 8 * 32, generator=gen).to(dtype)  # 4 q, 2 k, 2 v heads
-    views = (qkv[:, :128].view(-1, 4, 32), qkv[:, 128:192].view(-1, 2, 32), qkv[:, 192:])
-    q, k, v = views[0], views[1], views[2].view(-1, 2, 32)
-    cos, sin = rotary.caches(torch.device("cpu"))
-
-    expected_q, expected_k = q.clone(), k.clone()
-    rotary_inplace(expected_q, positions, cos, sin)
-    rotary_inplace(expected_k, positions, cos, sin)
-    expected_cache = torch.zeros(2, 8, block_size, 2, 32, dtype=dtype)
-    write_kv_cache(expected_k, v, expected_cache, slots)
-
-    k_before = k.clone()
-    cache = torch.zeros_like(expected_cache)
-    triton_layers.rotary_and_write_kv(q, k, v, positions, cos, sin, cache, slots)
-    assert torch.equal(q, expected_q)
+    step = _rope_step(4, dtype)
+    expected_q, expected_cache = _rotated_and_written(step, step["q"].clone(), step["k"].clone())
+    k_before = step["k"].clone()
+    cache = _rotary_and_write_kv(step)
+    assert torch.equal(step["q"], expected_q)
     assert torch.equal(cache, expected_cache)
-    assert torch.equal(k, k_before)
+    assert torch.equal(step["k"], k_before)
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
@@ -147,3 +178,33 @@ def test_rms_norm_over_each_head_of_a_strided_view(
         out = triton_layers.rms_norm_heads(q, norm.weight, 1e-6, offset)
     assert out.is_contiguous()
     assert (out.float() - expected.float()).abs().max() < tolerance
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_q_and_k_norms_fused_into_rope_and_the_kv_write(
+    dtype: torch.dtype, tolerance: float, offset: bool
+) -> None:
+    """The q/k norms (Qwen3's; Gemma 3's, times 1 + w) inside the RoPE + cache write kernel
+    give what rms_norm_heads before it gives: q normalized then rotated in place, k normalized
+    and rotated into the cache, k itself unchanged."""
+    step = _rope_step(8, dtype, scale=3.0)
+    gen = torch.Generator().manual_seed(9)
+    norms = [RMSNorm(32, 1e-6, offset=offset).to(dtype) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1 + 0.3 * torch.randn(32, generator=gen))
+        expected_q, expected_cache = _rotated_and_written(
+            step,
+            triton_layers.rms_norm_heads(step["q"], norms[0].weight, 1e-6, offset),
+            triton_layers.rms_norm_heads(step["k"], norms[1].weight, 1e-6, offset),
+        )
+    k_before = step["k"].clone()
+    cache = _rotary_and_write_kv(
+        step, triton_layers.QKNorm(norms[0].weight, norms[1].weight, 1e-6, offset)
+    )
+    # (the squares summed in two halves, not one row: the last bit may differ, one step of dtype)
+    q = step["q"]
+    assert (q.float() - expected_q.float()).abs().max() <= tolerance * expected_q.abs().max()
+    assert (cache.float() - expected_cache.float()).abs().max() <= tolerance * 4
+    assert torch.equal(step["k"], k_before)
