@@ -129,10 +129,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.is_cuda:
-            from kvfleet.engine.layers.triton_moe import fused_experts, route_fused
+            from kvfleet.engine.layers.triton_moe import fused_moe
 
-            weights, ids = route_fused(self.gate(x), self.top_k, self.renormalize)
-            return fused_experts(x, self.w13, self.w2, weights, ids)
+            return fused_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return experts_reference(x, self.w13, self.w2, weights, ids)
 

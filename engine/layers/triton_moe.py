@@ -26,6 +26,39 @@ from kvfleet.engine.layers.moe import max_padded_rows
 
 
 @triton.jit
+def _route_rows(
+    logits_ptr, weights_ptr, ids_ptr, tokens, token_ok, num_experts, stride_l,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """`moe.route` for the tokens [T] (each row one token): softmax in float32, the top k
+    (highest first), rescaled; the weights and ids stored."""
+    offs = tl.arange(0, E_PAD)[None, :]
+    logits = tl.load(
+        logits_ptr + tokens[:, None] * stride_l + offs,
+        mask=token_ok[:, None] & (offs < num_experts),
+        other=float("-inf"),
+    ).to(tl.float32)
+    logits = tl.where(token_ok[:, None], logits, 0.0)  # (no -inf rows: no NaNs, not stored)
+    probs = tl.exp(logits - tl.max(logits, 1)[:, None])
+    probs = probs / tl.sum(probs, 1)[:, None]
+    slots = tl.arange(0, K_PAD)[None, :]
+    weights = tl.zeros([probs.shape[0], K_PAD], dtype=tl.float32)
+    ids = tl.zeros([probs.shape[0], K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 1)[:, None]
+        chosen = tl.min(tl.where(probs == best, offs, E_PAD), 1)[:, None]
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, chosen, ids)
+        probs = tl.where(offs == chosen, -1.0, probs)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 1)[:, None]
+    at = tokens[:, None] * TOP_K + slots
+    ok = token_ok[:, None] & (slots < TOP_K)
+    tl.store(weights_ptr + at, weights, mask=ok)
+    tl.store(ids_ptr + at, ids, mask=ok)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,  # [num_tokens, E]
     weights_ptr,  # [num_tokens, TOP_K] float32
@@ -38,29 +71,14 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
-    """`moe.route` for one token: softmax in float32, the top k (highest first), rescaled."""
-    token = tl.program_id(0)
+    """`moe.route` for one token."""
+    token = tl.program_id(0) + tl.arange(0, 1)
     let_next_start(PDL)
     wait_for_previous(PDL)
-    offs = tl.arange(0, E_PAD)
-    logits = tl.load(
-        logits_ptr + token * stride_l + offs, mask=offs < num_experts, other=float("-inf")
-    ).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, 0))
-    probs = probs / tl.sum(probs, 0)
-    slots = tl.arange(0, K_PAD)
-    weights = tl.zeros([K_PAD], dtype=tl.float32)
-    ids = tl.zeros([K_PAD], dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 0)
-        chosen = tl.min(tl.where(probs == best, offs, E_PAD), 0)
-        weights = tl.where(slots == j, best, weights)
-        ids = tl.where(slots == j, chosen, ids)
-        probs = tl.where(offs == chosen, -1.0, probs)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)
-    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, token, token >= 0, num_experts, stride_l,
+        TOP_K, K_PAD, E_PAD, RENORMALIZE,
+    )  # fmt: skip
 
 
 def route_fused(
@@ -89,24 +107,41 @@ def route_fused(
 
 @triton.jit
 def _align_kernel(
-    ids_ptr,  # [num_rows] expert of each (token, choice) row
+    ids_ptr,  # [num_rows] expert of each (token, choice) row (ROUTE: written here first)
     sorted_rows_ptr,  # [max_padded] int32, out
     run_ends_ptr,  # [E] int32, out: the end of each expert's padded run
     scratch_ptr,  # [2, E_PAD] int32: rows per expert, then each run's start; rows placed
+    logits_ptr,  # [num_tokens, E] (ROUTE)
+    weights_ptr,  # [num_tokens, TOP_K] float32, out (ROUTE)
     num_rows,
     num_experts,
     max_padded,
+    num_tokens,
+    stride_l,
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    ROUTE: tl.constexpr,  # route the (at most T_PAD) tokens first, in this program
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    T_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     """`align_rows` in one program (no sort): count each expert's rows, pad and place the runs,
     then drop each row at its run's start plus a slot taken atomically. The order of rows
     within a run is arbitrary; no row's result depends on it. (Atomics relaxed, scoped to the
-    program: the barriers order them. On the H100 at 8 to 16k rows: 2-41 us.)"""
+    program: the barriers order them. On the H100 at 8 to 16k rows: 2-41 us.) ROUTE (a decode
+    step's few tokens): `route` first, all tokens as one block, one launch fewer a layer."""
     let_next_start(PDL)
     wait_for_previous(PDL)
+    if ROUTE:
+        tokens = tl.arange(0, T_PAD)
+        _route_rows(
+            logits_ptr, weights_ptr, ids_ptr, tokens, tokens < num_tokens, num_experts,
+            stride_l, TOP_K, K_PAD, E_PAD, RENORMALIZE,
+        )  # fmt: skip
+        tl.debug_barrier()  # (the ids written, seen by every thread of the program)
     experts = tl.arange(0, E_PAD)
     counts_ptr = scratch_ptr
     cursor_ptr = scratch_ptr + E_PAD
@@ -140,10 +175,40 @@ def _align_kernel(
         tl.store(sorted_rows_ptr + run_start + slot, rows, mask=mask)
 
 
+# Steps of at most this many tokens route inside the grouping kernel (`route_and_align_fused`;
+# a power of two).
+ROUTE_IN_ALIGN_TOKENS = 16
+
+
 def align_rows_fused(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_rows` in one kernel launch (each run's rows in an arbitrary order)."""
+    sorted_rows, run_ends, _ = _align(ids, num_experts, block_m, None)
+    return sorted_rows, run_ends
+
+
+def route_and_align_fused(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route` then `align_rows` in one launch, for at most ROUTE_IN_ALIGN_TOKENS tokens:
+    (weights, ids, sorted rows, run ends)."""
+    num_tokens, num_experts = router_logits.shape
+    assert num_tokens <= ROUTE_IN_ALIGN_TOKENS
+    device = router_logits.device
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    sorted_rows, run_ends, weights = _align(ids, num_experts, block_m, (router_logits, renormalize))
+    assert weights is not None
+    return weights, ids, sorted_rows, run_ends
+
+
+def _align(
+    ids: torch.Tensor,  # [num_tokens, top_k]: read, or (route) written
+    num_experts: int,
+    block_m: int,
+    route: tuple[torch.Tensor, bool] | None,  # (router logits, renormalize): route first
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    num_tokens, top_k = ids.shape if ids.dim() == 2 else (ids.numel(), 1)
     num_rows = ids.numel()
     size = max_padded_rows(num_rows, num_experts, block_m)
     device = ids.device
@@ -151,22 +216,36 @@ def align_rows_fused(
     run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(num_experts)
     scratch = torch.empty(2, e_pad, dtype=torch.int32, device=device)
+    weights = None
+    logits = scratch  # (a stand-in, never read, unless routing)
+    if route is not None:
+        logits = route[0]
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     pdl = dependent_launch_args(device)
     _align_kernel[(1,)](
         ids,
         sorted_rows,
         run_ends,
         scratch,
+        logits,
+        weights if weights is not None else scratch,
         num_rows,
         num_experts,
         size,
+        num_tokens,
+        logits.stride(0),
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=256,
+        ROUTE=route is not None,
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        T_PAD=ROUTE_IN_ALIGN_TOKENS,  # (one compiled variant for any step)
+        RENORMALIZE=route is not None and route[1],
         **pdl,
         num_warps=8,
     )
-    return sorted_rows, run_ends
+    return sorted_rows, run_ends, weights
 
 
 @triton.jit
@@ -327,6 +406,28 @@ def block_m_for(num_rows: int, num_experts: int) -> int:
 GEMM_TILES = {16: (32, 128, 4, 4), 32: (64, 128, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}
 
 
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    router_logits: torch.Tensor,  # [num_tokens, E]
+    w13: torch.Tensor,  # [E, 2 * inner, hidden]
+    w2: torch.Tensor,  # [E, hidden, inner]
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The layer's experts for each token's top k: a step of at most ROUTE_IN_ALIGN_TOKENS
+    tokens (decode) is routed inside the grouping kernel, a larger one by the routing kernel
+    (a program per token) first."""
+    num_tokens = x.shape[0]
+    if num_tokens == 0 or num_tokens > ROUTE_IN_ALIGN_TOKENS:
+        weights, ids = route_fused(router_logits, top_k, renormalize)
+        return fused_experts(x, w13, w2, weights, ids)
+    block_m = block_m_for(num_tokens * top_k, w2.shape[0])
+    weights, _, sorted_rows, run_ends = route_and_align_fused(
+        router_logits, top_k, renormalize, block_m
+    )
+    return _grouped_experts(x, w13, w2, weights, sorted_rows, run_ends, top_k, block_m)
+
+
 def fused_experts(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [E, 2 * inner, hidden]
@@ -334,14 +435,31 @@ def fused_experts(
     weights: torch.Tensor,  # [num_tokens, top_k] float32
     ids: torch.Tensor,  # [num_tokens, top_k]
 ) -> torch.Tensor:  # [num_tokens, hidden]
+    """The experts `ids` chose, weighted by `weights`, summed per token."""
     num_tokens, top_k = ids.shape
+    num_experts, hidden, _ = w2.shape
+    if num_tokens == 0:
+        return x.new_zeros(0, hidden)
+    block_m = block_m_for(num_tokens * top_k, num_experts)
+    sorted_rows, run_ends = align_rows_fused(ids, num_experts, block_m)
+    return _grouped_experts(x, w13, w2, weights, sorted_rows, run_ends, top_k, block_m)
+
+
+def _grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,  # [num_tokens, top_k] float32
+    sorted_rows: torch.Tensor,  # [max_padded] int32 (`align_rows`)
+    run_ends: torch.Tensor,  # [E] int32
+    top_k: int,
+    block_m: int,
+) -> torch.Tensor:
+    """The two grouped GEMMs over rows grouped by expert, then each token's sum."""
+    num_tokens = x.shape[0]
     num_experts, hidden, inner = w2.shape
     assert x.stride(1) == w13.stride(2) == w2.stride(2) == 1, "feature dims must be contiguous"
     num_rows = num_tokens * top_k
-    if num_tokens == 0:
-        return x.new_zeros(0, hidden)
-    block_m = block_m_for(num_rows, num_experts)
-    sorted_rows, run_ends = align_rows_fused(ids, num_experts, block_m)
     num_blocks = sorted_rows.shape[0] // block_m
     block_n, block_k, warps, stages = GEMM_TILES[block_m]
     pdl = dependent_launch_args(x.device)

@@ -23,9 +23,11 @@ from kvfleet.engine.layers.moe import (  # noqa: E402
     route,
 )
 from kvfleet.engine.layers.triton_moe import (  # noqa: E402
+    ROUTE_IN_ALIGN_TOKENS,
     align_rows_fused,
     block_m_for,
     fused_experts,
+    route_and_align_fused,
     route_fused,
 )
 from kvfleet.engine.llm import LLM  # noqa: E402
@@ -61,7 +63,7 @@ def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: in
     assert relative < 1e-2, relative
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 256, 2048])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256, 2048])
 def test_one_program_routes_and_groups_as_the_torch_ops_do(num_tokens: int) -> None:
     """The router kernel and the one-program grouping (relaxed atomics, barriers) on the GPU,
     at Qwen3-30B-A3B's 128 experts, top 8."""
@@ -75,6 +77,12 @@ def test_one_program_routes_and_groups_as_the_torch_ops_do(num_tokens: int) -> N
     fused = align_rows_fused(ids, 128, block_m)
     assert torch.equal(fused[1], expected[1])
     assert torch.equal(by_run(*fused), by_run(*expected))
+    if num_tokens <= ROUTE_IN_ALIGN_TOKENS:  # (a decode step: routed in the grouping kernel)
+        routed = route_and_align_fused(logits, 8, True, block_m)
+        assert torch.equal(routed[1], ids)
+        assert torch.allclose(routed[0], weights, atol=1e-6)
+        assert torch.equal(routed[3], expected[1])
+        assert torch.equal(by_run(routed[2], routed[3]), by_run(*expected))
 
 
 # Gemma 2 9B's shape (not shipped): soft-capped attention and logits, a window every other layer

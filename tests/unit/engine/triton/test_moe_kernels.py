@@ -13,9 +13,12 @@ pytest.importorskip("triton")
 
 from kvfleet.engine.layers.moe import align_rows, experts_reference, max_padded_rows, route
 from kvfleet.engine.layers.triton_moe import (
+    ROUTE_IN_ALIGN_TOKENS,
     align_rows_fused,
     block_m_for,
     fused_experts,
+    fused_moe,
+    route_and_align_fused,
     route_fused,
 )
 
@@ -104,3 +107,38 @@ def test_router_renormalizes_only_when_asked() -> None:
     assert torch.allclose(weights[0], probs[:2])
     weights, _ = route(logits, 2, renormalize=True)
     assert torch.allclose(weights[0], probs[:2] / probs[:2].sum())
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k"), [(1, 128, 8), (5, 6, 3), (16, 8, 2)]
+)
+def test_routing_inside_the_grouping_kernel_equals_the_two(
+    num_tokens: int, num_experts: int, top_k: int
+) -> None:
+    """A decode step's few tokens routed in the grouping kernel's one program: the experts and
+    weights of `route`, then `align_rows`'s runs (rows in any order within a run)."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(9))
+    block_m = block_m_for(num_tokens * top_k, num_experts)
+    for renormalize in (False, True):
+        weights, ids = route(logits, top_k, renormalize)
+        fused = route_and_align_fused(logits, top_k, renormalize, block_m)
+        assert torch.equal(fused[1], ids)
+        assert torch.allclose(fused[0], weights, atol=1e-6)
+        expected = align_rows(ids, num_experts, block_m)
+        assert torch.equal(fused[3], expected[1])
+        assert torch.equal(by_run(fused[2], fused[3]), by_run(*expected))
+
+
+@pytest.mark.parametrize("num_tokens", [1, ROUTE_IN_ALIGN_TOKENS, ROUTE_IN_ALIGN_TOKENS + 1])
+def test_the_layer_path_matches_the_reference_either_side_of_the_routing_switch(
+    num_tokens: int,
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(num_tokens, 32, generator=gen)
+    w13 = torch.randn(8, 2 * 24, 32, generator=gen) / 32**0.5
+    w2 = torch.randn(8, 32, 24, generator=gen) / 24**0.5
+    logits = torch.randn(num_tokens, 8, generator=gen)
+    weights, ids = route(logits, 2, renormalize=True)
+    expected = experts_reference(x, w13, w2, weights, ids)
+    out = fused_moe(x, logits, w13, w2, 2, renormalize=True)
+    assert (out - expected).abs().max() < 1e-5
