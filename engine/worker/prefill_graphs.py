@@ -37,6 +37,10 @@ from kvfleet.engine.models.llama import LlamaAttention, LlamaDecoderLayer, Llama
 logger = logging.getLogger(__name__)
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
+# Above the last of BUCKETS, every multiple of this up to `max_tokens`: a 1,024-token prompt
+# beside a few decodes padded to 2,048 tokens cost twice its matmuls (online TTFT p50 62 against
+# 44 ms eager, H100, bench/RESULTS.md 2026-11-28 session 21).
+LARGE_BUCKET_STEP = 256
 
 
 @dataclass
@@ -66,6 +70,13 @@ def prefill_graph_bytes(model: LlamaForCausalLM, max_tokens: int, dtype: torch.d
     return 2 * config.num_hidden_layers * per_layer * dtype.itemsize
 
 
+def buckets(max_tokens: int) -> list[int]:
+    """The token counts captured for steps of up to `max_tokens` prompt tokens (each step pads
+    to the first that holds it)."""
+    large = range(BUCKETS[-1] + LARGE_BUCKET_STEP, max_tokens, LARGE_BUCKET_STEP)
+    return [b for b in (*BUCKETS, *large) if b < max_tokens] + [max_tokens]
+
+
 class PrefillGraphs:
     def __init__(
         self,
@@ -76,7 +87,7 @@ class PrefillGraphs:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.buckets = [b for b in BUCKETS if b < max_tokens] + [max_tokens]
+        self.buckets = buckets(max_tokens)
         self.max_tokens = max_tokens
         self.device = device
         self.attentions = _attentions(model)

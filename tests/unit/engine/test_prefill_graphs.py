@@ -16,7 +16,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.worker.model_runner import ModelRunner
-from kvfleet.engine.worker.prefill_graphs import PrefillGraphs
+from kvfleet.engine.worker.prefill_graphs import PrefillGraphs, buckets
 from kvfleet.engine.worker.setup import load_rank_model, resolve_setup
 
 BLOCK = 16
@@ -94,6 +94,14 @@ def test_a_forward_in_pieces_equals_the_plain_forward(runner: ModelRunner) -> No
             assert torch.equal(cache[:, 1:], plain[:, 1:])
     for attention in graphs.attentions:
         assert attention.backend.graph_break is None
+
+
+def test_buckets_pad_a_large_step_by_less_than_a_step_of_them() -> None:
+    assert buckets(32) == [16, 32]
+    assert buckets(100) == [16, 32, 64, 100]
+    assert buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert buckets(1100) == [16, 32, 64, 128, 256, 512, 768, 1024, 1100]
 
 
 def test_steps_it_cannot_replay_run_eagerly(runner: ModelRunner) -> None:
