@@ -5,7 +5,11 @@
 
 Streams `/v1/completions` with prompts given as token ids (random, seeded; no tokenizer needed,
 so a `--load-format dummy` server works) and `ignore_eos`, and records per request the time to
-the first token (TTFT), the gaps between later chunks (ITL) and the total (e2e).
+the first token (TTFT), the gaps between later chunks (ITL) and the total (e2e). Where the server
+exports Prometheus metrics (ours, vLLM), the report's `engine` gives the means of its own
+histograms over the measured requests (TTFT from the request's arrival in the engine to its
+first token, the wait before it was first scheduled): the client's TTFT less the engine's is
+HTTP and streaming.
 
 Modes:
 - `random`: Poisson arrivals at `--request-rate` (all at once if inf), capped by
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.bench.report import emit
 from kvfleet.bench.workload import parse_range
@@ -116,6 +121,17 @@ class Client:
                 raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
             await asyncio.sleep(0.5)
 
+    async def histogram_totals(self) -> dict[str, tuple[float, float]]:
+        """(sum, count) of each of ENGINE_HISTOGRAMS the server exports ({} where it exports
+        none)."""
+        try:
+            response = await self.http.get("/metrics")
+        except httpx.HTTPError:
+            return {}
+        if response.status_code != 200:
+            return {}
+        return histogram_totals(response.text)
+
     async def first_model(self) -> str:
         response = await self.http.get("/v1/models")
         response.raise_for_status()
@@ -123,6 +139,48 @@ class Client:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+# The engine's own histograms (seconds), as named without their prefix (kvfleet: or vllm:).
+ENGINE_HISTOGRAMS = {
+    "ttft_ms_mean": "time_to_first_token_seconds",
+    "queue_ms_mean": "request_queue_time_seconds",
+}
+
+
+def histogram_totals(exposition: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each ENGINE_HISTOGRAMS metric in a Prometheus text exposition, summed
+    over its label sets, under our prefix or else vLLM's."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(exposition):
+        prefix, _, name = family.name.partition(":")
+        if prefix not in ("kvfleet", "vllm") or name not in ENGINE_HISTOGRAMS.values():
+            continue
+        key = f"{prefix}:{name}"
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                total = totals.setdefault(key, [0.0, 0.0])
+                total[sample.name.endswith("_count")] += sample.value
+    chosen = {}
+    for name in ENGINE_HISTOGRAMS.values():
+        found = totals.get(f"kvfleet:{name}") or totals.get(f"vllm:{name}")
+        if found is not None:
+            chosen[name] = (found[0], found[1])
+    return chosen
+
+
+def engine_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """The mean (ms) of each engine histogram over what it observed between two scrapes."""
+    means = {}
+    for key, name in ENGINE_HISTOGRAMS.items():
+        if name in before and name in after:
+            total = after[name][0] - before[name][0]
+            count = after[name][1] - before[name][1]
+            if count > 0:
+                means[key] = round(total / count * 1e3, 2)
+    return means
 
 
 def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
@@ -215,10 +273,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         await _run_batch(client, [request() for _ in range(2)], float("inf"), None, rng)
         if args.mode == "random":
             requests = [request() for _ in range(args.num_prompts)]
+            before = await client.histogram_totals()
             results, elapsed = await _run_batch(
                 client, requests, args.request_rate, args.max_concurrency, rng
             )
             report |= summarize(results, elapsed)
+            report["engine"] = engine_means(before, await client.histogram_totals())
         elif args.mode == "shared-prefix":
             documents = [_tokens(rng, args.prefix_len, vocab) for _ in range(args.num_prefixes)]
             primers = [await client.complete(d + _tokens(rng, 8, vocab), 1) for d in documents]
@@ -227,10 +287,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             report["num_prefixes"] = args.num_prefixes
             # Questions take the documents in turn, so groups interleave.
             requests = [request(documents[i % len(documents)]) for i in range(args.num_prompts)]
+            before = await client.histogram_totals()
             results, elapsed = await _run_batch(
                 client, requests, args.request_rate, args.max_concurrency, rng
             )
             report |= summarize(results, elapsed)
+            report["engine"] = engine_means(before, await client.histogram_totals())
         else:
             report |= await _blocker(client, args, request, rng)
     finally:

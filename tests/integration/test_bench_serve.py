@@ -67,3 +67,7 @@ def test_bench_serve_modes(server: Server, tmp_path: Path, mode: str, extra: lis
         assert report["itl_p99_ratio"] > 0
     if mode == "shared-prefix":
         assert report["primer_ttft_ms"] > 0
+    if mode != "blocker":  # (the engine's own account: after the request reached it)
+        engine = report["engine"]
+        assert 0 < engine["ttft_ms_mean"] <= report["ttft_ms"]["mean"]
+        assert 0 <= engine["queue_ms_mean"] < engine["ttft_ms_mean"]
