@@ -17,6 +17,7 @@ import triton.language as tl
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import decode_attention
 from kvfleet.engine.attention.triton_prompt import paged_attention
+from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.triton_layers import QKNorm, kv_cache_value, rotary_and_write_kv
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def write_kv_cache(
         k_cache.stride(2),
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         FP8=kv_cache_is_fp8(kv_cache),
     )
 

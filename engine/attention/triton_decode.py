@@ -25,6 +25,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+from kvfleet.engine.layers.grid import next_power_of_2
 
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
@@ -293,9 +294,9 @@ def merge_splits(
         out.stride(1),
         num_heads,
         NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
         **pdl,
     )
 
@@ -327,7 +328,7 @@ def decode_attention(
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, metadata.max_seqlen_k, q.device)
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     partial_shape = (num_seqs, num_heads, num_splits)
     acc = q.new_empty((*partial_shape, head_dim), dtype=torch.float32)
     maxes = q.new_empty(partial_shape, dtype=torch.float32)
@@ -361,7 +362,7 @@ def decode_attention(
         out.stride(1),
         num_heads,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(16, next_power_of_2(group)),
         NUM_SPLITS=num_splits,
         MIN_SPLIT=_MIN_SPLIT_TOKENS if num_splits > 1 else 1,
         BLOCK_SIZE=block_size,

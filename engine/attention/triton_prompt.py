@@ -23,6 +23,7 @@ from kvfleet.engine.attention.triton_decode import (
     soft_cap,
     splits_to_fill,
 )
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
 # (no query longer than 16 tokens: decode rows, drafts), "chunks" (longer queries over less
@@ -266,7 +267,7 @@ def paged_attention(
         return out
     fp8 = kv_cache_is_fp8(kv_cache)
     block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata))
-    m_blocks = triton.cdiv(metadata.max_seqlen_q, block_m)
+    m_blocks = cdiv(metadata.max_seqlen_q, block_m)
     num_splits = (
         _forced_splits[-1]
         if _forced_splits
@@ -308,7 +309,7 @@ def paged_attention(
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

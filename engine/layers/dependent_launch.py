@@ -48,19 +48,30 @@ def _capable(index: int) -> bool:
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch dependent: a CUDA device of compute capability 9.0
     or later, unless the environment turns it off (ValueError for a value other than 0 or 1)."""
-    switch = os.environ.get(ENV_SWITCH, "1")
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _dependent(device.type, index, os.environ.get(ENV_SWITCH, "1"))
+
+
+@functools.cache
+def _dependent(kind: str, index: int | None, switch: str) -> bool:
+    # (cached: launchers ask at every launch, eager steps a few times a layer)
     if switch not in ("0", "1"):
         raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {switch!r}")
-    if device.type != "cuda" or switch == "0":
+    if kind != "cuda" or switch == "0":
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    assert index is not None
+    return _capable(index)
+
+
+_ARGS = {pdl: {"PDL": pdl, "launch_pdl": pdl} for pdl in (False, True)}
 
 
 def dependent_launch_args(device: torch.device) -> dict[str, bool]:
     """A PDL-aware kernel's launch arguments on `device`: its `PDL` constexpr and Triton's
-    `launch_pdl` option, set together."""
-    pdl = dependent_launch(device)
-    return {"PDL": pdl, "launch_pdl": pdl}
+    `launch_pdl` option, set together (one shared dict each: spread, never changed)."""
+    return _ARGS[dependent_launch(device)]
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 
 
@@ -93,7 +94,7 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
     so a tile holds the same bytes."""
     block_n = 8 if n <= 4096 else 16
     block_k = (1024 if n <= 4096 else 512) // weight_bytes
-    return block_n, min(block_k, triton.next_power_of_2(k))
+    return block_n, min(block_k, next_power_of_2(k))
 
 
 def gemv(
@@ -121,7 +122,7 @@ def gemv(
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_args(x.device)
     placeholder = weight_scale if weight_scale is not None else out
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, placeholder, x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, n, k, FP8_MAX, _MIN_SCALE,
         QUANTIZE=quantize, STATIC=x_scale is not None, HAS_BIAS=bias is not None,

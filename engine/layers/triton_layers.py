@@ -20,6 +20,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def add_rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         OFFSET=offset,
-        BLOCK=triton.next_power_of_2(hidden),
+        BLOCK=next_power_of_2(hidden),
         **pdl,
         num_warps=NORM_WARPS,
     )
@@ -189,7 +190,7 @@ def rms_norm_heads(
             head_dim,
             eps,
             OFFSET=offset,
-            BLOCK=triton.next_power_of_2(head_dim),
+            BLOCK=next_power_of_2(head_dim),
             **pdl,
         )
     return out
@@ -242,7 +243,7 @@ def rotary_inplace(
         x.stride(1),
         num_heads,
         HALF=head_dim // 2,
-        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_H=next_power_of_2(num_heads),
     )
 
 
@@ -398,8 +399,8 @@ def rotary_and_write_kv(
         num_kv_heads,
         qk_norm.eps if qk_norm is not None else 0.0,
         HALF=head_dim // 2,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_H=next_power_of_2(num_heads),
+        BLOCK_KV=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
         QK_NORM=qk_norm is not None,
@@ -444,9 +445,9 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
     if num_tokens == 0:
         return out
     assert gate_up.stride(1) == 1, "the feature dimension must be contiguous"
-    block = min(1024, triton.next_power_of_2(inner))
+    block = min(1024, next_power_of_2(inner))
     pdl = dependent_launch_args(gate_up.device)
-    _act_and_mul_kernel[(num_tokens, triton.cdiv(inner, block))](
+    _act_and_mul_kernel[(num_tokens, cdiv(inner, block))](
         gate_up,
         out,
         gate_up.stride(0),

@@ -22,6 +22,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.moe import max_padded_rows
 
 
@@ -97,8 +98,8 @@ def route_fused(
             num_experts,
             router_logits.stride(0),
             TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k),
-            E_PAD=triton.next_power_of_2(num_experts),
+            K_PAD=next_power_of_2(top_k),
+            E_PAD=next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
             **pdl,
         )
@@ -214,7 +215,7 @@ def _align(
     device = ids.device
     sorted_rows = torch.empty(size, dtype=torch.int32, device=device)
     run_ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     scratch = torch.empty(2, e_pad, dtype=torch.int32, device=device)
     weights = None
     logits = scratch  # (a stand-in, never read, unless routing)
@@ -239,7 +240,7 @@ def _align(
         CHUNK=256,
         ROUTE=route is not None,
         TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
+        K_PAD=next_power_of_2(top_k),
         T_PAD=ROUTE_IN_ALIGN_TOKENS,  # (one compiled variant for any step)
         RENORMALIZE=route is not None and route[1],
         **pdl,
@@ -464,7 +465,7 @@ def _grouped_experts(
     block_n, block_k, warps, stages = GEMM_TILES[block_m]
     pdl = dependent_launch_args(x.device)
     tiles = {
-        "E_PAD": triton.next_power_of_2(num_experts),
+        "E_PAD": next_power_of_2(num_experts),
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
@@ -474,7 +475,7 @@ def _grouped_experts(
         "num_stages": stages,
     }
     h = x.new_empty(num_rows, inner)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inner, block_n))](
+    _gate_up_kernel[(num_blocks, cdiv(inner, block_n))](
         x,
         w13,
         h,
@@ -492,7 +493,7 @@ def _grouped_experts(
         **tiles,
     )
     rows_out = x.new_empty(num_rows, hidden)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    _down_kernel[(num_blocks, cdiv(hidden, block_n))](
         h,
         w2,
         weights.flatten().float(),
@@ -510,8 +511,8 @@ def _grouped_experts(
         **tiles,
     )
     out = x.new_empty(num_tokens, hidden)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+    block = min(1024, next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, cdiv(hidden, block))](
         rows_out, out, hidden, TOP_K=top_k, BLOCK=block, **pdl
     )
     return out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.lora.ops import LoRABatch
 
 
@@ -162,13 +163,13 @@ def add_lora(
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     block_m = 16
-    m_blocks = triton.cdiv(num_tokens, block_m)
+    m_blocks = cdiv(num_tokens, block_m)
     # Split the input dimension while there are few tokens, so a decode step fills the GPU.
-    split_k = min(32, triton.cdiv(in_features, 512)) if num_tokens <= 256 else 1
+    split_k = min(32, cdiv(in_features, 512)) if num_tokens <= 256 else 1
     block_k = 64
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    block_r = min(64, max(16, triton.next_power_of_2(total_rank)))
-    r_blocks = triton.cdiv(total_rank, block_r)
+    k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
+    block_r = min(64, max(16, next_power_of_2(total_rank)))
+    r_blocks = cdiv(total_rank, block_r)
     partial = torch.empty((split_k, num_tokens, total_rank), dtype=torch.float32, device=x.device)
     _shrink_kernel[(max_loras, m_blocks, split_k * r_blocks)](
         x,
@@ -194,7 +195,7 @@ def add_lora(
     while any(w % block_n for w in widths):
         block_n //= 2
     assert block_n >= 16, f"slice widths {widths} need a common power-of-two divisor >= 16"
-    _expand_kernel[(max_loras, m_blocks, triton.cdiv(out.shape[1], block_n))](
+    _expand_kernel[(max_loras, m_blocks, cdiv(out.shape[1], block_n))](
         partial,
         lora_b,
         out,
@@ -211,6 +212,6 @@ def add_lora(
         NUM_SLICES=num_slices,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        BLOCK_R=max(16, next_power_of_2(max_rank)),
         DOT_PRECISION=precision,
     )

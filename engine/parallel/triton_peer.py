@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.triton_layers import NORM_WARPS, rms_normalize
 
 # Programs per launch of each lane, the fastest of a sweep (bench/allreduce.py; figures in
@@ -359,7 +360,7 @@ def _launch(
         WORLD=world_size,
         PROGRAMS=programs,
         HAS_RESIDUAL=residual is not None,
-        BLOCK=triton.next_power_of_2(hidden),
+        BLOCK=next_power_of_2(hidden),
         num_warps=NORM_WARPS,
     )
     return out, residual_out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+
 _BLOCK = 4096
 _LOW = 0xFFFFFFFF
 
@@ -74,8 +76,8 @@ def race(
         return out
     assert logits.dtype == torch.float32, "float32 logits"
     assert logits.stride(1) == 1, "contiguous columns"
-    block = min(_BLOCK, triton.next_power_of_2(num_columns))
-    _race_kernel[(rows, triton.cdiv(num_columns, block))](
+    block = min(_BLOCK, next_power_of_2(num_columns))
+    _race_kernel[(rows, cdiv(num_columns, block))](
         logits,
         logits.stride(0),
         temperature,

@@ -13,6 +13,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.triton_gemv import gemv
 
@@ -42,7 +43,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty((rows, cols), dtype=FP8, device=x.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        block = triton.next_power_of_2(cols)
+        block = next_power_of_2(cols)
         pdl = dependent_launch_args(x.device)
         _quantize_rows_kernel[(rows,)](
             x, out, scales, cols, x.stride(0), out.stride(0), FP8_MAX, _MIN_SCALE,
@@ -129,7 +130,7 @@ def block_fp8_matmul(
         return out
     block_m = 16 if m <= 16 else 64
     block_n = 64 if m <= 16 else 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     _block_fp8_matmul_kernel[grid](
         x_q, x_scale, w_q, w_scale, out, m, n, k,
         x_q.stride(0), x_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),

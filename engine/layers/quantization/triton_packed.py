@@ -33,6 +33,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
+from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.layers.quantization.packed import PackedWeights
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
@@ -282,7 +283,7 @@ def gemv_plan(
         block_k //= 2
     if tiles is None:
         steps = inputs // block_k
-    return block_n, block_k, steps, triton.cdiv(k, block_k * steps), warps
+    return block_n, block_k, steps, cdiv(k, block_k * steps), warps
 
 
 def gemm_plan(
@@ -291,18 +292,18 @@ def gemm_plan(
     """(BLOCK_M, BLOCK_N, R, STEPS, SPLIT, warps) of the slice GEMM for M rows and K inputs
     of `bits`-bit words; `tiles` (BLOCK_M, BLOCK_N, R, STEPS, warps) fixes them."""
     block_m, block_n, r, steps, warps = tiles or GEMM_TILES[16 if m <= 16 else 32]
-    return block_m, block_n, r, steps, triton.cdiv(k * bits // 32, r * steps), warps
+    return block_m, block_n, r, steps, cdiv(k * bits // 32, r * steps), warps
 
 
 def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, int]:
     """(partials, counters) a layer of N outputs and K inputs needs on either kernel."""
     block_n, _, _, split, _ = gemv_plan(k, group_size)
-    partials, counters = split * n, triton.cdiv(n, block_n)
+    partials, counters = split * n, cdiv(n, block_n)
     for m in range(2, FUSED_ROWS + 1):
         block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
-        m_blocks = triton.cdiv(m, block_m)
+        m_blocks = cdiv(m, block_m)
         partials = max(partials, gemm_split * m_blocks * block_m * n)
-        counters = max(counters, m_blocks * triton.cdiv(n, gemm_n))
+        counters = max(counters, m_blocks * cdiv(n, gemm_n))
     return partials, counters
 
 
@@ -317,10 +318,10 @@ def packed_gemv(
     k = x.shape[1]
     n = weights.qweight.shape[1]
     block_n, block_k, steps, split, warps = gemv_plan(k, weights.group_size, tiles)
-    space = shared_workspace(x.device, split * n, triton.cdiv(n, block_n))
+    space = shared_workspace(x.device, split * n, cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_args(x.device)
-    _packed_gemv_kernel[(triton.cdiv(n, block_n), split)](
+    _packed_gemv_kernel[(cdiv(n, block_n), split)](
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
@@ -337,7 +338,7 @@ def dequantize_triton(weights: PackedWeights, dtype: torch.dtype) -> torch.Tenso
     n = weights.qweight.shape[1]
     out = torch.empty((k, n), dtype=dtype, device=weights.qweight.device)
     block_k = 64
-    _dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, 128))](
+    _dequantize_kernel[(cdiv(k, block_k), cdiv(n, 128))](
         weights.qweight, weights.scales, weights.zeros, out, n, k, weights.group_size,
         BITS=weights.bits, BLOCK_N=128, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
@@ -360,7 +361,7 @@ def packed_gemm(
     xs = x.reshape(m, k // per, per).transpose(1, 2).contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n, r, steps, split, warps = gemm_plan(m, k, weights.bits, tiles)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    grid = (cdiv(m, block_m), cdiv(n, block_n), split)
     space = shared_workspace(x.device, split * grid[0] * block_m * n, grid[0] * grid[1])
     _packed_gemm_kernel[grid](
         xs, weights.qweight, weights.scales, weights.zeros,
