@@ -6,7 +6,9 @@ Llama-3-8B shape, dummy weights. A shared prefix is primed once; then, alternate
 of the prefix plus `--new-len` fresh tokens (hits) and of wholly fresh prompts of the same
 length (misses), one output token each: the wall time of each `generate` (its TTFT), the
 engine steps it took and their wall times, then a cProfile of a few hits (host time by
-function) and the GPU time of one hit's step (torch profiler), to tell host from device.
+function) and one hit under the torch profiler: its kernels, and its wall time split into the
+host's lead, GPU busy time, GPU gaps and tail (`bench/timeline.py`; `--trace FILE` writes the
+Chrome trace), to tell host from device.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvfleet.bench.timeline import profiled_wall
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--new-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--trace", help="write the profiled hit's Chrome trace here")
     parser.add_argument(
         "--prefill-graph-tokens", type=int, default=512, help="0: steps with prompt tokens eager"
     )
@@ -99,10 +103,15 @@ def main() -> None:
     profiler.disable()
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(35)
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate([prefix + fresh(args.new_len)], one)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function("hit"):
+            llm.generate([prefix + fresh(args.new_len)], one)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print(f"one hit, host and GPU (bench/timeline.py): {profiled_wall(prof, 'hit')}")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     llm.engine.close()
 
 
