@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from torch.profiler import DeviceType
 
 
 def split_wall(call: tuple[float, float], kernels: list[tuple[float, float]]) -> dict[str, float]:
@@ -47,7 +47,6 @@ def profiled_wall(prof: Any, label: str) -> dict[str, float]:
     kernels = [
         (e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA
-        and call.start <= e.time_range.start <= call.end
+        if e.device_type == DeviceType.CUDA and call.start <= e.time_range.start <= call.end
     ]
     return split_wall((call.start, call.end), kernels)
