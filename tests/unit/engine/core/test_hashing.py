@@ -23,3 +23,16 @@ def test_chain_and_extra_keys() -> None:
     assert hash_full_blocks([*tokens, 10, 11], 4, known=hashes) == hash_full_blocks(
         [*tokens, 10, 11], 4
     )
+
+
+def test_the_packed_chain_is_block_by_block_hashing() -> None:
+    tokens = [(7919 * i) % 128_256 for i in range(1_000)]
+    keys = ("lora:sql", "salt:é")
+    for extra in ((), keys):
+        parent, want = ROOT_HASH, []
+        for start in range(0, 992, 16):
+            parent = hash_block_tokens(parent, tokens[start : start + 16], extra)
+            want.append(parent)
+        assert hash_full_blocks(tokens, 16, extra) == want
+        assert hash_full_blocks(tokens, 16, extra, known=want[:10]) == want
+        assert hash_full_blocks(tokens[:15], 16, extra) == []
