@@ -22,8 +22,8 @@ from kvfleet.engine.layers import dependent_launch as pdl
 from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.packed import quantize_rtn
-from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
 from kvfleet.engine.layers.quantization.triton_packed import packed_gemv
+from kvfleet.engine.layers.triton_gemv import gemv
 from kvfleet.engine.layers.triton_layers import act_and_mul, add_rms_norm
 
 HIDDEN, INNER, LAYERS = 4096, 14336, 16
@@ -57,7 +57,7 @@ def main() -> None:
     norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
     kinds = {
         "bf16": (_bf16_layer, lambda x, layer: layer(x), lambda n, k: 2 * n * k),
-        "fp8": (quantize_rows, lambda x, w: fp8_gemv(x, *w), lambda n, k: n * k),
+        "fp8": (quantize_rows, lambda x, w: gemv(x, *w), lambda n, k: n * k),
         "int4": (
             lambda w: quantize_rtn(w, 128, torch.bfloat16),
             packed_gemv,

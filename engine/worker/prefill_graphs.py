@@ -32,6 +32,7 @@ import torch
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
+from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class PrefillGraphs:
     ) -> torch.Tensor:
         """The model's hidden states [num_tokens, hidden] for a step `can_run` takes."""
         n = input_ids.shape[0]
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        bucket = self._bucket(n)
         self._stage(input_ids, positions, metadata.slot_mapping, bucket)
         pieces = self.pieces[bucket]
         for graph, cut in zip(pieces.graphs, [*pieces.breaks, None], strict=True):
@@ -147,7 +148,7 @@ class PrefillGraphs:
         """The forward run eagerly the way the pieces split it (through the static buffers,
         attention at each break with `metadata`): what a replay computes."""
         n = input_ids.shape[0]
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        bucket = self._bucket(n)
         self._stage(input_ids, positions, metadata.slot_mapping, bucket)
 
         def attend_now(cut: _Break) -> None:
@@ -155,6 +156,9 @@ class PrefillGraphs:
 
         hidden, _ = self._forward_with_breaks(bucket, attend_now)
         return hidden[:n]
+
+    def _bucket(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
     def _stage(
         self,
@@ -216,7 +220,7 @@ class PrefillGraphs:
         logger.info("capturing CUDA graphs in pieces for steps of up to %d prompt tokens", bucket)
         # Warm up first, outside any capture: Triton compiles, cuBLAS picks its kernels. (One
         # prompt of `bucket` tokens, its K/V written into and read from the null block.)
-        width = -(-bucket // self.kv_caches[0].shape[2])
+        width = cdiv(bucket, self.kv_caches[0].shape[2])
         null = AttentionMetadata.one_prompt(
             torch.full((bucket,), NULL_BLOCK_ID, dtype=torch.int64, device=self.device),
             torch.full((width,), NULL_BLOCK_ID, dtype=torch.int32, device=self.device),

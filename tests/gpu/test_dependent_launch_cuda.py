@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 from kvfleet.engine.layers import dependent_launch as pdl  # noqa: E402
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows  # noqa: E402
 from kvfleet.engine.layers.quantization.packed import quantize_rtn  # noqa: E402
-from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv  # noqa: E402
 from kvfleet.engine.layers.quantization.triton_packed import packed_gemv  # noqa: E402
+from kvfleet.engine.layers.triton_gemv import gemv  # noqa: E402
 from kvfleet.engine.layers.triton_layers import act_and_mul, add_rms_norm  # noqa: E402
 
 HIDDEN, INNER, LAYERS = 4096, 14336, 4
@@ -127,7 +127,7 @@ def test_a_layer_chain_gives_the_same_bits_launched_dependent(
         layers = _fp8_layers()
 
         def linear(x: torch.Tensor, w: object) -> torch.Tensor:
-            return fp8_gemv(x, *w)  # type: ignore[misc]
+            return gemv(x, *w)  # type: ignore[misc]
     else:
         layers = _int4_layers()
         linear = packed_gemv
@@ -152,8 +152,6 @@ def test_a_layer_chain_gives_the_same_bits_launched_dependent(
 def test_the_bf16_gemv_matches_cublas(n: int, k: int) -> None:
     """The Triton GEMV the engine's `Linear` takes for one row of a bf16 weight, against
     F.linear in float32, beside cuBLAS's own bf16 result."""
-    from kvfleet.engine.layers.triton_gemv import gemv
-
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):

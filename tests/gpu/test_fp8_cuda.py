@@ -117,14 +117,14 @@ def test_fp8_decode_graphs_give_the_eager_tokens_on_smollm2(smollm2: Path) -> No
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_the_fused_gemv_matches_the_scaled_gemm(n: int, k: int) -> None:
-    from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+    from kvfleet.engine.layers.triton_gemv import gemv
 
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     for m in (1,):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for x_scale in (None, torch.tensor(0.01, device="cuda")):
-            got = fp8_gemv(x, weight, scale, bias, x_scale).float()
+            got = gemv(x, weight, scale, bias, x_scale).float()
             if x_scale is None:
                 x_q, x_s = quantize_rows(x)
             else:

@@ -198,9 +198,9 @@ class Fp8Linear(QuantizedLinear):
         bias = self.bias if with_bias else None
         if x2.is_cuda and x2.shape[0] == 1:
             # (decode of one sequence: one kernel quantizes the row and streams the weight)
-            from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemv
+            from kvfleet.engine.layers.triton_gemv import gemv
 
-            out = fp8_gemv(x2.contiguous(), self.weight, self.weight_scale, bias, self.input_scale)
+            out = gemv(x2.contiguous(), self.weight, self.weight_scale, bias, self.input_scale)
             return out.reshape(*shape[:-1], self.out_features)
         if self.input_scale is not None:
             x_scale = self.input_scale.expand(x2.shape[0], 1)

@@ -15,7 +15,6 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
-from kvfleet.engine.layers.triton_gemv import gemv
 
 
 @triton.jit
@@ -50,19 +49,6 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             BLOCK=block, **pdl, num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
     return out, scales
-
-
-def fp8_gemv(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    x_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One row x [1, K] (bf16/fp16/fp32; quantized to e4m3 inside, or with the static
-    per-tensor `x_scale`) times e4m3 w_q [N, K] with scales [N, 1]: [1, N] in x's dtype
-    (engine/layers/triton_gemv.py)."""
-    return gemv(x, w_q, w_scale, bias, x_scale)
 
 
 def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,6 +135,11 @@ def test_unknown_or_bad_keywords_are_refused() -> None:
         EngineConfig.from_kwargs("smollm2", {"max_num_seq": 8})
     with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be 0"):
         EngineConfig.from_kwargs("smollm2", {"long_prefill_token_threshold": -5})
+    for tokens in (-1, 2049):
+        with pytest.raises(ValueError, match=r"prefill_graph_tokens must be between 0 and 2048"):
+            EngineConfig.from_kwargs("smollm2", {"prefill_graph_tokens": tokens})
+    with pytest.raises(SystemExit, match=r"prefill_graph_tokens must be between 0 and 2048"):
+        engine_config(["--prefill-graph-tokens=-4"])
     for swap_space in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"swap_space_gib must be a finite number of GiB"):
             EngineConfig.from_kwargs("smollm2", {"swap_space_gib": swap_space})
