@@ -12,6 +12,9 @@ grouped by expert) and `experts_reference`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -122,6 +125,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.fused = fused
+        # While a CUDA graph runner captures (`real_tokens_only`): its [1] int32 count of a
+        # step's real tokens, so that its padding tokens meet no expert.
+        self.real_tokens: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -131,7 +137,10 @@ class SparseMoeBlock(nn.Module):
         if self.fused and x.is_cuda:
             from kvfleet.engine.layers.triton_moe import fused_moe
 
-            return fused_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize)
+            logits = self.gate(x)
+            return fused_moe(
+                x, logits, self.w13, self.w2, self.top_k, self.renormalize, self.real_tokens
+            )
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return experts_reference(x, self.w13, self.w2, weights, ids)
 
@@ -149,3 +158,45 @@ class SparseMoeBlock(nn.Module):
         }[part]
         expect_shape(name, tensor, tuple(dest.shape))
         dest.copy_(tensor)
+
+
+@contextmanager
+def real_tokens_only(model: nn.Module, count: torch.Tensor) -> Iterator[None]:
+    """While a CUDA graph runner captures: the model's MoE layers take only the first count[0]
+    tokens of a step to experts (`count`: the runner's [1] int32 tensor, set before each
+    replay); a bucket's padding tokens, routed on whatever an earlier step left in the static
+    inputs, would stream experts no real token chose (a decode step of 5 in the graph of 8 up
+    to 24 more experts a layer)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.real_tokens = count
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.real_tokens = None
+
+
+class RealTokens:
+    """A CUDA graph runner's count of each step's real tokens, for the MoE layers of its model
+    (`real_tokens_only`; nothing to do for a model without them)."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.used = any(isinstance(m, SparseMoeBlock) for m in model.modules())
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def set(self, num_tokens: int) -> None:
+        """Before a replay: this step's real tokens (the rest of the bucket is padding)."""
+        if self.used:
+            self.count.fill_(num_tokens)
+
+    @contextmanager
+    def capturing(self, num_tokens: int) -> Iterator[None]:
+        """Around a graph's warm-up and capture (all `num_tokens` of the bucket real then)."""
+        self.set(num_tokens)
+        if not self.used:
+            yield
+            return
+        with real_tokens_only(self.model, self.count):
+            yield

@@ -119,9 +119,11 @@ def _align_kernel(
     max_padded,
     num_tokens,
     stride_l,
+    valid_ptr,  # [1] int32: the step's real tokens (VALID)
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    VALID: tl.constexpr,  # only the rows of the first valid_ptr[0] tokens meet an expert
     ROUTE: tl.constexpr,  # route the (at most T_PAD) tokens first, in this program
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -143,15 +145,18 @@ def _align_kernel(
             stride_l, TOP_K, K_PAD, E_PAD, RENORMALIZE,
         )  # fmt: skip
         tl.debug_barrier()  # (the ids written, seen by every thread of the program)
+    placed = num_rows  # (rows are token-major: a graph's padding tokens' rows come last)
+    if VALID:
+        placed = tl.minimum(num_rows, tl.load(valid_ptr) * TOP_K)
     experts = tl.arange(0, E_PAD)
     counts_ptr = scratch_ptr
     cursor_ptr = scratch_ptr + E_PAD
     tl.store(counts_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
     tl.store(cursor_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
     tl.debug_barrier()
-    for start in range(0, num_rows, CHUNK):
+    for start in range(0, placed, CHUNK):
         rows = start + tl.arange(0, CHUNK)
-        mask = rows < num_rows
+        mask = rows < placed
         ids = tl.load(ids_ptr + rows, mask=mask, other=0)
         ones = tl.full([CHUNK], 1, tl.int32)
         tl.atomic_add(counts_ptr + ids, ones, mask=mask, sem="relaxed", scope="cta")
@@ -166,9 +171,9 @@ def _align_kernel(
         none = tl.full([CHUNK], 0, tl.int32) + num_rows
         tl.store(sorted_rows_ptr + slots, none, mask=slots < max_padded)
     tl.debug_barrier()
-    for start in range(0, num_rows, CHUNK):
+    for start in range(0, placed, CHUNK):
         rows = start + tl.arange(0, CHUNK)
-        mask = rows < num_rows
+        mask = rows < placed
         ids = tl.load(ids_ptr + rows, mask=mask, other=0)
         ones = tl.full([CHUNK], 1, tl.int32)
         slot = tl.atomic_add(cursor_ptr + ids, ones, mask=mask, sem="relaxed", scope="cta")
@@ -182,15 +187,20 @@ ROUTE_IN_ALIGN_TOKENS = 16
 
 
 def align_rows_fused(
-    ids: torch.Tensor, num_experts: int, block_m: int
+    ids: torch.Tensor, num_experts: int, block_m: int, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_rows` in one kernel launch (each run's rows in an arbitrary order)."""
-    sorted_rows, run_ends, _ = _align(ids, num_experts, block_m, None)
+    """`align_rows` in one kernel launch (each run's rows in an arbitrary order); with `valid`
+    ([1] int32), only the rows of the first valid[0] tokens."""
+    sorted_rows, run_ends, _ = _align(ids, num_experts, block_m, None, valid)
     return sorted_rows, run_ends
 
 
 def route_and_align_fused(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`route` then `align_rows` in one launch, for at most ROUTE_IN_ALIGN_TOKENS tokens:
     (weights, ids, sorted rows, run ends)."""
@@ -198,7 +208,8 @@ def route_and_align_fused(
     assert num_tokens <= ROUTE_IN_ALIGN_TOKENS
     device = router_logits.device
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
-    sorted_rows, run_ends, weights = _align(ids, num_experts, block_m, (router_logits, renormalize))
+    route = (router_logits, renormalize)
+    sorted_rows, run_ends, weights = _align(ids, num_experts, block_m, route, valid)
     assert weights is not None
     return weights, ids, sorted_rows, run_ends
 
@@ -208,6 +219,7 @@ def _align(
     num_experts: int,
     block_m: int,
     route: tuple[torch.Tensor, bool] | None,  # (router logits, renormalize): route first
+    valid: torch.Tensor | None,  # [1] int32: the real tokens (the rest: a graph's padding)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     num_tokens, top_k = ids.shape if ids.dim() == 2 else (ids.numel(), 1)
     num_rows = ids.numel()
@@ -235,9 +247,11 @@ def _align(
         size,
         num_tokens,
         logits.stride(0),
+        valid if valid is not None else scratch,
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=256,
+        VALID=valid is not None,
         ROUTE=route is not None,
         TOP_K=top_k,
         K_PAD=next_power_of_2(top_k),
@@ -254,8 +268,10 @@ def _combine_kernel(
     rows_ptr,  # [num_tokens * TOP_K, hidden]: each choice's weighted expert output
     out_ptr,  # [num_tokens, hidden]
     hidden,
+    valid_ptr,  # [1] int32: the step's real tokens (VALID)
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    VALID: tl.constexpr,  # the tokens past valid_ptr[0] (padding: no expert ran) get 0
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -263,10 +279,12 @@ def _combine_kernel(
     wait_for_previous(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
+    if VALID:
+        mask = cols < tl.where(token < tl.load(valid_ptr), hidden, 0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(rows_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
 
 @triton.jit
@@ -414,19 +432,22 @@ def fused_moe(
     w2: torch.Tensor,  # [E, hidden, inner]
     top_k: int,
     renormalize: bool,
+    valid: torch.Tensor | None = None,  # [1] int32: the real tokens (below)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The layer's experts for each token's top k: a step of at most ROUTE_IN_ALIGN_TOKENS
     tokens (decode) is routed inside the grouping kernel, a larger one by the routing kernel
-    (a program per token) first."""
+    (a program per token) first. With `valid`, the tokens past valid[0] (a CUDA graph's
+    padding) meet no expert and come out 0: their rows would otherwise stream experts no real
+    token chose."""
     num_tokens = x.shape[0]
     if num_tokens == 0 or num_tokens > ROUTE_IN_ALIGN_TOKENS:
         weights, ids = route_fused(router_logits, top_k, renormalize)
-        return fused_experts(x, w13, w2, weights, ids)
+        return fused_experts(x, w13, w2, weights, ids, valid)
     block_m = block_m_for(num_tokens * top_k, w2.shape[0])
     weights, _, sorted_rows, run_ends = route_and_align_fused(
-        router_logits, top_k, renormalize, block_m
+        router_logits, top_k, renormalize, block_m, valid
     )
-    return _grouped_experts(x, w13, w2, weights, sorted_rows, run_ends, top_k, block_m)
+    return _grouped_experts(x, w13, w2, weights, sorted_rows, run_ends, top_k, block_m, valid)
 
 
 def fused_experts(
@@ -435,6 +456,7 @@ def fused_experts(
     w2: torch.Tensor,  # [E, hidden, inner]
     weights: torch.Tensor,  # [num_tokens, top_k] float32
     ids: torch.Tensor,  # [num_tokens, top_k]
+    valid: torch.Tensor | None = None,  # [1] int32: the real tokens (`fused_moe`)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The experts `ids` chose, weighted by `weights`, summed per token."""
     num_tokens, top_k = ids.shape
@@ -442,8 +464,8 @@ def fused_experts(
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
     block_m = block_m_for(num_tokens * top_k, num_experts)
-    sorted_rows, run_ends = align_rows_fused(ids, num_experts, block_m)
-    return _grouped_experts(x, w13, w2, weights, sorted_rows, run_ends, top_k, block_m)
+    sorted_rows, run_ends = align_rows_fused(ids, num_experts, block_m, valid)
+    return _grouped_experts(x, w13, w2, weights, sorted_rows, run_ends, top_k, block_m, valid)
 
 
 def _grouped_experts(
@@ -455,6 +477,7 @@ def _grouped_experts(
     run_ends: torch.Tensor,  # [E] int32
     top_k: int,
     block_m: int,
+    valid: torch.Tensor | None,  # [1] int32: the real tokens (`fused_moe`)
 ) -> torch.Tensor:
     """The two grouped GEMMs over rows grouped by expert, then each token's sum."""
     num_tokens = x.shape[0]
@@ -513,6 +536,13 @@ def _grouped_experts(
     out = x.new_empty(num_tokens, hidden)
     block = min(1024, next_power_of_2(hidden))
     _combine_kernel[(num_tokens, cdiv(hidden, block))](
-        rows_out, out, hidden, TOP_K=top_k, BLOCK=block, **pdl
+        rows_out,
+        out,
+        hidden,
+        valid if valid is not None else run_ends,
+        TOP_K=top_k,
+        BLOCK=block,
+        VALID=valid is not None,
+        **pdl,
     )
     return out

@@ -24,6 +24,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.attention.triton_prompt import LONG_KV_TOKENS, splits_forced
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
+from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.lora.layers import LoRAContext
 from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
@@ -69,6 +70,7 @@ class DecodeGraphs:
         self.slot_starts = zeros((lora[1] if lora else 0) + 1, dtype=torch.int32)
         # (bucket, query tokens per sequence, with LoRA) -> the graph and its output
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.real_tokens = RealTokens(model, device)  # (padding tokens meet no MoE expert)
         self.pool: Any = None  # the graphs' shared memory pool handle
 
     def capture_all(self) -> None:
@@ -142,6 +144,7 @@ class DecodeGraphs:
         # NOTE: padding rows must write into the null block, never into a live block left
         # there by an earlier, larger step.
         self.slot_mapping[num_tokens : bucket * q].fill_(NULL_BLOCK_ID)
+        self.real_tokens.set(num_tokens)
         if lora is not None:
             assert self.lora is not None
             # Padding rows are in no group: they run the base model only.
@@ -196,15 +199,16 @@ class DecodeGraphs:
                     self.lora[0].batch = None
             return hidden
 
-        # Warm up on a side stream first: Triton compiles its kernels outside the capture.
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward()
+        with self.real_tokens.capturing(tokens):
+            # Warm up on a side stream first: Triton compiles its kernels outside the capture.
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = forward()
         self.pool = graph.pool()
         return graph, hidden

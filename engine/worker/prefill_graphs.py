@@ -33,6 +33,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.grid import cdiv
+from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class PrefillGraphs:
             torch.zeros(n, heads, dim, dtype=dtype, device=device) for _ in model.layers
         ]
         self.pieces: dict[int, _Pieces] = {}
+        self.real_tokens = RealTokens(model, device)  # (padding tokens meet no MoE expert)
         self.pool: Any = None
 
     def can_run(self, num_tokens: int, with_lora: bool) -> bool:
@@ -174,6 +176,7 @@ class PrefillGraphs:
         # NOTE: padding tokens must write their K/V into the null block, never into a live
         # block an earlier, larger step's token left there.
         self.slot_mapping[n:bucket].fill_(NULL_BLOCK_ID)
+        self.real_tokens.set(n)
 
     def _forward_with_breaks(
         self, bucket: int, at_break: Callable[[_Break], None]
@@ -227,10 +230,6 @@ class PrefillGraphs:
         )
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.forward_in_pieces(self.input_ids[:bucket], self.positions[:bucket], null)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize(self.device)
         graphs = [torch.cuda.CUDAGraph()]
 
         def next_piece(cut: _Break) -> None:
@@ -238,12 +237,17 @@ class PrefillGraphs:
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=self.pool)
 
-        with torch.cuda.stream(stream), torch.inference_mode():
-            graphs[0].capture_begin(pool=self.pool)
-            try:
-                hidden, breaks = self._forward_with_breaks(bucket, next_piece)
-            finally:
-                graphs[-1].capture_end()
+        with self.real_tokens.capturing(bucket):
+            with torch.cuda.stream(stream):
+                self.forward_in_pieces(self.input_ids[:bucket], self.positions[:bucket], null)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.stream(stream), torch.inference_mode():
+                graphs[0].capture_begin(pool=self.pool)
+                try:
+                    hidden, breaks = self._forward_with_breaks(bucket, next_piece)
+                finally:
+                    graphs[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         return _Pieces(graphs, breaks, hidden)
 

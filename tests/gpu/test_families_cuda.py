@@ -109,7 +109,8 @@ GEMMA2_9B = {
 )
 def test_triton_path_with_graphs_equals_torch_path(family: str, tmp_path: Path) -> None:
     """(Gemma: a 64-token window on the first layer, full attention on the second, so the
-    prompts pass the window.)"""
+    prompts pass the window. Five prompts: decode steps of 5 replay the graph of 8, whose
+    padding tokens an MoE layer must route to no expert.)"""
     if family == "gemma-2-9b":
         config = dict(GEMMA2_9B)
     else:
@@ -120,7 +121,7 @@ def test_triton_path_with_graphs_equals_torch_path(family: str, tmp_path: Path) 
     (tmp_path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(3)
     vocab = int(config["vocab_size"])
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 300, 64, 129)]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 300, 64, 129, 33)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     results = {}
     for backend in ("triton", "torch"):

@@ -142,3 +142,33 @@ def test_the_layer_path_matches_the_reference_either_side_of_the_routing_switch(
     expected = experts_reference(x, w13, w2, weights, ids)
     out = fused_moe(x, logits, w13, w2, 2, renormalize=True)
     assert (out - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("num_tokens", [6, ROUTE_IN_ALIGN_TOKENS + 24])
+def test_a_graphs_padding_tokens_meet_no_expert_and_come_out_zero(num_tokens: int) -> None:
+    """With `valid` (a CUDA graph's count of a step's real tokens), the tokens after the first
+    valid[0] are grouped into no expert's run — the runs are those of the real tokens alone,
+    so no expert only padding chose is streamed — and their outputs are 0; the real tokens'
+    outputs are the reference's. (Either side of the routing switch.)"""
+    gen = torch.Generator().manual_seed(13)
+    num_experts, top_k, real = 16, 2, 4
+    x = torch.randn(num_tokens, 32, generator=gen)
+    w13 = torch.randn(num_experts, 2 * 24, 32, generator=gen) / 32**0.5
+    w2 = torch.randn(num_experts, 32, 24, generator=gen) / 24**0.5
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:real, 8:] -= 100.0  # (the real tokens choose among experts 0-7 ...)
+    logits[real:, :8] -= 100.0  # (... the padding among 8-15)
+    valid = torch.tensor([real], dtype=torch.int32)
+    weights, ids = route(logits[:real], top_k, renormalize=True)
+    block_m = block_m_for(num_tokens * top_k, num_experts)
+    runs = align_rows(ids, num_experts, block_m)[1]
+    assert runs[7] == runs[-1]  # (experts 8-15: empty runs)
+    all_ids = route(logits, top_k, renormalize=True)[1]
+    assert torch.equal(align_rows_fused(all_ids, num_experts, block_m, valid)[1], runs)
+    if num_tokens <= ROUTE_IN_ALIGN_TOKENS:
+        routed = route_and_align_fused(logits, top_k, True, block_m, valid)
+        assert torch.equal(routed[3], runs)
+    out = fused_moe(x, logits, w13, w2, top_k, renormalize=True, valid=valid)
+    expected = experts_reference(x[:real], w13, w2, weights, ids)
+    assert (out[:real] - expected).abs().max() < 1e-5
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
