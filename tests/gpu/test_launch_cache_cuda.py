@@ -58,18 +58,19 @@ def test_seen_keys_replay_and_new_ones_go_through_triton() -> None:
         x = base + i
         assert torch.equal(axpb(x, 2.0), expect(x, 2.0))
     assert (counting.calls, len(cached.runners)) == (1, 1)
-    changes = [
-        (base[1:999], 2.0, 1, 128),  # an address off 16 bytes (and another size)
-        (base.float(), 2.0, 1, 128),  # another dtype
-        (base, 3.0, 1, 128),  # another scalar
-        (base, 2.0, 5, 128),  # another constexpr
-        (base, 2.0, 1, 256),  # another block, and so grid
+    changes = [  # (each made of a source tensor: a second source replays the key)
+        (lambda t: t[1:999], 2.0, 1, 128),  # an address off 16 bytes (and another size)
+        (lambda t: t.float(), 2.0, 1, 128),  # another dtype
+        (lambda t: t, 3.0, 1, 128),  # another scalar
+        (lambda t: t, 2.0, 5, 128),  # another constexpr
+        (lambda t: t, 2.0, 1, 256),  # another block, and so grid
     ]
-    for calls, (x, alpha, plus, block) in enumerate(changes, start=2):
+    for calls, (made, alpha, plus, block) in enumerate(changes, start=2):
+        x = made(base)
         assert torch.equal(axpb(x, alpha, plus, block), expect(x, alpha, plus))
         assert counting.calls == calls
-        # ... and that key now replays too
-        assert torch.equal(axpb(x + 1, alpha, plus, block), expect(x + 1, alpha, plus))
+        x = made(base + 1)  # ... and that key now replays
+        assert torch.equal(axpb(x, alpha, plus, block), expect(x, alpha, plus))
         assert counting.calls == calls
     assert len(cached.runners) == 1 + len(changes)
 
