@@ -40,7 +40,7 @@ class _Staging:
             self.next = (slot + 1) % SLOTS
             event = self.events[slot]
             if event is None:
-                event = self.events[slot] = torch.cuda.Event()
+                event = self.events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             else:
                 event.synchronize()
             buffer = self.buffers[slot]
