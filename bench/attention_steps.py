@@ -127,10 +127,14 @@ def kv_bytes(seq_lens: list[int], fp8: bool) -> int:
 
 @contextmanager
 def compiled_kernels(found: list[Any]) -> Iterator[None]:
-    """Collect the compiled partial kernels launched inside (their registers and spills)."""
-    real = triton_decode._decode_partial_kernel
+    """Collect the compiled partial kernels launched inside (their registers and spills; each
+    variant once)."""
+    launcher = triton_decode._DECODE_PARTIAL
+    real = launcher.kernel
 
     class Spy:
+        params = real.params
+
         def __getitem__(self, grid: Any) -> Callable[..., Any]:
             def launch(*args: Any, **kwargs: Any) -> Any:
                 compiled = real[grid](*args, **kwargs)
@@ -139,11 +143,11 @@ def compiled_kernels(found: list[Any]) -> Iterator[None]:
 
             return launch
 
-    triton_decode._decode_partial_kernel = Spy()
+    launcher.kernel, launcher.runners = Spy(), {}  # (every variant launched through the spy)
     try:
         yield
     finally:
-        triton_decode._decode_partial_kernel = real
+        launcher.kernel = real
 
 
 def sweep_tiles(copy_gbps: float) -> None:

@@ -18,6 +18,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,47 @@ def timed_steps(engine: Any) -> list[float]:
 
     engine.step = step
     return times
+
+
+def report_phases(llm: LLM, hit: Callable[[], Any], hits: int = 10) -> None:
+    """Host wall time (no profiler) of `hits` hits' steps by phase: the scheduler, the
+    runner's launch (inputs, copies, the forward's launches), its host copies alone, the
+    prefill pieces' replay with their eager attention, and taking a step's outputs (which
+    waits for the GPU)."""
+    from kvfleet.engine.layers import host_copy
+    from kvfleet.engine.worker import inputs
+
+    engine, runner = llm.engine, llm.engine.runner
+    places = [
+        ("schedule", engine.scheduler, "schedule"),
+        ("launch", runner, "launch"),
+        ("to_device (inputs)", inputs, "to_device"),
+        ("to_device (sampling)", host_copy, "to_device"),
+        ("pieces", runner.prefill_graphs, "run"),
+        ("finish", engine, "_finish_step"),
+    ]
+    places = [(name, owner, attr) for name, owner, attr in places if owner is not None]
+    totals: dict[str, list[float]] = {name: [] for name, _, _ in places}
+    reals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in places]
+    for (name, owner, attr), (_, _, real) in zip(places, reals, strict=True):
+
+        def timed(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                totals[_name].append(1e3 * (time.perf_counter() - began))
+
+        setattr(owner, attr, timed)
+    try:
+        for _ in range(hits):
+            hit()
+    finally:
+        for owner, attr, real in reals:
+            setattr(owner, attr, real)
+    print(f"host phases of {hits} hits, no profiler (ms a hit; the longest call):")
+    for name, calls in totals.items():
+        print(f"  {name:22s} {sum(calls) / hits:7.3f}   longest {max(calls, default=0):7.3f}")
 
 
 def main() -> None:
@@ -95,6 +137,8 @@ def main() -> None:
         )
     hit, miss = (statistics.median(w for w, _ in results[k]) for k in ("hit", "miss"))
     print(f"miss / hit: {miss / hit:.2f}x")
+
+    report_phases(llm, lambda: llm.generate([prefix + fresh(args.new_len)], one))
 
     profiler = cProfile.Profile()
     profiler.enable()

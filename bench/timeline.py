@@ -47,6 +47,9 @@ def profiled_wall(prof: Any, label: str) -> dict[str, float]:
     kernels = [
         (e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == DeviceType.CUDA and call.start <= e.time_range.start <= call.end
+        # (the range itself shows on the device too, as an annotation spanning its kernels)
+        if e.device_type == DeviceType.CUDA
+        and e.name != label
+        and call.start <= e.time_range.start <= call.end
     ]
     return split_wall((call.start, call.end), kernels)

@@ -26,6 +26,7 @@ from kvfleet.engine.layers.dependent_launch import (
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import next_power_of_2
+from kvfleet.engine.layers.launch_cache import CachedKernel
 
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
@@ -278,6 +279,10 @@ def num_splits_for(
     return splits_to_fill(num_seqs * num_kv_heads, max_seqlen_k, device)
 
 
+_DECODE_MERGE = CachedKernel(_decode_merge_kernel)
+_DECODE_PARTIAL = CachedKernel(_decode_partial_kernel)
+
+
 def merge_splits(
     acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor, out: torch.Tensor
 ) -> None:
@@ -285,7 +290,7 @@ def merge_splits(
     (unnormalized P.V), maxes and sums [rows, heads, splits] (natural-log units)."""
     rows, num_heads, num_splits, head_dim = acc.shape
     pdl = dependent_launch_args(out.device)
-    _decode_merge_kernel[(rows, num_heads)](
+    _DECODE_MERGE[(rows, num_heads)](
         acc,
         maxes,
         sums,
@@ -338,7 +343,7 @@ def decode_attention(
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
-    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,

@@ -24,6 +24,7 @@ from kvfleet.engine.attention.triton_decode import (
     splits_to_fill,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.launch_cache import CachedKernel
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
 # (no query longer than 16 tokens: decode rows, drafts), "chunks" (longer queries over less
@@ -245,6 +246,9 @@ def _paged_attention_kernel(
         )
 
 
+_PAGED_ATTENTION = CachedKernel(_paged_attention_kernel)
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -281,7 +285,7 @@ def paged_attention(
         maxes = q.new_empty(partial, dtype=torch.float32)
         sums = torch.empty_like(maxes)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_kernel[(m_blocks * num_splits, num_seqs, num_heads)](
+    _PAGED_ATTENTION[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
         k_cache,
         v_cache,
