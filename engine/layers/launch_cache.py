@@ -8,9 +8,9 @@ layer with the same sizes and scalars in every layer: a prefix hit's step (32 ne
 8B model) waited ~2 ms for that on the host while its GPU work was ~5.6 ms.
 
 `CachedKernel(kernel)[grid](...)` takes the same arguments. It keys a launch on the grid, the
-keyword arguments (constexprs and launch options), each tensor's dtype, device and whether
-its address is 16-byte aligned, and every other argument's value — at least what Triton
-specializes on — and replays the compiled kernel Triton returned for the first launch with
+keyword arguments (constexprs and launch options), every argument's type, each tensor's dtype,
+device and whether its address is 16-byte aligned, and every other argument's value — at least
+what Triton specializes on — and replays the compiled kernel Triton returned for the first launch with
 that key through its own runner (`CompiledKernel[grid](*args)`, the same C launcher). A key
 seen once costs one Triton launch; a new key (a new size, scalar or alignment) launches
 through Triton again. Under the interpreter (no compiled kernel) every launch goes through
@@ -49,7 +49,8 @@ class CachedKernel:
         return launch
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        key = (grid, tuple(kwargs.items()), *map(_key_of, args))
+        # (the types too: True == 1 == 1.0, which Triton compiles as different arguments)
+        key = (grid, tuple(kwargs.items()), *map(type, args), *map(_key_of, args))
         runner = self.runners.get(key)
         if runner is not None:
             runner(*args)

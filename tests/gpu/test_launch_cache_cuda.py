@@ -62,6 +62,7 @@ def test_seen_keys_replay_and_new_ones_go_through_triton() -> None:
         (lambda t: t[1:999], 2.0, 1, 128),  # an address off 16 bytes (and another size)
         (lambda t: t.float(), 2.0, 1, 128),  # another dtype
         (lambda t: t, 3.0, 1, 128),  # another scalar
+        (lambda t: t, 2, 1, 128),  # the same scalar as an int: another type (i32)
         (lambda t: t, 2.0, 5, 128),  # another constexpr
         (lambda t: t, 2.0, 1, 256),  # another block, and so grid
     ]
