@@ -10,10 +10,10 @@ layer with the same sizes and scalars in every layer: a prefix hit's step (32 ne
 `CachedKernel(kernel)[grid](...)` takes the same arguments. It keys a launch on the grid, the
 keyword arguments (constexprs and launch options), every argument's type, each tensor's dtype,
 device and whether its address is 16-byte aligned, and every other argument's value — at least
-what Triton specializes on — and replays the compiled kernel Triton returned for the first launch with
-that key through its own runner (`CompiledKernel[grid](*args)`, the same C launcher). A key
-seen once costs one Triton launch; a new key (a new size, scalar or alignment) launches
-through Triton again. Under the interpreter (no compiled kernel) every launch goes through
+what Triton specializes on — and replays the compiled kernel Triton returned for the first
+launch with that key through its own runner (`CompiledKernel[grid](*args)`, the same C
+launcher). A key seen once costs one Triton launch; a new key (a new size, scalar or
+alignment) launches through Triton again. Under the interpreter (no compiled kernel) every launch goes through
 Triton.
 """
 
