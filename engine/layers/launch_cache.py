@@ -5,7 +5,8 @@ equal to 1 or divisible by 16), builds a cache key and looks the compiled kernel
 it launches: ~25-40 us of host time a launch on the device's host, more than the C launch
 itself. Between the prefill graph pieces a step launches the attention kernels eagerly, two a
 layer with the same sizes and scalars in every layer: a prefix hit's step (32 new tokens, an
-8B model) waited ~2 ms for that on the host while its GPU work was ~5.6 ms.
+8B model) spent 4.7 ms of host time in its graph pieces and their attention (3.5 with this
+cache, H200, bench/RESULTS.md session 22) beside ~5.5 ms of GPU work.
 
 `CachedKernel(kernel)[grid](...)` takes the same arguments. It keys a launch on the grid, the
 keyword arguments (constexprs and launch options), every argument's type, each tensor's dtype,
@@ -13,8 +14,8 @@ device and whether its address is 16-byte aligned, and every other argument's va
 what Triton specializes on — and replays the compiled kernel Triton returned for the first
 launch with that key through its own runner (`CompiledKernel[grid](*args)`, the same C
 launcher). A key seen once costs one Triton launch; a new key (a new size, scalar or
-alignment) launches through Triton again. Under the interpreter (no compiled kernel) every launch goes through
-Triton.
+alignment) launches through Triton again. Under the interpreter (no compiled kernel) every
+launch goes through Triton.
 """
 
 from __future__ import annotations
