@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -287,17 +288,19 @@ def _add_openai_routes(app: FastAPI, state: _State) -> None:
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
+        arrived = time.monotonic()  # (queue time and TTFT count from here, as vLLM's do)
         serving = state.ready_serving()
         raw = await request.body()
         req, prompts = await state.body_work().run(len(raw), read_completion, raw)
-        return await _run(serving, serving.prepare_completion(req, prompts), request)
+        return await _run(serving, serving.prepare_completion(req, prompts), request, arrived)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        arrived = time.monotonic()
         serving = state.ready_serving()
         raw = await request.body()
         req, prompts = await state.body_work().run(len(raw), read_chat, raw)
-        return await _run(serving, serving.prepare_chat(req, prompts), request)
+        return await _run(serving, serving.prepare_chat(req, prompts), request, arrived)
 
 
 def _add_kv_routes(app: FastAPI, state: _State) -> None:
@@ -348,9 +351,9 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
     return read_body(raw, model)  # (small bodies: the LoRA routes)
 
 
-async def _run(serving: OpenAIServing, prepared: Any, request: Request) -> Response:
+async def _run(serving: OpenAIServing, prepared: Any, request: Request, arrived: float) -> Response:
     try:
-        streams = await serving.start(prepared)
+        streams = await serving.start(prepared, arrived)
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "service_unavailable") from exc
     if prepared.stream:

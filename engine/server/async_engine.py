@@ -115,10 +115,13 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; ValueError (raised here, before any output) for bad input (a
         grammar that does not compile among it), LoRANotFoundError for an adapter that is not
-        loaded.
+        loaded. `arrival_time` (time.monotonic()): when the request reached the server, which
+        its queue time and TTFT count from (default: when the engine thread takes it, after
+        the step then running).
         Leaving the returned iterator early aborts the request."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
@@ -130,9 +133,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending_adds += 1
-        self._submit(
-            "add", (request_id, prompt, params, priority, cache_salt, lora_name, loop, accepted)
-        )
+        request = (request_id, prompt, params, priority, cache_salt, lora_name, arrival_time)
+        self._submit("add", (*request, loop, accepted))
         try:
             await accepted
         except BaseException:
@@ -255,6 +257,7 @@ class AsyncEngine:
         priority: int,
         cache_salt: str | None,
         lora_name: str | None,
+        arrival_time: float | None,
         loop: asyncio.AbstractEventLoop,
         accepted: asyncio.Future[None],
     ) -> None:
@@ -270,6 +273,7 @@ class AsyncEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 lora_name=lora_name,
+                arrival_time=arrival_time,
             )
         except ValueError as exc:
             loop.call_soon_threadsafe(_fail, accepted, exc)

@@ -166,8 +166,11 @@ class OpenAIServing:
 
     # --- running -----------------------------------------------------------------------
 
-    async def start(self, prepared: PreparedRequest) -> list[AsyncIterator[RequestOutput]]:
-        """Queue every prompt of the request; a bad one aborts those already queued."""
+    async def start(
+        self, prepared: PreparedRequest, arrival_time: float | None = None
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every prompt of the request (arrived at `arrival_time`, time.monotonic());
+        a bad one aborts those already queued."""
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, prompt in enumerate(prepared.prompts):
@@ -184,6 +187,7 @@ class OpenAIServing:
                         prepared.priority,
                         prepared.cache_salt,
                         prepared.lora_name,
+                        arrival_time,
                     )
                 )
         except ValueError as exc:
