@@ -28,27 +28,31 @@ from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
 
+def _timed(real: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """`real`, appending the wall time (seconds) of each call to `into`."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - began)
+
+    return timed
+
+
 def timed_steps(engine: Any) -> list[float]:
     """Wall time of every engine step from now on (appended as they run)."""
     times: list[float] = []
-    real = engine.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        out = real(*args, **kwargs)
-        times.append(time.perf_counter() - began)
-        return out
-
-    engine.step = step
+    engine.step = _timed(engine.step, times)
     return times
 
 
 def report_phases(llm: LLM, hit: Callable[[], Any], hits: int = 10) -> None:
     """Host wall time (no profiler) of `hits` hits' steps by phase: the scheduler, the
-    runner's launch (inputs, copies, the forward's launches), its host copies alone, the
+    runner's launch (inputs, copies, the forward's launches), its input copies alone, the
     prefill pieces' replay with their eager attention, and taking a step's outputs (which
     waits for the GPU)."""
-    from kvfleet.engine.layers import host_copy
     from kvfleet.engine.worker import inputs
 
     engine, runner = llm.engine, llm.engine.runner
@@ -56,7 +60,6 @@ def report_phases(llm: LLM, hit: Callable[[], Any], hits: int = 10) -> None:
         ("schedule", engine.scheduler, "schedule"),
         ("launch", runner, "launch"),
         ("to_device (inputs)", inputs, "to_device"),
-        ("to_device (sampling)", host_copy, "to_device"),
         ("pieces", runner.prefill_graphs, "run"),
         ("finish", engine, "_finish_step"),
     ]
@@ -64,15 +67,7 @@ def report_phases(llm: LLM, hit: Callable[[], Any], hits: int = 10) -> None:
     totals: dict[str, list[float]] = {name: [] for name, _, _ in places}
     reals = [(owner, attr, getattr(owner, attr)) for _, owner, attr in places]
     for (name, owner, attr), (_, _, real) in zip(places, reals, strict=True):
-
-        def timed(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                totals[_name].append(1e3 * (time.perf_counter() - began))
-
-        setattr(owner, attr, timed)
+        setattr(owner, attr, _timed(real, totals[name]))
     try:
         for _ in range(hits):
             hit()
@@ -81,7 +76,8 @@ def report_phases(llm: LLM, hit: Callable[[], Any], hits: int = 10) -> None:
             setattr(owner, attr, real)
     print(f"host phases of {hits} hits, no profiler (ms a hit; the longest call):")
     for name, calls in totals.items():
-        print(f"  {name:22s} {sum(calls) / hits:7.3f}   longest {max(calls, default=0):7.3f}")
+        mean, longest = 1e3 * sum(calls) / hits, 1e3 * max(calls, default=0)
+        print(f"  {name:22s} {mean:7.3f}   longest {longest:7.3f}")
 
 
 def main() -> None:

@@ -125,7 +125,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.fused = fused
-        # While a CUDA graph runner captures (`real_tokens_only`): its [1] int32 count of a
+        # While a CUDA graph runner captures (`RealTokens.capturing`): its [1] int32 count of a
         # step's real tokens, so that its padding tokens meet no expert.
         self.real_tokens: torch.Tensor | None = None
 
@@ -160,43 +160,31 @@ class SparseMoeBlock(nn.Module):
         dest.copy_(tensor)
 
 
-@contextmanager
-def real_tokens_only(model: nn.Module, count: torch.Tensor) -> Iterator[None]:
-    """While a CUDA graph runner captures: the model's MoE layers take only the first count[0]
-    tokens of a step to experts (`count`: the runner's [1] int32 tensor, set before each
-    replay); a bucket's padding tokens, routed on whatever an earlier step left in the static
-    inputs, would stream experts no real token chose (a decode step of 5 in the graph of 8 up
-    to 24 more experts a layer)."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    for block in blocks:
-        block.real_tokens = count
-    try:
-        yield
-    finally:
-        for block in blocks:
-            block.real_tokens = None
-
-
 class RealTokens:
-    """A CUDA graph runner's count of each step's real tokens, for the MoE layers of its model
-    (`real_tokens_only`; nothing to do for a model without them)."""
+    """A CUDA graph runner's count of each step's real tokens ([1] int32, set before each
+    replay), which its model's MoE layers read while it captures: they take only the first
+    count[0] tokens of a step to experts. A bucket's padding tokens, routed on whatever an
+    earlier step left in the static inputs, would stream experts no real token chose (a
+    decode step of 5 in the graph of 8: up to 24 more experts a layer). Nothing to do for a
+    model without MoE layers."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model = model
-        self.used = any(isinstance(m, SparseMoeBlock) for m in model.modules())
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
 
     def set(self, num_tokens: int) -> None:
         """Before a replay: this step's real tokens (the rest of the bucket is padding)."""
-        if self.used:
+        if self.blocks:
             self.count.fill_(num_tokens)
 
     @contextmanager
     def capturing(self, num_tokens: int) -> Iterator[None]:
         """Around a graph's warm-up and capture (all `num_tokens` of the bucket real then)."""
         self.set(num_tokens)
-        if not self.used:
+        for block in self.blocks:
+            block.real_tokens = self.count
+        try:
             yield
-            return
-        with real_tokens_only(self.model, self.count):
-            yield
+        finally:
+            for block in self.blocks:
+                block.real_tokens = None
