@@ -160,18 +160,23 @@ def sweep_tiles(copy_gbps: float) -> None:
         for fp8 in (False, True):
             step = make_step([1] * num_seqs, lens, fp8)
             floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
+            out = torch.empty_like(step["q"])
+
+            def run(step: dict[str, Any] = step, out: torch.Tensor = out) -> None:
+                triton_decode.decode_attention(
+                    step["q"], step["cache"], step["metadata"], 0.088, out=out,
+                    kv_scales=step["scales"],
+                )  # fmt: skip
+
+            run()
+            expected = out.float().clone()  # (the shipped tile's)
             for tile in TILES[fp8]:
                 triton_decode.DECODE_TILES[fp8] = tile
                 found: list[Any] = []
-
-                def run(step: dict[str, Any] = step) -> None:
-                    triton_decode.decode_attention(
-                        step["q"], step["cache"], step["metadata"], 0.088, kv_scales=step["scales"]
-                    )
-
                 try:
                     with compiled_kernels(found):
                         run()
+                    error = (out.float() - expected).abs().max().item()
                     us = graph_us(run)
                 except Exception as exc:  # (a tile that does not fit: say so, go on)
                     print(f"{name} fp8={fp8} {tile}: failed: {exc!r}"[:300])
@@ -180,7 +185,8 @@ def sweep_tiles(copy_gbps: float) -> None:
                 print(
                     f"{name} {'fp8 ' if fp8 else 'bf16'} tile {tile}: "
                     f"{us:7.1f} us ({floor_us / us:5.1%} of floor {floor_us:.1f} us) "
-                    f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}"
+                    f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} "
+                    f"max |diff| vs shipped {error:.2e}"
                 )
             triton_decode.DECODE_TILES.update(shipped)
 

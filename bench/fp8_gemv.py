@@ -64,6 +64,10 @@ def main() -> None:
                 f"{_replay_us(graphed(lambda: [F.linear(x, w) for w in bf16])):6.1f} "
                 f"(floor {2 * floor_us:5.1f}) | quant+scaled_mm {_replay_us(graphed(unfused)):6.1f}"
             )
+            static = torch.ones(1, device=device)  # (a checkpoint's input scale: no amax)
+            for label, x_scale in (("shipped", None), ("static scale", static)):
+                graph = graphed(lambda: [gemv(x, w, s, x_scale=x_scale) for w, s in weights])
+                line += f" | {label}: {_replay_us(graph):5.1f}"
             for bn, bk, warps, stages in TILINGS:
                 tiles = (bn, bk, warps, stages)
                 got = gemv(x, *weights[0], tiles=tiles).float()

@@ -30,6 +30,23 @@ def _gpu_ms(fn: Callable[[], object]) -> float:
     return median_seconds(fn, torch.device("cuda"), repeats=20) * 1e3
 
 
+def _start_decoding(
+    engine: LLMEngine, batch_size: int, prompt_len: int, params: SamplingParams
+) -> None:
+    """`batch_size` requests of `prompt_len` tokens, stepped until every prompt is in, so the
+    steps timed after are decode steps."""
+    for i in range(batch_size):
+        engine.add_request(f"p{i}", list(range(1000 + i, 1000 + i + prompt_len)), params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+    ):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+
+
 def _torch_profile(engine: LLMEngine, trace: str | None) -> None:
     """Ten steps under the torch profiler: the top operators by host and by GPU time, and
     rank 0's Chrome trace to `trace`."""
@@ -71,11 +88,7 @@ def main() -> None:
     )
     engine = llm.engine
     params = SamplingParams(temperature=args.temperature, max_tokens=800, ignore_eos=True)
-    for i in range(args.batch_size):
-        engine.add_request(f"p{i}", list(range(1000 + i, 1000 + i + args.prompt_len)), params)
-    for _ in range(20 + args.batch_size * args.prompt_len // 8192):  # (prefills, then decode)
-        engine.step()
-    torch.cuda.synchronize()
+    _start_decoding(engine, args.batch_size, args.prompt_len, params)
     began = time.perf_counter()
     for _ in range(50):
         engine.step()

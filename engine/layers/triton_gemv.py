@@ -34,7 +34,7 @@ def _gemv_kernel(
     out_ptr,  # [N]
     N, K, fp8_max, min_scale,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
     largest magnitude found first: x is small and stays in L2; or the static scale), times both
@@ -44,38 +44,41 @@ def _gemv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     let_next_start(PDL)
-    w_first = tl.load(
-        w_ptr + cols[:, None] * K + offsets[None, :],
-        mask=col_ok[:, None] & (offsets < K)[None, :],
-        other=0.0,
-    )
+    w_first = _weight_tile(w_ptr, cols, col_ok, offsets, K)
     wait_for_previous(PDL)
     x_scale = 1.0
     if QUANTIZE:
         if STATIC:
             x_scale = tl.load(x_scale_ptr)
         else:
-            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                ks = k + offsets
-                x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(x))
-            x_scale = tl.maximum(tl.max(amax, axis=0), min_scale) / fp8_max
-    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_ptr.dtype.element_ty, QUANTIZE)
+            # (the whole row in one load: a loop over it, each load waiting for the last,
+            # held the weights' stream back by a round trip to L2 per BLOCK_K)
+            row = tl.arange(0, ROW_BLOCK)
+            x = tl.load(x_ptr + row, mask=row < K, other=0.0)
+            amax = tl.max(tl.abs(x), axis=0).to(tl.float32)  # (exact in x's dtype)
+            x_scale = tl.maximum(amax, min_scale) / fp8_max
+    w_dtype = w_ptr.dtype.element_ty
+    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, QUANTIZE)
     for k in range(BLOCK_K, K, BLOCK_K):
         ks = k + offsets
-        w = tl.load(
-            w_ptr + cols[:, None] * K + ks[None, :],
-            mask=col_ok[:, None] & (ks < K)[None, :],
-            other=0.0,
-        )
-        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_ptr.dtype.element_ty, QUANTIZE)
+        w = _weight_tile(w_ptr, cols, col_ok, ks, K)
+        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, QUANTIZE)
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _weight_tile(w_ptr, cols, col_ok, ks, K):
+    """The weight's [BLOCK_N, BLOCK_K] tile at rows `cols`, inputs `ks` (0 past either end)."""
+    return tl.load(
+        w_ptr + cols[:, None] * K + ks[None, :],
+        mask=col_ok[:, None] & (ks < K)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -126,6 +129,7 @@ def gemv(
         x, weight, placeholder, x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, n, k, FP8_MAX, _MIN_SCALE,
         QUANTIZE=quantize, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, **pdl, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if quantize else 1,
+        **pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
