@@ -7,7 +7,7 @@ through the slice GEMM over (BLOCK_M, BLOCK_N, R, STEPS, warps) and through the 
 cuBLAS; each checked against the reference first. `--group 32`: 4-bit values in groups of 32
 (GGUF Q4's); `--bits 8`: 8-bit values in GGUF Q8_0's form (group 32, zero 128).
 
-    bench/device_env.sh python3 bench/int4_gemm.py [--bits 8 | --group 32]
+    bench/device_env.sh python3 bench/int4_gemm.py [--bits 8 | --group 32] [--rows 1 8]
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from kvfleet.engine.layers.quantization.triton_packed import (
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
 GEMM_SWEEP = [(16, 64, 32, 4, 4), (32, 64, 32, 2, 4), (64, 64, 32, 2, 4)]
-SWEEP = [(64, 128, 1, 4), (64, 128, 3, 4), (32, 128, 2, 2), (64, 64, 4, 4), (128, 128, 2, 4)]
+SWEEP = [(64, 128, 1, 4), (64, 128, 3, 4), (32, 128, 2, 2), (64, 64, 4, 4), (128, 128, 2, 4),
+         (128, 128, 1, 4), (128, 128, 2, 8), (256, 128, 1, 8), (64, 128, 4, 4), (32, 128, 4, 2),
+         (128, 64, 2, 4), (64, 128, 2, 2), (128, 128, 4, 8)]  # fmt: skip
 # (groups of 32: a step takes one group)
 SWEEP_32 = [(64, 32, 4, 4), (64, 32, 8, 4), (128, 32, 4, 4), (128, 32, 8, 4), (64, 32, 16, 4),
             (32, 32, 8, 2), (256, 32, 4, 8)]  # fmt: skip
@@ -55,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--group", type=int, choices=(32, 128), default=128)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64])
     args = parser.parse_args()
     bits, group = args.bits, 32 if args.bits == 8 else args.group
     sweep = SWEEP if group == 128 else SWEEP_32
@@ -75,7 +78,7 @@ def main() -> None:
         def timed(fn: object) -> float:
             return median_seconds(graphed(fn).replay, device, repeats=15) / COPIES * 1e6
 
-        for m in (1, 2, 8, 16, 32, 64):
+        for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             want = packed_linear_reference(x, weights[0]).float()
             bf16 = timed(lambda: [F.linear(x, w) for w in dense])
