@@ -77,6 +77,7 @@ def test_fp8_cache_kernels_match_the_torch_backend(
 
 
 def test_the_fused_rope_write_stores_the_torch_bytes() -> None:
+    from kvfleet.engine.attention.metadata import cache_views
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
     from kvfleet.engine.layers.triton_layers import rotary_and_write_kv, rotary_inplace
 
@@ -96,6 +97,6 @@ def test_the_fused_rope_write_stores_the_torch_bytes() -> None:
     want = torch.zeros(2, 48, block_size, 8, 128, dtype=FP8, device="cuda")
     torch_backend.write_kv_cache(want_k, v, want, slots, scales)
     cache = torch.zeros_like(want)
-    rotary_and_write_kv(q, k, v, positions, cos, sin, cache, slots, scales)
+    rotary_and_write_kv(q, k, v, positions, cos, sin, *cache_views(cache), slots, scales)
     torch.testing.assert_close(q, want_q, rtol=0, atol=0)
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
