@@ -300,6 +300,18 @@ def hf_greedy() -> Callable[[Any, list[int], int], list[int]]:
     return hf_greedy
 
 
+@pytest.fixture(params=["token-major", "token-minor"])
+def value_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """V as a bf16 cache holds it, and token-minor as an FP8 cache does (here in the float32
+    and float16 caches the interpreter runs): kernels and the torch reference read and write
+    either through `cache_views`."""
+    if request.param == "token-minor":
+        from kvfleet.engine.attention import metadata
+
+        monkeypatch.setattr(metadata, "token_minor_values", lambda cache: True)
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def attention_case() -> Callable[..., Any]:
     """`attention_case(query_lens, seq_lens, ...)`: random q/k/v, a paged KV cache whose blocks

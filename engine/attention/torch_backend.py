@@ -16,6 +16,7 @@ from kvfleet.engine.attention.metadata import (
     FP8_KV_MAX,
     AttentionLayer,
     AttentionMetadata,
+    cache_views,
     kv_cache_is_fp8,
 )
 
@@ -29,17 +30,17 @@ def write_kv_cache(
 ) -> None:
     """Store this step's keys and values at their slots. k, v: [num_tokens, Hkv, D]; into an
     FP8 cache divided by their scale (saturating at e4m3's largest value)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    for part, x in enumerate((k, v)):
-        cache = kv_cache[part].view(-1, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    for part, (cache, x) in enumerate(zip(cache_views(kv_cache), (k, v), strict=True)):
         if kv_cache_is_fp8(kv_cache):
             assert kv_scales is not None, "an FP8 KV cache needs its scales"
             stored = (x.float() / kv_scales[part]).clamp(-FP8_KV_MAX, FP8_KV_MAX)
-            # (index_copy_ has no float8 kernel: the bytes are copied as such)
+            # (indexing has no float8 kernel on every device: the bytes are copied as such)
             raw = stored.to(kv_cache.dtype).view(torch.uint8)
-            cache.view(torch.uint8).index_copy_(0, slot_mapping, raw)
+            cache.view(torch.uint8)[blocks, offsets] = raw
         else:
-            cache.index_copy_(0, slot_mapping, x)
+            cache[blocks, offsets] = x
 
 
 class TorchAttention(AttentionLayer):
@@ -165,12 +166,12 @@ def _gather(
     (from an FP8 cache: float32, times their scales)."""
     block_size = kv_cache.shape[2]
     tables = block_tables[:, : -(-length // block_size)].long()
+    key_cache, value_cache = cache_views(kv_cache)
     if kv_cache_is_fp8(kv_cache):  # (no float8 gather kernel on every device: bytes, then cast)
         assert kv_scales is not None, "an FP8 KV cache needs its scales"
-        raw = kv_cache.view(torch.uint8)
-        keys = raw[0][tables].view(kv_cache.dtype).float() * kv_scales[0]
-        values = raw[1][tables].view(kv_cache.dtype).float() * kv_scales[1]
+        keys = key_cache.view(torch.uint8)[tables].view(kv_cache.dtype).float() * kv_scales[0]
+        values = value_cache.view(torch.uint8)[tables].view(kv_cache.dtype).float() * kv_scales[1]
         return keys.flatten(1, 2)[:, :length], values.flatten(1, 2)[:, :length]
-    keys = kv_cache[0][tables].flatten(1, 2)[:, :length]
-    values = kv_cache[1][tables].flatten(1, 2)[:, :length]
+    keys = key_cache[tables].flatten(1, 2)[:, :length]
+    values = value_cache[tables].flatten(1, 2)[:, :length]
     return keys, values

@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata, kv_cache_is_fp8
+from kvfleet.engine.attention.metadata import (
+    AttentionLayer,
+    AttentionMetadata,
+    cache_views,
+    kv_cache_is_fp8,
+)
 from kvfleet.engine.attention.triton_decode import decode_attention
 from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
@@ -39,6 +44,10 @@ def _write_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vcb,  # V's (token-minor in an FP8 cache: `cache_views`)
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -54,8 +63,9 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     dest = block * stride_cb + offset * stride_cs + head * stride_ch + d
+    v_dest = block * stride_vcb + offset * stride_vcs + head * stride_vch + d * stride_vcd
     tl.store(k_cache_ptr + dest, kv_cache_value(k, kv_scales_ptr, 0, k_cache_ptr, FP8), mask=mask)
-    tl.store(v_cache_ptr + dest, kv_cache_value(v, kv_scales_ptr, 1, v_cache_ptr, FP8), mask=mask)
+    tl.store(v_cache_ptr + v_dest, kv_cache_value(v, kv_scales_ptr, 1, v_cache_ptr, FP8), mask=mask)
 
 
 def write_kv_cache(
@@ -70,7 +80,7 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = cache_views(kv_cache)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         k,
         v,
@@ -85,6 +95,7 @@ def write_kv_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
         BLOCK_D=next_power_of_2(head_dim),
@@ -126,8 +137,9 @@ class TritonAttention(AttentionLayer):
         if qk_norms is not None:
             q_norm, k_norm = qk_norms
             norm = QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
+        k_cache, v_cache = cache_views(kv_cache)
         rotary_and_write_kv(
-            q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping, kv_scales, norm
+            q, k, v, positions, cos, sin, k_cache, v_cache, metadata.slot_mapping, kv_scales, norm
         )
         return self.attend_or_break(q, kv_cache, metadata, kv_scales)
 

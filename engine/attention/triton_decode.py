@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
+from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
     let_next_start,
@@ -45,34 +45,56 @@ DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
 @triton.jit
 def load_kv_tile(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,
+    v_cache_ptr,  # the same, or token-minor in an FP8 cache (`cache_views`)
     block_table_ptr,  # this sequence's row of the block table
-    offs_n,  # [BLOCK_N] token positions in the sequence
+    offs_n,  # [BLOCK_N] token positions in the sequence, from a multiple of BLOCK_SIZE
     n_mask,
+    block_mask,  # n_mask widened to whole blocks
     kv_head,
     offs_d,
     d_mask,
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vb,  # V's strides when V_TOKEN_MINOR (its tokens' stride is 1), else K's serve
+    stride_vh,
+    stride_vd,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,
     dtype: tl.constexpr,  # what an FP8 cache's values are upcast to (`fp8_query`'s dtype)
 ):
     """K and V [BLOCK_N, BLOCK_D] of one KV head at `offs_n`, found through the block table
     (masked rows read 0); from an FP8 cache, upcast in registers (exactly: e4m3 fits float16)
     without their scales, which the caller applies once (K's to the scores, V's to the
     output)."""
-    physical = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    kv_offsets = (
+    block = offs_n // BLOCK_SIZE
+    if V_TOKEN_MINOR:
+        physical = tl.load(block_table_ptr + block, mask=block_mask, other=0).to(tl.int64)
+    else:
+        physical = tl.load(block_table_ptr + block, mask=n_mask, other=0).to(tl.int64)
+    slot = offs_n % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k_offsets = (
         physical[:, None] * stride_cb
-        + (offs_n % BLOCK_SIZE)[:, None] * stride_cs
+        + slot[:, None] * stride_cs
         + kv_head * stride_ch
         + offs_d[None, :]
     )
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
+    if V_TOKEN_MINOR:
+        # whole blocks of BLOCK_SIZE contiguous tokens, loaded in vectors (the tokens of a
+        # sequence's last block past its end read stale, finite bytes: their weights are 0)
+        v_offsets = (
+            physical[:, None] * stride_vb
+            + slot[:, None]
+            + kv_head * stride_vh
+            + offs_d[None, :] * stride_vd
+        )
+        v_offsets = tl.max_contiguous(tl.multiple_of(v_offsets, [BLOCK_SIZE, 1]), [BLOCK_SIZE, 1])
+        v = tl.load(v_cache_ptr + v_offsets, mask=block_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
     if FP8:
         k = k.to(dtype)
         v = v.to(dtype)
@@ -96,6 +118,28 @@ def fp8_query(q):
     return q
 
 
+@triton.jit
+def _split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """[first, end) of the sequence's keys this split takes: its window cut into NUM_SPLITS
+    pieces of whole BLOCK_Ns."""
+    kv_begin = 0
+    if sliding_window > 0:
+        kv_begin = tl.maximum(0, seq_len - sliding_window)
+    per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
+    per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    first = kv_begin + split * per_split
+    return first, tl.minimum(seq_len, first + per_split)
+
+
+@triton.jit
+def tile_positions(start_n, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
+    """Positions start_n + [0, BLOCK_N); ALIGNED: start_n is known a multiple of BLOCK_N."""
+    if ALIGNED:
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+    return start_n + tl.arange(0, BLOCK_N)
+
+
 # NOTE: the block table's width changes step to step: one compiled kernel for any width.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(
@@ -117,6 +161,9 @@ def _decode_partial_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vb,
+    stride_vh,
+    stride_vd,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -131,6 +178,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,  # (`token_minor_values`)
     SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
@@ -140,14 +188,11 @@ def _decode_partial_kernel(
     let_next_start(PDL)
     wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_begin = 0
-    if sliding_window > 0:
-        kv_begin = tl.maximum(0, seq_len - sliding_window)
-    # This split's range: the sequence's window cut into NUM_SPLITS pieces of whole BLOCK_Ns.
-    per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
-    per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    start = kv_begin + split * per_split
-    end = tl.minimum(seq_len, start + per_split)
+    first, end = _split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    start = first
+    if V_TOKEN_MINOR:  # (tiles from multiples of BLOCK_N: a token-minor V loads in vectors)
+        start = first // BLOCK_N * BLOCK_N
+        end = tl.where(first < end, end, start)  # (an empty split stays empty)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -166,22 +211,29 @@ def _decode_partial_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < end
+        if V_TOKEN_MINOR:  # (the first tile may start before `first`)
+            n_mask = n_mask & (offs_n >= first)
         k, v = load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + seq * stride_bt,
             offs_n,
             n_mask,
+            offs_n // BLOCK_SIZE * BLOCK_SIZE < end,
             kv_head,
             offs_d,
             d_mask,
             stride_cb,
             stride_cs,
             stride_ch,
+            stride_vb,
+            stride_vh,
+            stride_vd,
             BLOCK_SIZE,
             FP8,
+            V_TOKEN_MINOR,
             q.dtype,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
@@ -338,9 +390,11 @@ def decode_attention(
     acc = q.new_empty((*partial_shape, head_dim), dtype=torch.float32)
     maxes = q.new_empty(partial_shape, dtype=torch.float32)
     sums = q.new_empty(partial_shape, dtype=torch.float32)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = cache_views(kv_cache)
+    token_minor = v_cache.stride(3) != 1
     fp8 = kv_cache_is_fp8(kv_cache)
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
+    assert not token_minor or block_n % block_size == 0, "token-minor V loads whole blocks"
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
     _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
@@ -362,6 +416,9 @@ def decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(2),
+        v_cache.stride(3),
         metadata.block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -376,6 +433,7 @@ def decode_attention(
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        V_TOKEN_MINOR=token_minor,
         SOFTCAP=softcap is not None,
         **pdl,
         num_warps=warps,

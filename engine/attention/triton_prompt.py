@@ -15,13 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.metadata import AttentionMetadata, kv_cache_is_fp8
+from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import (
     fp8_query,
     load_kv_tile,
     merge_splits,
     soft_cap,
     splits_to_fill,
+    tile_positions,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.launch_cache import CachedKernel
@@ -150,6 +151,9 @@ def _paged_attention_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vb,  # V's (read when V_TOKEN_MINOR)
+    stride_vh,
+    stride_vd,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -163,6 +167,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
     FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
+    V_TOKEN_MINOR: tl.constexpr,  # (`token_minor_values`)
     SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
     SPLIT: tl.constexpr,  # num_splits > 1: partial results out, for the merge
 ):
@@ -203,20 +208,25 @@ def _paged_attention_kernel(
     )  # fmt: skip
     table = block_tables_ptr + seq * stride_bt
     qk_scale = _score_scale(scale, SOFTCAP)
+    # (every tile starts at a multiple of BLOCK_N, which a token-minor V's vectors rely on)
     for start_n in range(kv_begin, unmasked_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end, kv_head, offs_d,
-            d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
+            k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end,
+            offs_n // BLOCK_SIZE * BLOCK_SIZE < unmasked_end, kv_head, offs_d, d_mask,
+            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
+            V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
         s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     for start_n in range(tl.maximum(kv_begin, unmasked_end), kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < kv_end
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, q.dtype,
+            k_cache_ptr, v_cache_ptr, table, offs_n, n_mask,
+            offs_n // BLOCK_SIZE * BLOCK_SIZE < kv_end, kv_head, offs_d, d_mask, stride_cb,
+            stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
+            V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
         s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -284,7 +294,9 @@ def paged_attention(
         acc = q.new_empty((*partial, head_dim), dtype=torch.float32)
         maxes = q.new_empty(partial, dtype=torch.float32)
         sums = torch.empty_like(maxes)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = cache_views(kv_cache)
+    token_minor = v_cache.stride(3) != 1
+    assert not token_minor or block_n % kv_cache.shape[2] == 0, "token-minor V: whole blocks"
     _PAGED_ATTENTION[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
         k_cache,
@@ -305,6 +317,9 @@ def paged_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(2),
+        v_cache.stride(3),
         out.stride(0),
         out.stride(1),
         metadata.block_tables.stride(0),
@@ -318,6 +333,7 @@ def paged_attention(
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        V_TOKEN_MINOR=token_minor,
         SOFTCAP=softcap is not None,
         SPLIT=num_splits > 1,
         num_warps=warps,

@@ -298,6 +298,10 @@ def _rotary_write_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vcb,  # the V cache's (token-minor in an FP8 cache)
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     num_heads,
     num_kv_heads,
     eps,  # the q/k norms' (QK_NORM)
@@ -346,8 +350,10 @@ def _rotary_write_kv_kernel(
     v = v_ptr + token * stride_vt + kv_heads * stride_vh + d
     v1 = kv_cache_value(tl.load(v, mask=kv_mask), kv_scales_ptr, 1, v_cache_ptr, FP8)
     v2 = kv_cache_value(tl.load(v + HALF, mask=kv_mask), kv_scales_ptr, 1, v_cache_ptr, FP8)
-    tl.store(v_cache_ptr + dest, v1, mask=kv_mask)
-    tl.store(v_cache_ptr + dest + HALF, v2, mask=kv_mask)
+    v_dest = (slot // BLOCK_SIZE) * stride_vcb + (slot % BLOCK_SIZE) * stride_vcs
+    v_dest += kv_heads * stride_vch + d * stride_vcd
+    tl.store(v_cache_ptr + v_dest, v1, mask=kv_mask)
+    tl.store(v_cache_ptr + v_dest + HALF * stride_vcd, v2, mask=kv_mask)
 
 
 def rotary_and_write_kv(
@@ -357,21 +363,24 @@ def rotary_and_write_kv(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
     qk_norm: QKNorm | None = None,
 ) -> None:
     """Rotate q in place and k, v into the cache, in one launch: the bits `rotary_inplace`
-    then the attention's cache write give (k itself is left as it was). An FP8 cache takes
-    k and v divided by `kv_scales`. `qk_norm`: each head of q and k RMS-normalized first, as
-    `rms_norm_heads` would (the normalized q is what is rotated in place)."""
+    then the attention's cache write give (k itself is left as it was). The caches: views
+    [num_blocks, block_size, num_kv_heads, head_dim], K's head dimension contiguous (the
+    attention's `cache_views`). An FP8 cache takes k and v divided by `kv_scales`. `qk_norm`:
+    each head of q and k RMS-normalized first, as `rms_norm_heads` would (the normalized q is
+    what is rotated in place)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1, "the head dimension must be contiguous"
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert k_cache.stride(3) == 1
     pdl = dependent_launch_args(q.device)
     _rotary_write_kv_kernel[(num_tokens,)](
         q,
@@ -395,14 +404,15 @@ def rotary_and_write_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         num_heads,
         num_kv_heads,
         qk_norm.eps if qk_norm is not None else 0.0,
         HALF=head_dim // 2,
         BLOCK_H=next_power_of_2(num_heads),
         BLOCK_KV=next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=kv_cache.shape[2],
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        BLOCK_SIZE=k_cache.shape[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         QK_NORM=qk_norm is not None,
         OFFSET=qk_norm is not None and qk_norm.offset,
         **pdl,

@@ -55,7 +55,7 @@ def decode(q_type, cache_type):
              "kv_scales_ptr": "*fp32", "scale": "fp32", "softcap": "fp32"}
     block_n, warps, stages, _ = triton_decode.DECODE_TILES[fp8]
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
-                     HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8,
+                     HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
                      PDL=True)
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
@@ -79,7 +79,7 @@ def prompt(q_type, cache_type, kind, split):
     types |= {"acc_ptr": partial, "max_ptr": partial, "sum_ptr": partial}
     block_m, block_n, warps, stages = triton_prompt.prompt_tile(DTYPES[q_type], fp8, kind)
     constants = dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
-                     BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8,
+                     BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
                      SPLIT=split)
     compile_for_sm90(triton_prompt._paged_attention_kernel, types, constants, warps, stages)

@@ -139,19 +139,24 @@ def _rotary_and_write_kv(
     step: dict[str, torch.Tensor], qk_norm: triton_layers.QKNorm | None = None
 ) -> torch.Tensor:
     """The fused kernel on the step (q rotated in place): the cache it fills."""
+    from kvfleet.engine.attention.metadata import cache_views
+
     cache = torch.zeros(2, 8, BLOCK, 2, 32, dtype=step["q"].dtype)
     with torch.no_grad():
         triton_layers.rotary_and_write_kv(
             step["q"], step["k"], step["v"], step["positions"], step["cos"], step["sin"],
-            cache, step["slots"], None, qk_norm,
+            *cache_views(cache), step["slots"], None, qk_norm,
         )  # fmt: skip
     return cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_and_kv_write_in_one_kernel_equal_the_two(dtype: torch.dtype) -> None:
+def test_rotary_and_kv_write_in_one_kernel_equal_the_two(
+    dtype: torch.dtype, value_layout: str
+) -> None:
     """The fused RoPE + cache write gives the bits of rotary_inplace then write_kv_cache (q
-    rotated in place; rotated k and v in the cache at each token's slot; k itself unchanged)."""
+    rotated in place; rotated k and v in the cache at each token's slot, V token-major or
+    token-minor; k itself unchanged)."""
     step = _rope_step(4, dtype)
     expected_q, expected_cache = _rotated_and_written(step, step["q"].clone(), step["k"].clone())
     k_before = step["k"].clone()
