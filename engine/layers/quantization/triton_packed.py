@@ -45,12 +45,15 @@ GEMV_TILES = (64, 128, 2, 4)
 # programs, many of them, measured fastest (fewer splits with more steps each: up to 2x slower)
 GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
+_MAGIC = 0x4B000000  # (2^23's bits: `_placed`)
 
 
 @triton.jit
-def _placed(word, mask):
-    """(word & mask) as a float, exactly (below 2^23)."""
-    return ((word & mask) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _placed(word, mask, magic=0x4B000000):
+    """(word & mask) as a float, exactly (below 2^23). `magic`: 2^23's bits, 0x4B000000, given
+    as a kernel argument where it should sit in a register: a 32-bit logic instruction takes
+    one immediate, so with both constants immediate the AND and the OR cost two."""
+    return ((word & mask) | magic).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -71,7 +74,9 @@ def _x(x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, BITS: tl.constexpr):
+def _unpacked_products(
+    packed, x_ptr, perm_ptr, ks, ok, magic, HAS_PERM: tl.constexpr, BITS: tl.constexpr
+):
     """(sum over each word's values q_j of x[ks + j] q_j [rows, BLOCK_N], sum_j x[ks + j]
     [rows]) for words `packed` [rows, BLOCK_N] whose row r holds inputs ks[r] onwards."""
     x0 = _x(x_ptr, perm_ptr, ks, ok, HAS_PERM)
@@ -84,21 +89,21 @@ def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, 
         x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
         x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
         x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
-        xq = x0[:, None] * _placed(packed, 0xF)
-        xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0)
-        xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00)
-        xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000)
-        xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000)
-        xq += x5[:, None] * _placed(high, 0xF)
-        xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0)
-        xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00)
+        xq = x0[:, None] * _placed(packed, 0xF, magic)
+        xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0, magic)
+        xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00, magic)
+        xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000, magic)
+        xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000, magic)
+        xq += x5[:, None] * _placed(high, 0xF, magic)
+        xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0, magic)
+        xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00, magic)
         x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
     else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
         high = packed >> 16
-        xq = x0[:, None] * _placed(packed, 0xFF)
-        xq += (x1 * 0.00390625)[:, None] * _placed(packed, 0xFF00)
-        xq += x2[:, None] * _placed(high, 0xFF)
-        xq += (x3 * 0.00390625)[:, None] * _placed(high, 0xFF00)
+        xq = x0[:, None] * _placed(packed, 0xFF, magic)
+        xq += (x1 * 0.00390625)[:, None] * _placed(packed, 0xFF00, magic)
+        xq += x2[:, None] * _placed(high, 0xFF, magic)
+        xq += (x3 * 0.00390625)[:, None] * _placed(high, 0xFF00, magic)
         x_sum = x0 + x1 + x2 + x3
     return xq, x_sum
 
@@ -129,7 +134,7 @@ def _split_k_store(
 @triton.jit
 def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
-    out_ptr, N, K, group_size,
+    out_ptr, N, K, group_size, magic,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -157,7 +162,9 @@ def _packed_gemv_kernel(
         group = tl.minimum(k0 // group_size, K // group_size - 1)
         scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xq, x_sum = _unpacked_products(packed, x_ptr, perm_ptr, k0 + firsts, ok, HAS_PERM, BITS)
+        xq, x_sum = _unpacked_products(
+            packed, x_ptr, perm_ptr, k0 + firsts, ok, magic, HAS_PERM, BITS
+        )
         acc += xq * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -325,7 +332,7 @@ def packed_gemv(
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
-        out, n, k, weights.group_size, BITS=weights.bits,
+        out, n, k, weights.group_size, _MAGIC, BITS=weights.bits,
         HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, **pdl, num_warps=warps,
     )  # fmt: skip
