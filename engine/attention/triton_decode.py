@@ -13,8 +13,6 @@ The torch backend (`torch_backend.py`) is the reference.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +23,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
-from kvfleet.engine.layers.grid import next_power_of_2
+from kvfleet.engine.layers.grid import next_power_of_2, num_sms
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
 # Below this many KV tokens a split is not worth its share of the merge.
@@ -310,17 +308,10 @@ def _decode_merge_kernel(
     )
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def splits_to_fill(programs: int, kv_tokens: int, device: torch.device) -> int:
     """Splits of the KV that give every SM a few of `programs` x splits programs, none
     shorter than _MIN_SPLIT_TOKENS of `kv_tokens` (1: the programs are enough already)."""
-    wanted = -(-4 * _num_sms(device) // max(1, programs))
+    wanted = -(-4 * num_sms(device) // max(1, programs))
     return max(1, min(wanted, -(-kv_tokens // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
 
 

@@ -20,8 +20,12 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
-from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
+from kvfleet.engine.layers.quantization.triton_packed import _split_k_store, shared_workspace
+
+# e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
+FP8_TENSOR_CORES = True
 
 
 @triton.jit
@@ -71,6 +75,116 @@ def _gemv_kernel(
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+# (BLOCK_N, BLOCK_K, warps) of the e4m3 GEMV on the tensor cores: 64 weight rows, one warpgroup's
+# wgmma M; it takes e4m3 tiles from shared memory as they are, where the CUDA-core GEMV spent
+# ~4.6 instructions a weight on upcasts and products (bench/RESULTS.md "2026-11-28 (session
+# 23)"). Programs per SM aimed at: column blocks times splits of K.
+MMA_TILES = (64, 256, 4)
+MMA_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _fp8_gemv_mma_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K] e4m3, contiguous
+    w_scale_ptr,  # [N] float32
+    x_scale_ptr,  # [1] float32 (STATIC)
+    bias_ptr,  # [N] (HAS_BIAS)
+    partial_ptr,  # [SPLIT, N] float32 (SPLIT > 1)
+    count_ptr,  # [cdiv(N, BLOCK_N)] int32 (SPLIT > 1)
+    out_ptr,  # [N]
+    N, K, fp8_max, min_scale,
+    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out [N] = x . w^T (+ bias), x quantized to e4m3 as `quantize_rows` does: program (n, s)
+    takes BLOCK_N rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3 weight tile
+    with x's tile broadcast to 16 columns (the product's narrowest; column 0 is kept); the
+    SPLIT programs of a row block add their parts as the 4-bit GEMV's do."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    offsets = tl.arange(0, BLOCK_K)
+    k0 = pid_k * STEPS * BLOCK_K
+    let_next_start(PDL)
+    w_first = _weight_tile(w_ptr, rows, row_ok, k0 + offsets, K)
+    wait_for_previous(PDL)
+    if STATIC:
+        x_scale = tl.load(x_scale_ptr)
+    else:  # (every program finds the whole row's largest magnitude: one load, from L2)
+        row = tl.arange(0, ROW_BLOCK)
+        x = tl.load(x_ptr + row, mask=row < K, other=0.0)
+        x_scale = tl.maximum(tl.max(tl.abs(x), axis=0).to(tl.float32), min_scale) / fp8_max
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc = _mma_step(acc, w_first, x_ptr, k0 + offsets, K, x_scale, fp8_max, BLOCK_K)
+    for step in range(1, STEPS):
+        ks = k0 + step * BLOCK_K + offsets
+        w = _weight_tile(w_ptr, rows, row_ok, ks, K)
+        acc = _mma_step(acc, w, x_ptr, ks, K, x_scale, fp8_max, BLOCK_K)
+    column = tl.arange(0, 16)
+    part = tl.sum(tl.where(column[None, :] == 0, acc, 0.0), axis=1)
+    part = part * x_scale * tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    _split_k_store(
+        part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N, pid_k, SPLIT
+    )
+
+
+@triton.jit
+def _mma_step(acc, w, x_ptr, ks, K, x_scale, fp8_max, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, 16] += w [BLOCK_N, BLOCK_K] times x[ks] quantized to e4m3, broadcast to 16
+    columns (exact products, float32 sums)."""
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    xq = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(w.dtype)
+    return tl.dot(w, tl.trans(tl.broadcast_to(xq[None, :], [16, BLOCK_K])), acc)
+
+
+def fp8_mma_plan(
+    n: int, k: int, device: torch.device, tiles: tuple[int, int, int] | None = None
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core e4m3 GEMV for N rows of K:
+    K cut into SPLIT parts of STEPS tiles, enough for MMA_PROGRAMS_PER_SM programs an SM."""
+    block_n, block_k, warps = tiles or MMA_TILES
+    tiles_k = cdiv(k, block_k)
+    wanted = cdiv(MMA_PROGRAMS_PER_SM * num_sms(device), cdiv(n, block_n))
+    steps = cdiv(tiles_k, max(1, min(wanted, tiles_k)))
+    return block_n, block_k, steps, cdiv(tiles_k, steps), warps
+
+
+def reserve_fp8_gemv(n: int, k: int, device: torch.device) -> None:
+    """Grow the device's split-K workspace to what `fp8_gemv_mma` takes for N x K."""
+    block_n, _, _, split, _ = fp8_mma_plan(n, k, device)
+    shared_workspace(device, split * n, cdiv(n, block_n))
+
+
+def fp8_gemv_mma(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps)."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, x.device, tiles)
+    space = shared_workspace(x.device, split * n, cdiv(n, block_n))
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = dependent_launch_args(x.device)
+    _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
+        x, weight, weight_scale, x_scale if x_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, space.partials, space.counters, out, n, k,
+        FP8_MAX, _MIN_SCALE, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
+        SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_BLOCK=next_power_of_2(k), **pdl, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
 @triton.jit
 def _weight_tile(w_ptr, cols, col_ok, ks, K):
     """The weight's [BLOCK_N, BLOCK_K] tile at rows `cols`, inputs `ks` (0 past either end)."""
@@ -118,6 +232,8 @@ def gemv(
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
+    if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
+        return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale)
     block_n, block_k = gemv_tiles(n, k, weight.element_size())
     warps, stages = 4, 3
     if tiles is not None:

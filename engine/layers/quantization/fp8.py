@@ -192,6 +192,12 @@ class Fp8Linear(QuantizedLinear):
         else:
             self.load_bias_or_refuse(kind, tensor, rows, name)
 
+    def finish_loading(self) -> None:
+        if self.weight.is_cuda:  # (the one-row GEMV's split-K room, before any graph capture)
+            from kvfleet.engine.layers.triton_gemv import reserve_fp8_gemv
+
+            reserve_fp8_gemv(self.out_features, self.in_features, self.weight.device)
+
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

@@ -122,3 +122,29 @@ def test_the_fused_gemv_equals_the_reference_in_the_interpreter(static: bool) ->
     out = gemv(x, weight, scale, bias, x_scale, tiles=(16, 64, 4, 3))
     want = grid * 0.25 @ (weight.float() * scale).t() + bias
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [40, 130])
+def test_the_tensor_core_gemv_equals_the_reference_in_the_interpreter(
+    static: bool, rows: int
+) -> None:
+    """`fp8_gemv_mma`: e4m3 activations on e4m3's grid as above, rows past a 64-row block, K
+    (200) cut into tiles of 64 whose last is part-filled and split across programs whose
+    parts the last to arrive adds (with the bias), the counters left at zero."""
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
+    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan
+
+    generator = torch.Generator().manual_seed(2)
+    grid = (torch.randn(1, 200, generator=generator) * 60).clamp(-440, 440)
+    grid = grid.to(FP8).float()
+    grid[:, 150] = 448.0
+    weight, scale = quantize_rows(torch.randn(rows, 200, generator=generator) * 0.1)
+    bias = torch.randn(rows, generator=generator)
+    x_scale = torch.tensor(0.25) if static else None
+    tiles = (64, 64, 4)
+    assert fp8_mma_plan(rows, 200, torch.device("cpu"), tiles)[3] > 1  # (split)
+    out = fp8_gemv_mma(grid * 0.25, weight, scale, bias, x_scale, tiles)
+    want = grid * 0.25 @ (weight.float() * scale).t() + bias
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
