@@ -21,6 +21,7 @@ from kvfleet.engine.attention.metadata import (
 )
 
 
+@torch.no_grad()  # (the cache is state: an indexed store into a view of it takes no history)
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
