@@ -22,7 +22,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
-from kvfleet.engine.layers.quantization.triton_packed import _split_k_store, shared_workspace
+from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
@@ -128,9 +128,7 @@ def _fp8_gemv_mma_kernel(
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    _split_k_store(
-        part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N, pid_k, SPLIT
-    )
+    split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N, pid_k, SPLIT)
 
 
 @triton.jit

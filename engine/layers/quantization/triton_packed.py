@@ -109,7 +109,7 @@ def _unpacked_products(
 
 
 @triton.jit
-def _split_k_store(
+def split_k_store(
     acc, bias, partial_ptr, count_ptr, out_ptr, at, ok, tile, slab, pid_k, SPLIT: tl.constexpr
 ):  # fmt: skip
     """Write this program's float32 part `acc` of out[at]: directly when unsplit, else into
@@ -169,7 +169,7 @@ def _packed_gemv_kernel(
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    _split_k_store(
+    split_k_store(
         tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N,
         pid_k, SPLIT,
     )  # fmt: skip
@@ -211,7 +211,7 @@ def _packed_gemm_kernel(
     bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    _split_k_store(
+    split_k_store(
         acc, bias, partial_ptr, count_ptr, out_ptr, rows[:, None] * N + cols[None, :],
         row_ok[:, None] & col_ok[None, :], pid_m * tl.num_programs(1) + pid_n,
         tl.num_programs(0) * BLOCK_M * N, pid_k, SPLIT,
