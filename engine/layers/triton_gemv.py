@@ -243,7 +243,8 @@ def gemv(
         x, weight, placeholder, x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, n, k, FP8_MAX, _MIN_SCALE,
         QUANTIZE=quantize, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if quantize else 1,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_BLOCK=next_power_of_2(k) if quantize and x_scale is None else 1,
         **pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
