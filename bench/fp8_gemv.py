@@ -5,7 +5,7 @@ activation's per-row quantization and both scales inside one kernel) against the
 counts and Llama-3-8B shapes, each timed inside a CUDA graph (20 weight copies per replay, so
 the weights come from HBM, not L2), beside the bytes floor; a few tilings of the GEMV; its
 agreement with the unfused path first; the tensor-core GEMV (`fp8_gemv_mma`) over tilings and
-program counts.
+the number of parts K is cut into.
 
     bench/device_env.sh python3 bench/fp8_gemv.py
 """
@@ -17,16 +17,17 @@ import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings
 from kvfleet.bench.fp8_linear import graphed
-from kvfleet.engine.layers import triton_gemv
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
-from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, gemv
+from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan, gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
-# (BLOCK_N, BLOCK_K, warps) of the tensor-core GEMV (`fp8_gemv_mma`), each at 1, 2 and 4
-# programs an SM; the CUDA-core kernel's (BLOCK_N, BLOCK_K, warps, stages) after
-MMA_TILINGS = [(64, 128, 4), (64, 256, 4), (64, 512, 4)]
+# (BLOCK_N, BLOCK_K, warps) of the tensor-core GEMV (`fp8_gemv_mma`), each with K cut into
+# each of MMA_SPLITS parts that its tiles allow; the CUDA-core kernel's (BLOCK_N, BLOCK_K,
+# warps, stages) after
+MMA_TILINGS = [(64, 256, 4), (64, 512, 4)]
+MMA_SPLITS = (1, 2, 4, 7, 8, 14, 16)
 TILINGS = [(8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 1024, 4, 4), (16, 256, 4, 4),
            (8, 512, 8, 4), (4, 512, 2, 4), (32, 256, 8, 3)]  # fmt: skip
 
@@ -45,7 +46,6 @@ def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
 
 def main() -> None:
     device = torch.device("cuda")
-    shipped_per_sm = triton_gemv.MMA_PROGRAMS_PER_SM
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s; per call, us (median of 15 graph replays / {COPIES})")
     for name, (n, k) in SHAPES.items():
@@ -73,15 +73,18 @@ def main() -> None:
             for label, x_scale in (("shipped", None), ("static scale", static)):
                 graph = graphed(lambda: [gemv(x, w, s, x_scale=x_scale) for w, s in weights])
                 line += f" | {label}: {_replay_us(graph):5.1f}"
-            for per_sm in (1, 2, 4):
-                triton_gemv.MMA_PROGRAMS_PER_SM = per_sm
-                for mma in MMA_TILINGS:
-                    got = fp8_gemv_mma(x, *weights[0], tiles=mma).float()
+            for mma in MMA_TILINGS:
+                for split in MMA_SPLITS:
+                    plan = fp8_mma_plan(n, k, device, mma, split)
+                    if plan[3] != split:  # (K's tiles do not cut into that many parts)
+                        continue
+                    got = fp8_gemv_mma(x, *weights[0], tiles=mma, split=split).float()
                     err = ((got - want).abs().max() / want.abs().max()).item()
-                    graph = graphed(lambda: [fp8_gemv_mma(x, w, s, tiles=mma) for w, s in weights])
+                    graph = graphed(
+                        lambda: [fp8_gemv_mma(x, w, s, tiles=mma, split=split) for w, s in weights]
+                    )
                     label = "/".join(map(str, mma))
-                    line += f" | mma {label} x{per_sm}: {_replay_us(graph):5.1f} ({err:.0e})"
-            triton_gemv.MMA_PROGRAMS_PER_SM = shipped_per_sm
+                    line += f" | mma {label} split {split}: {_replay_us(graph):5.1f} ({err:.0e})"
             for bn, bk, warps, stages in TILINGS:
                 tiles = (bn, bk, warps, stages)
                 got = gemv(x, *weights[0], tiles=tiles).float()

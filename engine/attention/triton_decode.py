@@ -31,12 +31,11 @@ _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
 # (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32 (at
 # 96-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
-# the upcast tiles took 202 registers, two programs per SM: capped at 168, three fit, -6% at
-# 256 x 1,100 tokens; the sweeps of bench/RESULTS.md "2026-11-27 (session 18)" found no tile
-# faster on sequences of mixed lengths)
+# with V token-minor the tile takes 124 registers, four programs an SM, and the cap of 168 the
+# token-major upcasts wanted costs 5-9%: bench/RESULTS.md "2026-11-28 (session 24)")
 DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
     False: (64, 4, 3, None),
-    True: (128, 4, 3, 168),
+    True: (128, 4, 3, None),
 }
 
 

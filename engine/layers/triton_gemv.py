@@ -75,12 +75,13 @@ def _gemv_kernel(
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-# (BLOCK_N, BLOCK_K, warps) of the e4m3 GEMV on the tensor cores: 64 weight rows, one warpgroup's
-# wgmma M; it takes e4m3 tiles from shared memory as they are, where the CUDA-core GEMV spent
-# ~4.6 instructions a weight on upcasts and products (bench/RESULTS.md "2026-11-28 (session
-# 23)"). Programs per SM aimed at: column blocks times splits of K.
-MMA_TILES = (64, 256, 4)
-MMA_PROGRAMS_PER_SM = 2
+# The e4m3 GEMV on the tensor cores takes 64 weight rows a program (one warpgroup's wgmma M)
+# with 4 warps; it takes e4m3 tiles from shared memory as they are, where the CUDA-core GEMV
+# spent ~4.6 instructions a weight on upcasts and products (bench/RESULTS.md "2026-11-28
+# (session 23)"). Where its row blocks alone are fewer than two an SM, K is cut for about
+# MMA_PROGRAMS_PER_SM programs an SM (`fp8_mma_plan`).
+MMA_ROWS, MMA_WARPS = 64, 4
+MMA_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -141,14 +142,25 @@ def _mma_step(acc, w, x_ptr, ks, K, x_scale, fp8_max, BLOCK_K: tl.constexpr):
 
 
 def fp8_mma_plan(
-    n: int, k: int, device: torch.device, tiles: tuple[int, int, int] | None = None
+    n: int,
+    k: int,
+    device: torch.device,
+    tiles: tuple[int, int, int] | None = None,
+    split: int | None = None,
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core e4m3 GEMV for N rows of K:
-    K cut into SPLIT parts of STEPS tiles, enough for MMA_PROGRAMS_PER_SM programs an SM."""
-    block_n, block_k, warps = tiles or MMA_TILES
+    K cut into SPLIT parts of STEPS tiles (about `split`, if given). The fastest of
+    bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200 (bench/RESULTS.md "2026-11-28
+    (session 24)"): row blocks at least two an SM take all of K (gate_up); fewer cut K for
+    about MMA_PROGRAMS_PER_SM programs an SM (qkv 4 parts, o 8, down 8), in 512-wide tiles,
+    256 where K is long (down's 14,336: 2x-longer parts of 512 were 20% slower)."""
+    sms = num_sms(device)
+    block_n, block_k, warps = tiles or (MMA_ROWS, 512 if k <= 4096 else 256, MMA_WARPS)
+    row_blocks = cdiv(n, block_n)
+    if split is None:
+        split = 1 if row_blocks >= 2 * sms else cdiv(MMA_PROGRAMS_PER_SM * sms, row_blocks)
     tiles_k = cdiv(k, block_k)
-    wanted = cdiv(MMA_PROGRAMS_PER_SM * num_sms(device), cdiv(n, block_n))
-    steps = cdiv(tiles_k, max(1, min(wanted, tiles_k)))
+    steps = cdiv(tiles_k, max(1, min(split, tiles_k)))
     return block_n, block_k, steps, cdiv(tiles_k, steps), warps
 
 
@@ -165,11 +177,13 @@ def fp8_gemv_mma(
     bias: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
-    """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps)."""
+    """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
+    `split`: about how many parts K is cut into (default: enough programs an SM)."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, x.device, tiles)
+    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, x.device, tiles, split)
     space = shared_workspace(x.device, split * n, cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_args(x.device)
