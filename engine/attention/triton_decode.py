@@ -32,7 +32,7 @@ _MAX_SPLITS = 32
 # (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32 (at
 # 96-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
 # with V token-minor the tile takes 124 registers, four programs an SM, and the cap of 168 the
-# token-major upcasts wanted costs 5-9%: bench/RESULTS.md "2026-11-28 (session 24)")
+# token-major upcasts wanted costs 3-9%: bench/RESULTS.md "2026-11-28 (session 24)")
 DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
     False: (64, 4, 3, None),
     True: (128, 4, 3, None),
