@@ -26,6 +26,8 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import next_power_of_2, num_sms
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
@@ -102,6 +104,37 @@ def load_kv_tile(
 def soft_cap(s, softcap):
     """softcap * tanh(s / softcap) (Gemma 2's scores), tanh from one exp."""
     return softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+
+
+@triton.jit
+def scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q . k^T [BLOCK_M, BLOCK_N]: raw (the softmax scales them by `score_scale`), or
+    soft-capped after the scale, in log2 units, where the model caps them."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        s = soft_cap(s * scale, softcap) * LOG2E
+    return s
+
+
+@triton.jit
+def score_scale(scale, SOFTCAP: tl.constexpr):
+    """What `online_softmax` multiplies `scores`' values by: to log2 units, scaled."""
+    return 1.0 if SOFTCAP else scale * LOG2E
+
+
+@triton.jit
+def online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of scores (times qk_scale: log2 units) and its V into the running max, sum
+    and P . V. (qk_scale > 0, so the max of the raw scores scales to theirs; the scale and
+    the max's subtraction are one fused multiply-add.)"""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -204,7 +237,8 @@ def _decode_partial_kernel(
     if FP8:
         q = fp8_query(q)
         scale *= tl.load(kv_scales_ptr)
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    qk_scale = score_scale(scale, SOFTCAP)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # (log2 units)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
@@ -233,16 +267,9 @@ def _decode_partial_kernel(
             V_TOKEN_MINOR,
             q.dtype,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-        if SOFTCAP:
-            s = soft_cap(s, softcap)
+        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
 
@@ -256,7 +283,7 @@ def _decode_partial_kernel(
     else:
         # An empty split stores max -inf and sum 0: the merge gives it no weight.
         row = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(max_ptr + row, m_i, mask=g_mask)
+        tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
         tl.store(sum_ptr + row, l_i, mask=g_mask)
         tl.store(
             acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],

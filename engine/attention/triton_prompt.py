@@ -17,10 +17,13 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import (
+    LN2,
     fp8_query,
     load_kv_tile,
     merge_splits,
-    soft_cap,
+    online_softmax,
+    score_scale,
+    scores,
     splits_to_fill,
     tile_positions,
 )
@@ -43,8 +46,6 @@ PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
     (True, "long"): (128, 128, 8, 2),
 }
 LONG_KV_TOKENS = 4096
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 def prompt_step_kind(metadata: AttentionMetadata) -> str:
@@ -75,37 +76,6 @@ def splits_forced(num_splits: int) -> Iterator[None]:
         yield
     finally:
         _forced_splits.pop()
-
-
-@triton.jit
-def _scores(q, k, scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
-    """q . k^T [BLOCK_M, BLOCK_N]: raw (the softmax scales them by `_score_scale`), or
-    soft-capped after the scale, in log2 units, where the model caps them."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if SOFTCAP:
-        s = soft_cap(s * scale, softcap) * LOG2E
-    return s
-
-
-@triton.jit
-def _score_scale(scale, SOFTCAP: tl.constexpr):
-    """What `_online_softmax` multiplies `_scores`' values by: to log2 units, scaled."""
-    return 1.0 if SOFTCAP else scale * LOG2E
-
-
-@triton.jit
-def _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One tile of scores (times qk_scale: log2 units) and its V into the running max, sum
-    and P . V. (qk_scale > 0, so the max of the raw scores scales to theirs; the scale and
-    the max's subtraction are one fused multiply-add.)"""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -207,7 +177,7 @@ def _paged_attention_kernel(
         BLOCK_M, BLOCK_N, SPLIT,
     )  # fmt: skip
     table = block_tables_ptr + seq * stride_bt
-    qk_scale = _score_scale(scale, SOFTCAP)
+    qk_scale = score_scale(scale, SOFTCAP)
     # (every tile starts at a multiple of BLOCK_N, which a token-minor V's vectors rely on)
     for start_n in range(kv_begin, unmasked_end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
@@ -217,8 +187,8 @@ def _paged_attention_kernel(
             stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
             V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
-        s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     for start_n in range(tl.maximum(kv_begin, unmasked_end), kv_end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < kv_end
@@ -228,12 +198,12 @@ def _paged_attention_kernel(
             stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
             V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
-        s = _scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if sliding_window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(allowed, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
