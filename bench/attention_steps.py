@@ -45,6 +45,8 @@ TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
         (64, 4, 6, None),
         (32, 2, 6, None),
         (32, 4, 6, None),
+        (32, 1, 4, None),
+        (32, 1, 6, None),
         (16, 1, 8, None),
         (16, 1, 10, None),
         (16, 2, 8, None),
