@@ -300,15 +300,16 @@ def hf_greedy() -> Callable[[Any, list[int], int], list[int]]:
     return hf_greedy
 
 
-@pytest.fixture(params=["token-major", "token-minor"])
-def value_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """V as a bf16 cache holds it, and token-minor as an FP8 cache does (here in the float32
-    and float16 caches the interpreter runs): kernels and the torch reference read and write
-    either through `cache_views`."""
-    if request.param == "token-minor":
+@pytest.fixture(params=["token-major", "head-major"])
+def block_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A cache block as a bf16 cache holds it ([slot, head, dim]), and head by head as an FP8
+    cache does (K [head, slot, dim], V [head, dim, slot]; here in the float32 and float16
+    caches the interpreter runs): kernels and the torch reference read and write either
+    through `cache_views`."""
+    if request.param == "head-major":
         from kvfleet.engine.attention import metadata
 
-        monkeypatch.setattr(metadata, "token_minor_values", lambda cache: True)
+        monkeypatch.setattr(metadata, "head_major_blocks", lambda cache: True)
     return str(request.param)
 
 

@@ -165,24 +165,27 @@ def kv_cache_is_fp8(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.float8_e4m3fn
 
 
-def token_minor_values(kv_cache: torch.Tensor) -> bool:
-    """Whether each block of the cache's V holds its bytes token-minor ([num_kv_heads, head_dim,
-    block_size]): an FP8 cache's does. The P.V product takes V in pairs of consecutive tokens;
-    token-major, an 8-bit V reached them a byte at a time from shared memory (bench/RESULTS.md
-    "2026-11-28 (session 23)"), 16-bit values through `ldmatrix.trans`, which has no 8-bit
-    form."""
+def head_major_blocks(kv_cache: torch.Tensor) -> bool:
+    """Whether each block of the cache holds its bytes head by head, K as [num_kv_heads,
+    block_size, head_dim] and V token-minor as [num_kv_heads, head_dim, block_size]: an FP8
+    cache's do. The P.V product takes V in pairs of consecutive tokens; token-major, an 8-bit V
+    reached them a byte at a time from shared memory (bench/RESULTS.md "2026-11-28 (session
+    23)"), 16-bit values through `ldmatrix.trans`, which has no 8-bit form. Head by head, one
+    head's K of a block is one run of block_size x head_dim bytes (2 KB at 16 x 128), not 16
+    runs of 128 bytes a KV-heads' row apart."""
     return kv_cache_is_fp8(kv_cache)
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a layer's cache [2, num_blocks, block_size, num_kv_heads, head_dim], each
-    indexed [block, slot, head, dim] (V strided where `token_minor_values`). A block's bytes
-    stay a block's, in either layout: swapping and copying blocks need no views."""
+    indexed [block, slot, head, dim] (strided where `head_major_blocks`). A block's bytes stay
+    a block's, in either layout: swapping and copying blocks need no views."""
     keys, values = kv_cache[0], kv_cache[1]
-    if token_minor_values(kv_cache):
+    if head_major_blocks(kv_cache):
         _, block_size, heads, dim = values.shape
-        strides = (block_size * heads * dim, 1, dim * block_size, block_size)
-        values = values.as_strided(values.shape, strides)
+        per_block = block_size * heads * dim
+        keys = keys.as_strided(keys.shape, (per_block, dim, dim * block_size, 1))
+        values = values.as_strided(values.shape, (per_block, 1, dim * block_size, block_size))
     return keys, values
 
 

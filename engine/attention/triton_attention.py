@@ -44,7 +44,7 @@ def _write_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vcb,  # V's (token-minor in an FP8 cache: `cache_views`)
+    stride_vcb,  # V's (token-minor in an FP8 cache's head-major blocks: `cache_views`)
     stride_vcs,
     stride_vch,
     stride_vcd,

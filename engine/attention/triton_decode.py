@@ -208,7 +208,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
-    V_TOKEN_MINOR: tl.constexpr,  # (`token_minor_values`)
+    V_TOKEN_MINOR: tl.constexpr,  # (`head_major_blocks`)
     SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):

@@ -137,7 +137,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32"
     FP8: tl.constexpr,  # the cache holds e4m3 K / k_scale and V / v_scale
-    V_TOKEN_MINOR: tl.constexpr,  # (`token_minor_values`)
+    V_TOKEN_MINOR: tl.constexpr,  # (`head_major_blocks`)
     SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
     SPLIT: tl.constexpr,  # num_splits > 1: partial results out, for the merge
 ):

@@ -298,7 +298,7 @@ def _rotary_write_kv_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vcb,  # the V cache's (token-minor in an FP8 cache)
+    stride_vcb,  # the V cache's (token-minor in an FP8 cache's head-major blocks)
     stride_vcs,
     stride_vch,
     stride_vcd,

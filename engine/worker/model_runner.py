@@ -171,7 +171,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (an FP8
-        cache's V token-minor within each block: `attention.metadata.cache_views`)."""
+        cache's blocks head-major: `attention.metadata.cache_views`)."""
         config = self.config
         shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [

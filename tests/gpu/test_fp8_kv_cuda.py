@@ -103,38 +103,39 @@ def test_the_fused_rope_write_stores_the_torch_bytes() -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_token_minor_values_give_the_token_major_bits(
+def test_head_major_blocks_give_the_token_major_bits(
     attention_case: Callable[..., dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
     case: str,
 ) -> None:
-    """The same FP8 cache held with V token-minor (as the engine holds it) and token-major (as
-    it did before): the prompt and decode kernels give the same bits, the cache writes store
-    the same values (`cache_views` reads both alike)."""
+    """The same FP8 cache held head-major (as the engine holds it: K [head, slot, dim], V
+    token-minor) and token-major (as it did before): the prompt and decode kernels give the
+    same bits, the cache writes store the same values (`cache_views` reads both alike)."""
     from kvfleet.engine.attention import metadata as attention_metadata
 
     inputs = _fp8_case(attention_case, case)
     metadata, scales = inputs["metadata"], inputs["scales"]
-    minor = torch.empty_like(inputs["kv_cache"])
-    for view, values in zip(attention_metadata.cache_views(minor), inputs["kv_cache"], strict=True):
+    head_major = torch.empty_like(inputs["kv_cache"])
+    views = attention_metadata.cache_views(head_major)
+    for view, values in zip(views, inputs["kv_cache"], strict=True):
         view.view(torch.uint8).copy_(values.view(torch.uint8))
     caches: dict[bool, torch.Tensor] = {}
     outputs: dict[bool, list[torch.Tensor]] = {}
-    for token_minor in (False, True):
-        monkeypatch.setattr(attention_metadata, "token_minor_values", lambda c, m=token_minor: m)
-        cache = (minor if token_minor else inputs["kv_cache"]).clone()
+    for by_head in (False, True):
+        monkeypatch.setattr(attention_metadata, "head_major_blocks", lambda c, m=by_head: m)
+        cache = (head_major if by_head else inputs["kv_cache"]).clone()
         triton_attention.write_kv_cache(
             inputs["k"], inputs["v"], cache, metadata.slot_mapping, scales
         )
         kernels = [triton_prompt.paged_attention]
         if metadata.max_seqlen_q == 1:
             kernels.append(triton_decode.decode_attention)
-        outputs[token_minor] = [
+        outputs[by_head] = [
             kernel(inputs["q"], cache, metadata, 0.088, kv_scales=scales) for kernel in kernels
         ]
-        caches[token_minor] = torch.stack(
+        caches[by_head] = torch.stack(
             [view.view(torch.uint8) for view in attention_metadata.cache_views(cache)]
         )
     assert torch.equal(caches[False], caches[True])
-    for major, minor_out in zip(outputs[False], outputs[True], strict=True):
-        assert torch.equal(major, minor_out)
+    for token_major, by_head_out in zip(outputs[False], outputs[True], strict=True):
+        assert torch.equal(token_major, by_head_out)

@@ -26,41 +26,42 @@ CASES = {
 }
 
 
-def test_token_minor_values_lie_token_minor_in_their_block(value_layout: str) -> None:
-    """A token's V at (block, slot, head, dim) sits at [block][head][dim][slot] of the V half's
-    bytes when token-minor (K, and V otherwise, at [block][slot][head][dim]); an FP8 cache is
-    token-minor, a bf16 one is not; the Triton write stores what the torch one does."""
+def test_a_head_major_block_holds_each_head_together(block_layout: str) -> None:
+    """Head-major, a token's K at (block, slot, head, dim) sits at [block][head][slot][dim] of
+    the K half's bytes and its V at [block][head][dim][slot] of the V half's (token-major, both
+    at [block][slot][head][dim]); an FP8 cache is head-major, a bf16 one is not; the Triton
+    write stores what the torch one does."""
     gen = torch.Generator().manual_seed(4)
     k, v = torch.randn(2, 3, 2, 32, generator=gen)
     slots = torch.tensor([5, 16 * 2 + 15, 16 * 3])
     cache = torch.zeros(2, 5, 16, 2, 32)
     torch_backend.write_kv_cache(k, v, cache, slots)
     blocks, offsets = slots // 16, slots % 16
-    assert torch.equal(cache[0][blocks, offsets], k)
-    stored = (
-        cache[1].reshape(5, 2, 32, 16)[blocks, :, :, offsets]
-        if value_layout == "token-minor"
-        else cache[1][blocks, offsets]
-    )
-    assert torch.equal(stored, v)
+    if block_layout == "head-major":
+        stored_k = cache[0].reshape(5, 2, 16, 32)[blocks, :, offsets]
+        stored_v = cache[1].reshape(5, 2, 32, 16)[blocks, :, :, offsets]
+    else:
+        stored_k, stored_v = cache[0][blocks, offsets], cache[1][blocks, offsets]
+    assert torch.equal(stored_k, k)
+    assert torch.equal(stored_v, v)
     written = torch.zeros_like(cache)
     triton_attention.write_kv_cache(k, v, written, slots)
     assert torch.equal(written, cache)
 
 
-def test_an_fp8_cache_holds_its_values_token_minor() -> None:
-    for dtype, minor in ((torch.float8_e4m3fn, True), (torch.bfloat16, False)):
+def test_an_fp8_cache_holds_its_blocks_head_major() -> None:
+    for dtype, head_major in ((torch.float8_e4m3fn, True), (torch.bfloat16, False)):
         keys, values = attention_metadata.cache_views(torch.zeros(2, 3, 16, 2, 32, dtype=dtype))
         assert keys.shape == values.shape == (3, 16, 2, 32)
-        assert keys.stride() == (1024, 64, 32, 1)
-        assert values.stride() == ((1024, 1, 512, 16) if minor else (1024, 64, 32, 1))
+        assert keys.stride() == ((1024, 32, 512, 1) if head_major else (1024, 64, 32, 1))
+        assert values.stride() == ((1024, 1, 512, 16) if head_major else (1024, 64, 32, 1))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.float16, 2e-3)])
 def test_write_and_attend_match_torch(
     attention_case: Callable[..., dict[str, Any]],
-    value_layout: str,
+    block_layout: str,
     case: str,
     dtype: torch.dtype,
     tolerance: float,
@@ -88,7 +89,7 @@ def test_write_and_attend_match_torch(
 @pytest.mark.parametrize("sliding_window", [None, 40])
 def test_prompt_tiles_of_every_kind_match_torch(
     attention_case: Callable[..., dict[str, Any]],
-    value_layout: str,
+    block_layout: str,
     monkeypatch: pytest.MonkeyPatch,
     kind: str,
     sliding_window: int | None,
@@ -115,7 +116,7 @@ def test_prompt_tiles_of_every_kind_match_torch(
 @pytest.mark.parametrize("sliding_window", [None, 100])
 def test_prompt_kernel_split_over_the_keys_matches_torch(
     attention_case: Callable[..., dict[str, Any]],
-    value_layout: str,
+    block_layout: str,
     monkeypatch: pytest.MonkeyPatch,
     num_splits: int,
     sliding_window: int | None,
@@ -138,7 +139,7 @@ def test_prompt_kernel_split_over_the_keys_matches_torch(
         assert (out[first_seq:] - expected[first_seq:]).abs().max() < 1e-4
 
 
-def test_sliding_window(attention_case: Callable[..., dict[str, Any]], value_layout: str) -> None:
+def test_sliding_window(attention_case: Callable[..., dict[str, Any]], block_layout: str) -> None:
     inputs = attention_case([1, 30], [70, 50], seed=7)
     reference = TorchAttention(4, 2, 32, sliding_window=24)
     cache = inputs["kv_cache"].clone()
@@ -153,7 +154,7 @@ def test_sliding_window(attention_case: Callable[..., dict[str, Any]], value_lay
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 1), (2, 2)])
 def test_decode_kernel_matches_torch(
     attention_case: Callable[..., dict[str, Any]],
-    value_layout: str,
+    block_layout: str,
     num_splits: int,
     num_heads: int,
     num_kv_heads: int,
@@ -176,7 +177,7 @@ def test_decode_kernel_matches_torch(
 
 def test_decode_kernel_sliding_window_and_float16(
     attention_case: Callable[..., dict[str, Any]],
-    value_layout: str,
+    block_layout: str,
 ) -> None:
     seq_lens = [10, 90, 400]
     inputs = attention_case([1] * 3, seq_lens, dtype=torch.float16, seed=12)

@@ -152,11 +152,11 @@ def _rotary_and_write_kv(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rotary_and_kv_write_in_one_kernel_equal_the_two(
-    dtype: torch.dtype, value_layout: str
+    dtype: torch.dtype, block_layout: str
 ) -> None:
     """The fused RoPE + cache write gives the bits of rotary_inplace then write_kv_cache (q
-    rotated in place; rotated k and v in the cache at each token's slot, V token-major or
-    token-minor; k itself unchanged)."""
+    rotated in place; rotated k and v in the cache at each token's slot, blocks token-major or
+    head-major; k itself unchanged)."""
     step = _rope_step(4, dtype)
     expected_q, expected_cache = _rotated_and_written(step, step["q"].clone(), step["k"].clone())
     k_before = step["k"].clone()
