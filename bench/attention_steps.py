@@ -3,7 +3,7 @@ over a bf16 and an FP8 cache, a mixed step (decodes beside prompt chunks) before
 its decode rows went to the decode kernel, and the prompt kernel's tiles on prompts (TFLOP/s
 of the causal pairs it must compute, beside the bf16 matmul ceiling).
 
-    bench/device_env.sh python3 bench/attention_steps.py --part tiles
+    bench/device_env.sh python3 bench/attention_steps.py --part tiles [--cache fp8]
     bench/device_env.sh python3 bench/attention_steps.py --part mixed
     bench/device_env.sh python3 bench/attention_steps.py --part prompt [--base DIR]
 
@@ -154,14 +154,15 @@ def compiled_kernels(found: list[Any]) -> Iterator[None]:
         launcher.kernel = real
 
 
-def sweep_tiles(copy_gbps: float) -> None:
+def sweep_tiles(copy_gbps: float, caches: tuple[bool, ...] = (False, True)) -> None:
+    """The decode kernel's TILES over DECODE_STEPS, for each cache (fp8 or not) in `caches`."""
     shipped = dict(triton_decode.DECODE_TILES)
     gen = torch.Generator().manual_seed(2)
     for num_seqs, shortest, longest in DECODE_STEPS:
         drawn = torch.randint(shortest, longest + 1, (num_seqs,), generator=gen)
         lens = sorted(drawn.tolist(), reverse=True)
         name = f"{num_seqs} x [{shortest}, {longest}]"
-        for fp8 in (False, True):
+        for fp8 in caches:
             step = make_step([1] * num_seqs, lens, fp8)
             floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
             out = torch.empty_like(step["q"])
@@ -316,6 +317,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--part", choices=("tiles", "mixed", "prompt"), required=True)
     parser.add_argument("--base", help="another tree whose prompt kernel is timed beside")
+    parser.add_argument("--cache", choices=("both", "bf16", "fp8"), default="both",
+                        help="--part tiles: the caches swept")  # fmt: skip
     args = parser.parse_args()
     ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
     print(
@@ -323,7 +326,8 @@ def main() -> None:
         f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s"
     )
     if args.part == "tiles":
-        sweep_tiles(ceilings.copy_gbps)
+        caches = {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.cache]
+        sweep_tiles(ceilings.copy_gbps, caches)
     elif args.part == "mixed":
         mixed_steps(ceilings.copy_gbps)
     else:
