@@ -39,6 +39,9 @@ TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
     False: [(64, 4, 3, None), (64, 4, 5, None), (32, 4, 6, None), (128, 8, 4, None)],
     True: [
         (128, 4, 3, None),
+        (256, 8, 3, None),
+        (256, 8, 4, None),
+        (128, 8, 3, None),
         (128, 4, 3, 168),
         (128, 4, 4, None),
         (128, 4, 5, None),
