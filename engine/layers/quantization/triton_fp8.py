@@ -18,6 +18,14 @@ from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 
 
 @triton.jit
+def quantized_row(x, fp8_max, min_scale):
+    """One row x [BLOCK] float32 (0 past its end) as `quantize_rows` takes it: (its values
+    divided by the scale and clamped, to be stored as e4m3; the scale)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_scale) / fp8_max
+    return tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max), scale  # (IEEE, as torch)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, cols, x_stride, out_stride, fp8_max, min_scale,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -28,8 +36,7 @@ def _quantize_rows_kernel(
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
     x = tl.load(x_ptr + row * x_stride + offsets, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_scale) / fp8_max
-    values = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)  # (IEEE, as torch)
+    values, scale = quantized_row(x, fp8_max, min_scale)
     tl.store(out_ptr + row * out_stride + offsets, values.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
