@@ -114,6 +114,23 @@ def test_rows_quantized_in_their_producers_give_smollm2_the_same_tokens(
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("rows", [16, 256, 2048])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_triton_gemm_matches_the_scaled_gemm(rows: int, n: int, k: int) -> None:
+    """`fp8_gemm` (each row count's default tiles) against cuBLASLt's scaled GEMM on the same
+    e4m3 rows and weights: float32 sums in another order, then bf16."""
+    from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
+
+    x_q, x_scale = quantize_rows(torch.randn(rows, k, device="cuda"))
+    w_q, w_scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    got = fp8_gemm(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16)
+    want = torch._scaled_mm(
+        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.t(), bias=bias, out_dtype=torch.bfloat16
+    )
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2)
+
+
 @pytest.fixture(scope="module")
 def smollm2_quality(smollm2: Path) -> dict[str, object]:
     from kvfleet.bench.quality import compare, evaluate

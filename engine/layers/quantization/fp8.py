@@ -26,6 +26,9 @@ _MIN_SCALE = 1e-12  # (an all-zero row keeps a finite scale)
 # The norm and SiLU x mul before an FP8 layer quantize its rows in their own kernels
 # (`takes_quantized_rows`); False: the layer quantizes them in a pass of its own (for A/B).
 QUANTIZE_IN_PRODUCER = True
+# Row counts whose GEMM runs in Triton (`triton_fp8.fp8_gemm`) instead of cuBLASLt's scaled
+# GEMM: none until bench/fp8_gemm.py has measured where it is faster.
+TRITON_GEMM_ROWS = range(0)
 
 
 def fp8_supported(device: torch.device) -> str | None:
@@ -266,6 +269,10 @@ class Fp8Linear(QuantizedLinear):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """[rows, out] in `dtype` from e4m3 rows `x_q` and their scales [rows, 1]."""
+        if x_q.is_cuda and x_q.shape[0] in TRITON_GEMM_ROWS:
+            from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
+
+            return fp8_gemm(x_q, x_scale, self.weight, self.weight_scale, bias, dtype)
         out = torch._scaled_mm(
             x_q,
             self.weight.t(),
