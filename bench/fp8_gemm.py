@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from kvfleet.bench.ceilings import fp8_matmul_tflops, measure_ceilings
-from kvfleet.bench.fp8_linear import graphed
+from kvfleet.bench.fp8_linear import graphed, replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
 
@@ -34,18 +34,6 @@ TILINGS = [
     (128, 256, 128, 8, 3),
     (64, 256, 128, 4, 3),
 ]
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(11):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / COPIES)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -69,7 +57,7 @@ def main() -> None:
                                         out_dtype=torch.bfloat16)  # fmt: skip
 
             want = cublas(*weights[0]).float()
-            us = _replay_us(graphed(lambda: [cublas(w, s) for w, s in weights]))
+            us = replay_us(graphed(lambda: [cublas(w, s) for w, s in weights]), COPIES)
             line = f"{name:8s} M={m:5d}: floor {floor_us:7.1f} | cuBLASLt {us:7.1f}"
             for tiles in TILINGS:
                 try:
@@ -81,7 +69,8 @@ def main() -> None:
                             for w, s in weights
                         ]
                     )
-                    line += f" | {'/'.join(map(str, tiles))} {_replay_us(graph):7.1f} ({err:.0e})"
+                    label = "/".join(map(str, tiles))
+                    line += f" | {label} {replay_us(graph, COPIES):7.1f} ({err:.0e})"
                 except Exception as exc:  # (a tiling that does not fit: say so, go on)
                     line += f" | {'/'.join(map(str, tiles))} failed {type(exc).__name__}"
             print(line)

@@ -137,10 +137,15 @@ def add_rms_norm_fp8(
 ) -> tuple[QuantizedRows, torch.Tensor]:
     """`add_rms_norm` with the normalized rows quantized in the same kernel, as the FP8 layer
     after it would quantize them (`quantize_rows`, bit for bit)."""
-    values = torch.empty(x.shape, dtype=FP8, device=x.device)
-    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    values, scales = _empty_rows(x.shape[0], x.shape[1], x.device)
     residual_out = _add_rms_norm(x, residual, weight, eps, offset, values, scales)
     return QuantizedRows(values, scales, x.dtype), residual_out
+
+
+def _empty_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for rows quantized to e4m3 [rows, cols] and their scales [rows, 1]."""
+    values = torch.empty((rows, cols), dtype=FP8, device=device)
+    return values, torch.empty((rows, 1), dtype=torch.float32, device=device)
 
 
 def _add_rms_norm(
@@ -506,9 +511,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
 def act_and_mul_fp8(gate_up: torch.Tensor, activation: str = "silu") -> QuantizedRows:
     """`act_and_mul` with each row quantized in the same kernel, as the FP8 layer after it
     would quantize it (`quantize_rows`, bit for bit): a program takes a whole row."""
-    num_tokens = gate_up.shape[0]
-    values = torch.empty((num_tokens, gate_up.shape[1] // 2), dtype=FP8, device=gate_up.device)
-    scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate_up.device)
+    values, scales = _empty_rows(gate_up.shape[0], gate_up.shape[1] // 2, gate_up.device)
     _act_and_mul(gate_up, activation, values, scales)
     return QuantizedRows(values, scales, gate_up.dtype)
 

@@ -77,6 +77,22 @@ FP8_GEMM_LARGE: Fp8GemmTiles = (128, 128, 128, 8, 3)
 
 
 @triton.jit
+def _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride):
+    """A GEMM's tiles at inputs k: a [rows, k] and b [k, cols] of b [N, K] (0 past the ends)."""
+    a = tl.load(
+        a_ptr + rows[:, None] * a_stride + k[None, :],
+        mask=row_ok[:, None] & (k[None, :] < K),
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + cols[None, :] * b_stride + k[:, None],
+        mask=col_ok[None, :] & (k[:, None] < K),
+        other=0.0,
+    )
+    return a, b
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
     a_stride, b_stride, c_stride,
@@ -99,16 +115,7 @@ def _fp8_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        a = tl.load(
-            a_ptr + rows[:, None] * a_stride + k[None, :],
-            mask=row_ok[:, None] & (k[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + cols[None, :] * b_stride + k[:, None],
-            mask=col_ok[None, :] & (k[:, None] < K),
-            other=0.0,
-        )
+        a, b = _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride)
         acc = tl.dot(a, b, acc)
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -173,16 +180,7 @@ def _block_fp8_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, GROUP_K)):
         k = tile * GROUP_K + ks
-        a = tl.load(
-            a_ptr + rows[:, None] * a_stride + k[None, :],
-            mask=row_ok[:, None] & (k[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + cols[None, :] * b_stride + k[:, None],
-            mask=col_ok[None, :] & (k[:, None] < K),
-            other=0.0,
-        )
+        a, b = _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride)
         a_scale = tl.load(a_scale_ptr + rows * a_scale_stride + tile, mask=row_ok, other=0.0)
         b_scale = tl.load(
             b_scale_ptr + (cols // GROUP_N) * b_scale_stride + tile, mask=col_ok, other=0.0
