@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings
-from kvfleet.bench.fp8_linear import graphed
+from kvfleet.bench.fp8_linear import graphed, replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
 from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan, gemv
@@ -30,18 +30,6 @@ MMA_TILINGS = [(64, 256, 4), (64, 512, 4)]
 MMA_SPLITS = (1, 2, 4, 7, 8, 14, 16)
 TILINGS = [(8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 1024, 4, 4), (16, 256, 4, 4),
            (8, 512, 8, 4), (4, 512, 2, 4), (32, 256, 8, 3)]  # fmt: skip
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(15):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / COPIES)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -64,15 +52,16 @@ def main() -> None:
                 return out
 
             want = unfused()[0].float()
+            bf16_us = replay_us(graphed(lambda: [F.linear(x, w) for w in bf16]), COPIES)
+            unfused_us = replay_us(graphed(unfused), COPIES)
             line = (
-                f"{name:8s} M={m}: floor {floor_us:5.1f} | bf16 "
-                f"{_replay_us(graphed(lambda: [F.linear(x, w) for w in bf16])):6.1f} "
-                f"(floor {2 * floor_us:5.1f}) | quant+scaled_mm {_replay_us(graphed(unfused)):6.1f}"
+                f"{name:8s} M={m}: floor {floor_us:5.1f} | bf16 {bf16_us:6.1f} "
+                f"(floor {2 * floor_us:5.1f}) | quant+scaled_mm {unfused_us:6.1f}"
             )
             static = torch.ones(1, device=device)  # (a checkpoint's input scale: no amax)
             for label, x_scale in (("shipped", None), ("static scale", static)):
                 graph = graphed(lambda: [gemv(x, w, s, x_scale=x_scale) for w, s in weights])
-                line += f" | {label}: {_replay_us(graph):5.1f}"
+                line += f" | {label}: {replay_us(graph, COPIES):5.1f}"
             for mma in MMA_TILINGS:
                 for split in MMA_SPLITS:
                     plan = fp8_mma_plan(n, k, device, mma, split)
@@ -84,13 +73,17 @@ def main() -> None:
                         lambda: [fp8_gemv_mma(x, w, s, tiles=mma, split=split) for w, s in weights]
                     )
                     label = "/".join(map(str, mma))
-                    line += f" | mma {label} split {split}: {_replay_us(graph):5.1f} ({err:.0e})"
+                    line += (
+                        f" | mma {label} split {split}: {replay_us(graph, COPIES):5.1f} ({err:.0e})"
+                    )
             for bn, bk, warps, stages in TILINGS:
                 tiles = (bn, bk, warps, stages)
                 got = gemv(x, *weights[0], tiles=tiles).float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
                 graph = graphed(lambda: [gemv(x, w, s, tiles=tiles) for w, s in weights])
-                line += f" | {bn}/{bk}/{warps}/{stages}: {_replay_us(graph):5.1f} ({err:.0e})"
+                line += (
+                    f" | {bn}/{bk}/{warps}/{stages}: {replay_us(graph, COPIES):5.1f} ({err:.0e})"
+                )
             print(line)
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
+
 
 class RMSNorm(nn.Module):
     def __init__(
@@ -45,6 +47,18 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (x32 * (1.0 + self.weight.float())).to(x.dtype), residual
         return self.weight * x32.to(x.dtype), residual
+
+    def forward_for(
+        self, layer: nn.Module | None, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """`forward`, the normalized rows handed to `layer` (the one after) quantized by the
+        norm's kernel where it takes them so (`takes_quantized_rows`)."""
+        if self.fused and takes_quantized_rows(layer, x):
+            from kvfleet.engine.layers import triton_layers
+
+            return triton_layers.add_rms_norm_fp8(x, residual, self.weight, self.eps, self.offset)
+        normed: tuple[torch.Tensor, torch.Tensor] = self(x, residual)
+        return normed
 
 
 def act_and_mul(

@@ -21,6 +21,8 @@ from kvfleet.engine.layers.dependent_launch import (
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX, QuantizedRows
+from kvfleet.engine.layers.quantization.triton_fp8 import quantized_row
 
 
 @dataclass(frozen=True)
@@ -77,16 +79,20 @@ def _add_rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
     weight_ptr,  # [hidden]
-    out_ptr,  # [num_tokens, hidden]
+    out_ptr,  # [num_tokens, hidden] (e4m3 when QUANTIZE)
     residual_out_ptr,  # [num_tokens, hidden]: x + residual (or x)
+    scale_ptr,  # [num_tokens] float32: each row's scale (QUANTIZE)
     stride_x,
     stride_r,
     stride_o,
     stride_ro,
     hidden,
     eps,
+    fp8_max,
+    min_scale,
     HAS_RESIDUAL: tl.constexpr,
     OFFSET: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # the normalized row to e4m3 with its scale (`quantize_rows`)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
@@ -103,7 +109,10 @@ def _add_rms_norm_kernel(
         )
     tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     normed = rms_normalize(x, weight, hidden, eps, OFFSET)
-    tl.store(out_ptr + row * stride_o + cols, normed, mask=mask)
+    if QUANTIZE:
+        normed, scale = quantized_row(normed.to(tl.float32), fp8_max, min_scale)
+        tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
@@ -115,11 +124,44 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual) for x [num_tokens, hidden] (`offset`:
     times 1 + weight, Gemma's)."""
-    num_tokens, hidden = x.shape
     out = torch.empty_like(x)
+    return out, _add_rms_norm(x, residual, weight, eps, offset, out, None)
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """`add_rms_norm` with the normalized rows quantized in the same kernel, as the FP8 layer
+    after it would quantize them (`quantize_rows`, bit for bit)."""
+    values, scales = _empty_rows(x.shape[0], x.shape[1], x.device)
+    residual_out = _add_rms_norm(x, residual, weight, eps, offset, values, scales)
+    return QuantizedRows(values, scales, x.dtype), residual_out
+
+
+def _empty_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for rows quantized to e4m3 [rows, cols] and their scales [rows, 1]."""
+    values = torch.empty((rows, cols), dtype=FP8, device=device)
+    return values, torch.empty((rows, 1), dtype=torch.float32, device=device)
+
+
+def _add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    out: torch.Tensor,
+    scales: torch.Tensor | None,
+) -> torch.Tensor:
+    """Fills `out` (and `scales`, quantizing); returns x + residual."""
+    num_tokens, hidden = x.shape
     residual_out = torch.empty_like(x)
     if num_tokens == 0:
-        return out, residual_out
+        return residual_out
     source = residual if residual is not None else x
     pdl = dependent_launch_args(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
@@ -128,19 +170,23 @@ def add_rms_norm(
         weight,
         out,
         residual_out,
+        scales if scales is not None else out,
         x.stride(0),
         source.stride(0),
         out.stride(0),
         residual_out.stride(0),
         hidden,
         eps,
+        FP8_MAX,
+        _MIN_SCALE,
         HAS_RESIDUAL=residual is not None,
         OFFSET=offset,
+        QUANTIZE=scales is not None,
         BLOCK=next_power_of_2(hidden),
         **pdl,
         num_warps=NORM_WARPS,
     )
-    return out, residual_out
+    return residual_out
 
 
 @triton.jit
@@ -422,11 +468,15 @@ def rotary_and_write_kv(
 @triton.jit
 def _act_and_mul_kernel(
     gate_up_ptr,  # [num_tokens, 2 * inner]: gate, then up
-    out_ptr,  # [num_tokens, inner]
+    out_ptr,  # [num_tokens, inner] (e4m3 when QUANTIZE)
+    scale_ptr,  # [num_tokens] float32: each row's scale (QUANTIZE)
     stride_in,
     stride_out,
     inner,
+    fp8_max,
+    min_scale,
     GELU_TANH: tl.constexpr,  # GELU (tanh approximation) instead of SiLU: Gemma's GeGLU
+    QUANTIZE: tl.constexpr,  # the row to e4m3 with its scale (`quantize_rows`): BLOCK >= inner
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
@@ -435,7 +485,7 @@ def _act_and_mul_kernel(
     mask = cols < inner
     let_next_start(PDL)
     wait_for_previous(PDL)
-    dtype = out_ptr.dtype.element_ty
+    dtype = gate_up_ptr.dtype.element_ty  # (the activations' own: what the products round to)
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=mask, other=0.0)
     if GELU_TANH:
@@ -444,27 +494,50 @@ def _act_and_mul_kernel(
         act = _rounded(gate / (1.0 + tl.exp(-2.0 * y)), dtype)
     else:
         act = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(dtype), mask=mask)
+    out = (act * up.to(tl.float32)).to(dtype)
+    if QUANTIZE:
+        out, scale = quantized_row(out.to(tl.float32), fp8_max, min_scale)
+        tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """[num_tokens, 2 * inner] -> [num_tokens, inner]: act(gate) * up, act SiLU or gelu_tanh."""
-    num_tokens, width = gate_up.shape
-    inner = width // 2
-    out = gate_up.new_empty((num_tokens, inner))
+    out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+    _act_and_mul(gate_up, activation, out, None)
+    return out
+
+
+def act_and_mul_fp8(gate_up: torch.Tensor, activation: str = "silu") -> QuantizedRows:
+    """`act_and_mul` with each row quantized in the same kernel, as the FP8 layer after it
+    would quantize it (`quantize_rows`, bit for bit): a program takes a whole row."""
+    values, scales = _empty_rows(gate_up.shape[0], gate_up.shape[1] // 2, gate_up.device)
+    _act_and_mul(gate_up, activation, values, scales)
+    return QuantizedRows(values, scales, gate_up.dtype)
+
+
+def _act_and_mul(
+    gate_up: torch.Tensor, activation: str, out: torch.Tensor, scales: torch.Tensor | None
+) -> None:
+    num_tokens, inner = out.shape
     if num_tokens == 0:
-        return out
+        return
     assert gate_up.stride(1) == 1, "the feature dimension must be contiguous"
-    block = min(1024, next_power_of_2(inner))
+    # (quantizing, a program takes the whole row for its largest magnitude)
+    block = next_power_of_2(inner) if scales is not None else min(1024, next_power_of_2(inner))
     pdl = dependent_launch_args(gate_up.device)
     _act_and_mul_kernel[(num_tokens, cdiv(inner, block))](
         gate_up,
         out,
+        scales if scales is not None else out,
         gate_up.stride(0),
         out.stride(0),
         inner,
+        FP8_MAX,
+        _MIN_SCALE,
         GELU_TANH=activation == "gelu_tanh",
+        QUANTIZE=scales is not None,
         BLOCK=block,
         **pdl,
+        num_warps=max(4, min(16, block // 1024)),
     )
-    return out

@@ -20,6 +20,7 @@ from torch import nn
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.moe import SparseMoeBlock
+from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
 from kvfleet.engine.layers.quantization.linear import (
     LinearFactory,
     layer_bias,
@@ -37,12 +38,16 @@ AttentionFactory = Callable[[ModelConfig], AttentionLayer]
 KV_CALIBRATION_RANGE = 224.0
 
 
-def row_parallel(linear: nn.Module, x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+def row_parallel(
+    linear: nn.Module, x: torch.Tensor | QuantizedRows, tp: TPGroup | None
+) -> torch.Tensor:
     """A linear layer whose input features are split over the ranks: this rank's partial sum
-    (the bias, replicated, added on rank 0 only). `reduce_and_norm` sums the ranks' parts."""
+    (the bias, replicated, added on rank 0 only). `reduce_and_norm` sums the ranks' parts.
+    (Rows already quantized come only without tensor parallelism.)"""
     if tp is None:
         out: torch.Tensor = linear(x)
         return out
+    assert isinstance(x, torch.Tensor)
     out = linear_without_bias(linear, x)
     bias = layer_bias(linear)
     return out + bias if bias is not None and tp.rank == 0 else out
@@ -57,6 +62,20 @@ def reduce_and_norm(
     if tp is None:
         normed: tuple[torch.Tensor, torch.Tensor] = norm(hidden, residual)
         return normed
+    return tp.all_reduce_add_rms_norm(hidden, residual, norm)
+
+
+def norm_for(
+    norm: RMSNorm,
+    layer: nn.Module | None,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    tp: TPGroup | None,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """`reduce_and_norm` for the input of `layer`: without tensor parallelism, quantized in the
+    norm's kernel where an FP8 layer takes its rows so (`RMSNorm.forward_for`)."""
+    if tp is None:
+        return norm.forward_for(layer, hidden, residual)
     return tp.all_reduce_add_rms_norm(hidden, residual, norm)
 
 
@@ -103,7 +122,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | QuantizedRows,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -148,8 +167,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = linear((f"{prefix}.down_proj",), inner, size, bias)
         self.activation = config.mlp_activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inner = act_and_mul(self.gate_up_proj(x), self.fused, self.activation)
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        inner: torch.Tensor | QuantizedRows
+        if self.fused and self.tp is None and takes_quantized_rows(self.down_proj, gate_up):
+            from kvfleet.engine.layers import triton_layers
+
+            inner = triton_layers.act_and_mul_fp8(gate_up, self.activation)
+        else:
+            inner = act_and_mul(gate_up, self.fused, self.activation)
         return row_parallel(self.down_proj, inner, self.tp)
 
 
@@ -209,12 +235,16 @@ class LlamaDecoderLayer(nn.Module):
         parallelism each rank's partial sum; so is the output. (Sandwich norms: whole sums in
         and out, the attention's and the MLP's outputs summed over the ranks for their norms.)"""
         if not self.sandwich:
-            hidden, residual = reduce_and_norm(self.input_layernorm, hidden, residual, self.tp)
-            hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-            hidden, residual = reduce_and_norm(
-                self.post_attention_layernorm, hidden, residual, self.tp
+            # (an FP8 layer's rows quantized by the norm's kernel: `norm_for`; the modules
+            # looked up now, after any LoRA wrapping)
+            qkv = self.self_attn.qkv_proj
+            normed, residual = norm_for(self.input_layernorm, qkv, hidden, residual, self.tp)
+            hidden = self.self_attn(positions, normed, kv_cache, metadata)
+            gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
+            normed, residual = norm_for(
+                self.post_attention_layernorm, gate_up, hidden, residual, self.tp
             )
-            return self.mlp(hidden), residual
+            return self.mlp(normed), residual
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         hidden, _ = self.post_attention_layernorm(_whole(hidden, self.tp))

@@ -65,6 +65,59 @@ def test_block_fp8_matches_its_reference_at_llama_shapes(n: int, k: int) -> None
         assert (out - exact).norm() / exact.norm() < 0.05
 
 
+@pytest.mark.parametrize("rows", [7, 256])
+@pytest.mark.parametrize("hidden", [4096, 576])
+def test_the_norm_and_silu_quantize_their_rows_as_torch(rows: int, hidden: int) -> None:
+    """The norm's and SiLU x mul's kernels hand an FP8 layer its rows quantized: the e4m3
+    values and scales of `quantize_rows` over their own outputs, bit for bit."""
+    from kvfleet.engine.layers import triton_layers
+
+    x, residual = torch.randn(2, rows, hidden, device="cuda", dtype=torch.bfloat16) * 3
+    weight = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    quantized, got_residual = triton_layers.add_rms_norm_fp8(x, residual, weight, 1e-5)
+    normed, want_residual = triton_layers.add_rms_norm(x, residual, weight, 1e-5)
+    gate_up = torch.randn(rows, 7 * hidden, device="cuda", dtype=torch.bfloat16) * 2
+    inner = triton_layers.act_and_mul(gate_up)
+    assert torch.equal(got_residual, want_residual)
+    for got, want in ((quantized, normed), (triton_layers.act_and_mul_fp8(gate_up), inner)):
+        want_values, want_scales = quantize_rows(want)
+        assert torch.equal(got.scales, want_scales)
+        assert torch.equal(got.values.view(torch.uint8), want_values.view(torch.uint8))
+
+
+def test_rows_quantized_in_their_producers_give_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FP8 Llama-3.2-1B shape (random weights, seeded), batched decode and prompts (CUDA
+    graphs): the norm and SiLU x mul kernels quantizing the FP8 layers' rows give the tokens
+    and logprobs of the layers' own quantization passes."""
+    from kvfleet.engine.layers.quantization import fp8
+    from kvfleet.engine.llm import LLM
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    prompts = [[128000 + i, *range(1000 + 7 * i, 1100 + 9 * i)] for i in range(12)]
+    runs = []
+    for in_producer in (True, False):
+        monkeypatch.setattr(fp8, "QUANTIZE_IN_PRODUCER", in_producer)
+        llm = LLM(
+            "llama-3.2-1b",
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            quantization="fp8",
+            max_model_len=1024,
+            num_blocks=1024,
+            max_num_seqs=16,
+        )
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs])
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[0] == runs[1]
+
+
 @pytest.fixture(scope="module")
 def smollm2_quality(smollm2: Path) -> dict[str, object]:
     from kvfleet.bench.quality import compare, evaluate

@@ -13,6 +13,8 @@ Gaussian), its largest finite value is 448; each row's scale maps its largest ma
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -21,6 +23,12 @@ from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, exp
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # (an all-zero row keeps a finite scale)
+# The norm and SiLU x mul before an FP8 layer quantize its rows in their own kernels
+# (`takes_quantized_rows`); False: the layer quantizes them in a pass of its own (for A/B).
+QUANTIZE_IN_PRODUCER = True
+# Row counts whose GEMM runs in Triton (`triton_fp8.fp8_gemm`) instead of cuBLASLt's scaled
+# GEMM: none until bench/fp8_gemm.py has measured where it is faster.
+TRITON_GEMM_ROWS = range(0)
 
 
 def fp8_supported(device: torch.device) -> str | None:
@@ -45,6 +53,37 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = amax / FP8_MAX
     values = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scales
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations already quantized per row (as `quantize_rows` does) by the kernel that
+    produced them (the norm or SiLU x mul before an FP8 layer): e4m3 `values` [rows, cols],
+    `scales` [rows, 1] float32, `dtype` the activations' own (the layer's output dtype)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+def takes_quantized_rows(layer: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether the kernel producing `x` [rows, cols] should hand `layer` its rows quantized
+    (`QuantizedRows`) instead of writing them in x's dtype for the layer to quantize: an FP8
+    layer with dynamic per-row scales (not wrapped, e.g. by LoRA, which needs the rows as they
+    are), on CUDA, for more than one row (one row goes to the GEMV, which quantizes inside)."""
+    return (
+        QUANTIZE_IN_PRODUCER
+        and isinstance(layer, Fp8Linear)
+        and type(layer) is Fp8Linear
+        and layer.input_scale is None
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] > 1
+    )
 
 
 def fp8_linear_reference(
@@ -198,10 +237,12 @@ class Fp8Linear(QuantizedLinear):
 
             reserve_fp8_gemv(self.out_features, self.in_features, self.weight.device)
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, with_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if with_bias else None
+        if isinstance(x, QuantizedRows):  # (quantized by the kernel that produced them)
+            return self._scaled_mm(x.values, x.scales, bias, x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        bias = self.bias if with_bias else None
         if x2.is_cuda and x2.shape[0] == 1:
             # (decode of one sequence: one kernel quantizes the row and streams the weight)
             from kvfleet.engine.layers.triton_gemv import gemv
@@ -217,17 +258,32 @@ class Fp8Linear(QuantizedLinear):
             x_q, x_scale = quantize_rows_triton(x2.contiguous())
         else:
             x_q, x_scale = quantize_rows(x2)
+        out = self._scaled_mm(x_q, x_scale, bias, x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _scaled_mm(
+        self,
+        x_q: torch.Tensor,
+        x_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """[rows, out] in `dtype` from e4m3 rows `x_q` and their scales [rows, 1]."""
+        if x_q.is_cuda and x_q.shape[0] in TRITON_GEMM_ROWS:
+            from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
+
+            return fp8_gemm(x_q, x_scale, self.weight, self.weight_scale, bias, dtype)
         out = torch._scaled_mm(
             x_q,
             self.weight.t(),
             scale_a=x_scale.contiguous(),
             scale_b=self.weight_scale.t(),
-            bias=bias if x.dtype != torch.float32 else None,
-            out_dtype=x.dtype,
+            bias=bias if dtype != torch.float32 else None,
+            out_dtype=dtype,
         )
-        if bias is not None and x.dtype == torch.float32:
+        if bias is not None and dtype == torch.float32:
             out = out + bias  # (the scaled GEMM takes a bias only for 16-bit outputs)
-        return out.reshape(*shape[:-1], self.out_features)
+        return out
 
 
 class BlockFp8Linear(QuantizedLinear):

@@ -18,6 +18,14 @@ from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 
 
 @triton.jit
+def quantized_row(x, fp8_max, min_scale):
+    """One row x [BLOCK] float32 (0 past its end) as `quantize_rows` takes it: (its values
+    divided by the scale and clamped, to be stored as e4m3; the scale)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_scale) / fp8_max
+    return tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max), scale  # (IEEE, as torch)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, cols, x_stride, out_stride, fp8_max, min_scale,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -28,8 +36,7 @@ def _quantize_rows_kernel(
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
     x = tl.load(x_ptr + row * x_stride + offsets, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_scale) / fp8_max
-    values = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)  # (IEEE, as torch)
+    values, scale = quantized_row(x, fp8_max, min_scale)
     tl.store(out_ptr + row * out_stride + offsets, values.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -59,6 +66,101 @@ def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     return values.reshape(rows, cols), scales.reshape(rows, cols // group)
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `fp8_gemm` for up to so many rows, and above;
+# bench/fp8_gemm.py sweeps them against cuBLASLt's scaled GEMM.
+Fp8GemmTiles = tuple[int, int, int, int, int]
+FP8_GEMM_TILES: tuple[tuple[int, Fp8GemmTiles], ...] = (
+    (64, (64, 64, 128, 4, 4)),
+    (256, (128, 64, 128, 4, 4)),
+)
+FP8_GEMM_LARGE: Fp8GemmTiles = (128, 128, 128, 8, 3)
+
+
+@triton.jit
+def _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride):
+    """A GEMM's tiles at inputs k: a [rows, k] and b [k, cols] of b [N, K] (0 past the ends)."""
+    a = tl.load(
+        a_ptr + rows[:, None] * a_stride + k[None, :],
+        mask=row_ok[:, None] & (k[None, :] < K),
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + cols[None, :] * b_stride + k[:, None],
+        mask=col_ok[None, :] & (k[:, None] < K),
+        other=0.0,
+    )
+    return a, b
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
+    a_stride, b_stride, c_stride,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """c [M, N] = (a . b^T) x a's scale per row x b's per row (+ bias), a [M, K] and b [N, K]
+    e4m3, both K-contiguous (the tensor cores' operands as they lie). Programs sharing a tile
+    of b are consecutive, so the row tiles of a decode step read each weight tile once from
+    memory and the rest from L2."""
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % row_tiles
+    pid_n = pid // row_tiles
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a, b = _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride)
+        acc = tl.dot(a, b, acc)
+    a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+    b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
+    acc = acc * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        c_ptr + rows[:, None] * c_stride + cols[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def fp8_gemm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    tiles: Fp8GemmTiles | None = None,
+) -> torch.Tensor:
+    """x_q [M, K] e4m3 with scales [M, 1] times w_q [N, K] e4m3 with scales [N, 1] (+ bias):
+    [M, N] in `out_dtype`, as `torch._scaled_mm` gives it with row-wise scales. `tiles`:
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), else `FP8_GEMM_TILES`' by M."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    assert x_q.stride(1) == 1, "K-contiguous operands"
+    assert w_q.stride(1) == 1, "K-contiguous operands"
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    if tiles is None:
+        tiles = next((t for rows, t in FP8_GEMM_TILES if m <= rows), FP8_GEMM_LARGE)
+    block_m, block_n, block_k, warps, stages = tiles
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
+    _fp8_gemm_kernel[grid](
+        x_q, x_scale, w_q, w_scale, bias if bias is not None else w_scale, out, m, n, k,
+        x_q.stride(0), w_q.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 @triton.jit
 def _block_fp8_matmul_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
@@ -78,16 +180,7 @@ def _block_fp8_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, GROUP_K)):
         k = tile * GROUP_K + ks
-        a = tl.load(
-            a_ptr + rows[:, None] * a_stride + k[None, :],
-            mask=row_ok[:, None] & (k[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + cols[None, :] * b_stride + k[:, None],
-            mask=col_ok[None, :] & (k[:, None] < K),
-            other=0.0,
-        )
+        a, b = _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride)
         a_scale = tl.load(a_scale_ptr + rows * a_scale_stride + tile, mask=row_ok, other=0.0)
         b_scale = tl.load(
             b_scale_ptr + (cols // GROUP_N) * b_scale_stride + tile, mask=col_ok, other=0.0

@@ -148,3 +148,24 @@ def test_the_tensor_core_gemv_equals_the_reference_in_the_interpreter(
     want = grid * 0.25 @ (weight.float() * scale).t() + bias
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
     assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
+
+
+@pytest.mark.parametrize("tiles", [(16, 16, 32, 4, 1), (32, 64, 64, 4, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_triton_gemm_equals_the_reference_in_the_interpreter(
+    tiles: tuple[int, int, int, int, int], with_bias: bool
+) -> None:
+    """`fp8_gemm` on e4m3 rows already quantized (the interpreter's own e4m3 rounding stays
+    out: the inputs are e4m3 already): rows and columns past their tiles, K (200) past its
+    tiles, both scales and the bias in the epilogue, float32 out as the reference's."""
+    from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
+
+    generator = torch.Generator().manual_seed(7)
+    x_q, x_scale = quantize_rows(torch.randn(37, 200, generator=generator))
+    weight, scale = quantize_rows(torch.randn(70, 200, generator=generator) * 0.1)
+    bias = torch.randn(70, generator=generator) if with_bias else None
+    out = fp8_gemm(x_q, x_scale, weight, scale, bias, torch.float32, tiles)
+    want = (x_q.float() * x_scale) @ (weight.float() * scale).t()
+    if bias is not None:
+        want = want + bias
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)

@@ -213,3 +213,56 @@ def test_q_and_k_norms_fused_into_rope_and_the_kv_write(
     assert (q.float() - expected_q.float()).abs().max() <= tolerance * expected_q.abs().max()
     assert (cache.float() - expected_cache.float()).abs().max() <= tolerance * 4
     assert torch.equal(step["k"], k_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_norm_quantizes_its_rows_as_the_fp8_layer_would(
+    dtype: torch.dtype, offset: bool
+) -> None:
+    """`add_rms_norm_fp8`: the residual as `add_rms_norm` gives it, each normalized row's scale
+    as `quantize_rows` finds it (an all-zero row's the floor), its values as the layer's own
+    pass quantizes them (against the Triton pass: the interpreter rounds e4m3 its own way,
+    so torch's values are checked on the GPU, tests/gpu/test_fp8_cuda.py)."""
+    from kvfleet.engine.layers.quantization.fp8 import FP8, quantize_rows
+    from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 96, generator=gen) * 3).to(dtype)
+    residual = torch.randn(6, 96, generator=gen).to(dtype)
+    x[2], residual[2] = 0.0, 0.0
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    rows, got_residual = triton_layers.add_rms_norm_fp8(x, residual, weight, 1e-5, offset)
+    normed, want_residual = add_rms_norm(x, residual, weight, 1e-5, offset)
+    values, scales = quantize_rows_triton(normed)
+    assert torch.equal(got_residual, want_residual)
+    assert rows.dtype == dtype
+    assert rows.values.dtype == FP8
+    assert rows.shape == (6, 96)
+    assert torch.equal(rows.scales, quantize_rows(normed)[1])
+    assert torch.equal(rows.scales, scales)
+    assert rows.scales[2].item() == pytest.approx(1e-12 / 448.0)
+    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("inner", [96, 1100])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_silu_and_mul_quantize_their_rows_as_the_fp8_layer_would(
+    inner: int, activation: str
+) -> None:
+    """`act_and_mul_fp8`, a row a program (1,100 columns: past the unquantized kernel's
+    1,024-column blocks): each row's scale as `quantize_rows` finds it, its values as the
+    layer's own pass quantizes `act_and_mul`'s."""
+    from kvfleet.engine.layers.quantization.fp8 import quantize_rows
+    from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
+
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(5, 2 * inner, generator=gen) * 2).half()
+    rows = triton_layers.act_and_mul_fp8(gate_up, activation)
+    inner_rows = triton_layers.act_and_mul(gate_up, activation)
+    values, scales = quantize_rows_triton(inner_rows)
+    assert rows.dtype == torch.float16
+    assert rows.shape == (5, inner)
+    assert torch.equal(rows.scales, quantize_rows(inner_rows)[1])
+    assert torch.equal(rows.scales, scales)
+    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
