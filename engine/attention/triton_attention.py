@@ -165,8 +165,8 @@ class TritonAttention(AttentionLayer):
                 kv_scales=kv_scales,
                 softcap=self.softcap,
             )
-        q = q.contiguous()
-        out = torch.empty_like(q) if out is None else out
+        # (both kernels take q's strides: a view of the fused QKV output is read in place)
+        out = q.new_empty(q.shape) if out is None else out
         decodes = metadata.num_decodes
         if decodes:
             decode_attention(

@@ -245,7 +245,7 @@ def paged_attention(
     `first_seq` on (the rows of the ones before it are left as they are in `out`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(q.shape) if out is None else out  # (contiguous, whatever q's strides)
     num_seqs = metadata.seq_lens.shape[0] - first_seq
     if num_seqs == 0:
         return out

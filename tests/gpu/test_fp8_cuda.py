@@ -39,7 +39,7 @@ def test_the_layer_matches_its_reference_at_llama_shapes(n: int, k: int) -> None
     assert fp8_supported(torch.device("cuda")) is None
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     layer = Fp8Linear.from_linear(linear)
-    for m in (1, 64, 2048):
+    for m in (1, 7, 64, 2048):  # (GEMV; Triton GEMM, a partial and a whole tile; cuBLASLt)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = layer(x).float()
         ref = fp8_linear_reference(x, layer.weight, layer.weight_scale, None).float()

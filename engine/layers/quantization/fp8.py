@@ -27,8 +27,10 @@ _MIN_SCALE = 1e-12  # (an all-zero row keeps a finite scale)
 # (`takes_quantized_rows`); False: the layer quantizes them in a pass of its own (for A/B).
 QUANTIZE_IN_PRODUCER = True
 # Row counts whose GEMM runs in Triton (`triton_fp8.fp8_gemm`) instead of cuBLASLt's scaled
-# GEMM: none until bench/fp8_gemm.py has measured where it is faster.
-TRITON_GEMM_ROWS = range(0)
+# GEMM: where bench/fp8_gemm.py measured it faster on the H200 (Llama-3-8B's four layers at
+# 16-64 rows: 95-98 us against 113-118; at 128 and more rows cuBLASLt is as fast or faster).
+# One row goes to the GEMV (`triton_gemv`).
+TRITON_GEMM_ROWS = range(2, 65)
 
 
 def fp8_supported(device: torch.device) -> str | None:

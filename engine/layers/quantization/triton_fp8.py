@@ -13,7 +13,7 @@ from kvfleet.engine.layers.dependent_launch import (
     let_next_start,
     wait_for_previous,
 )
-from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 
 
@@ -67,13 +67,24 @@ def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, t
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `fp8_gemm` for up to so many rows, and above;
-# bench/fp8_gemm.py sweeps them against cuBLASLt's scaled GEMM.
+# bench/fp8_gemm.py sweeps them against cuBLASLt's scaled GEMM. Up to 64 rows the weight's
+# stream is all: 64-wide column tiles, 128-wide where those still give every SM a program
+# (Llama-3-8B's gate_up: 32.8 against 40.7 us at 16 rows; bench/RESULTS.md "session 25").
 Fp8GemmTiles = tuple[int, int, int, int, int]
 FP8_GEMM_TILES: tuple[tuple[int, Fp8GemmTiles], ...] = (
     (64, (64, 64, 128, 4, 4)),
     (256, (128, 64, 128, 4, 4)),
 )
 FP8_GEMM_LARGE: Fp8GemmTiles = (128, 128, 128, 8, 3)
+
+
+def fp8_gemm_tiles(m: int, n: int, device: torch.device) -> Fp8GemmTiles:
+    """`fp8_gemm`'s tiles for an [m, K] x [n, K]^T product on `device`."""
+    tiles = next((t for rows, t in FP8_GEMM_TILES if m <= rows), FP8_GEMM_LARGE)
+    block_m, block_n, block_k, warps, stages = tiles
+    if block_m == 64 and cdiv(n, 2 * block_n) >= num_sms(device):
+        return block_m, 2 * block_n, block_k, warps, stages
+    return tiles
 
 
 @triton.jit
@@ -140,16 +151,19 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """x_q [M, K] e4m3 with scales [M, 1] times w_q [N, K] e4m3 with scales [N, 1] (+ bias):
     [M, N] in `out_dtype`, as `torch._scaled_mm` gives it with row-wise scales. `tiles`:
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), else `FP8_GEMM_TILES`' by M."""
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), else `fp8_gemm_tiles`'. Either scale may be
+    one value expanded (a static input scale, a per-tensor weight scale)."""
     m, k = x_q.shape
     n = w_q.shape[0]
+    x_scale = x_scale.expand(m, 1).contiguous()  # (the kernel reads a scale a row)
+    w_scale = w_scale.expand(n, 1).contiguous()
     assert x_q.stride(1) == 1, "K-contiguous operands"
     assert w_q.stride(1) == 1, "K-contiguous operands"
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
     if tiles is None:
-        tiles = next((t for rows, t in FP8_GEMM_TILES if m <= rows), FP8_GEMM_LARGE)
+        tiles = fp8_gemm_tiles(m, n, x_q.device)
     block_m, block_n, block_k, warps, stages = tiles
     grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](

@@ -150,18 +150,33 @@ def test_the_tensor_core_gemv_equals_the_reference_in_the_interpreter(
     assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
 
 
+def test_the_triton_gemm_widens_its_column_tiles_only_where_every_sm_keeps_one() -> None:
+    """Up to 64 rows, 128-wide column tiles where they still give each SM a program (the CPU
+    stands in for 4 SMs), else 64-wide; more rows keep their tiles."""
+    from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm_tiles
+
+    cpu = torch.device("cpu")
+    assert fp8_gemm_tiles(16, 512, cpu)[:2] == (64, 128)
+    assert fp8_gemm_tiles(64, 384, cpu)[:2] == (64, 64)
+    assert fp8_gemm_tiles(65, 4096, cpu)[:2] == (128, 64)
+
+
 @pytest.mark.parametrize("tiles", [(16, 16, 32, 4, 1), (32, 64, 64, 4, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("static", [False, True])
 def test_the_triton_gemm_equals_the_reference_in_the_interpreter(
-    tiles: tuple[int, int, int, int, int], with_bias: bool
+    tiles: tuple[int, int, int, int, int], with_bias: bool, static: bool
 ) -> None:
     """`fp8_gemm` on e4m3 rows already quantized (the interpreter's own e4m3 rounding stays
     out: the inputs are e4m3 already): rows and columns past their tiles, K (200) past its
-    tiles, both scales and the bias in the epilogue, float32 out as the reference's."""
+    tiles, both scales and the bias in the epilogue, float32 out as the reference's; a static
+    input scale arrives as one value expanded over the rows, as `Fp8Linear` passes it."""
     from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
 
     generator = torch.Generator().manual_seed(7)
     x_q, x_scale = quantize_rows(torch.randn(37, 200, generator=generator))
+    if static:
+        x_scale = torch.tensor([[0.25]]).expand(37, 1)
     weight, scale = quantize_rows(torch.randn(70, 200, generator=generator) * 0.1)
     bias = torch.randn(70, generator=generator) if with_bias else None
     out = fp8_gemm(x_q, x_scale, weight, scale, bias, torch.float32, tiles)

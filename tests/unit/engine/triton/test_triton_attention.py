@@ -249,6 +249,28 @@ def test_mixed_step_sends_its_decode_rows_to_the_decode_kernel(
     assert (out - expected).abs().max() < 1e-4
 
 
+def test_a_mixed_step_reads_q_in_place_from_the_fused_qkv_output(
+    attention_case: Callable[..., dict[str, Any]],
+) -> None:
+    """q as the model hands it over (a strided view of the fused QKV projection's output, K and
+    V's columns poisoned with NaN) gives the same bits as a contiguous q, in a contiguous
+    output, through both kernels of a mixed step."""
+    inputs = attention_case([1, 1, 33, 70], [100, 17, 33, 100], seed=29)
+    q = inputs["q"]
+    tokens, width = q.shape[0], q.shape[1] * q.shape[2]
+    fused = torch.full((tokens, width + 2 * 2 * 32), float("nan"), dtype=q.dtype)
+    fused[:, :width] = q.reshape(tokens, width)
+    q_view = fused[:, :width].view_as(q)
+    assert not q_view.is_contiguous()
+    backend = triton_attention.TritonAttention(4, 2, 32)
+    expected = backend.forward(q, inputs["k"], inputs["v"], inputs["kv_cache"].clone(),
+                               inputs["metadata"])  # fmt: skip
+    out = backend.forward(q_view, inputs["k"], inputs["v"], inputs["kv_cache"].clone(),
+                          inputs["metadata"])  # fmt: skip
+    assert out.is_contiguous()
+    assert torch.equal(out, expected)
+
+
 def test_soft_capped_scores_and_another_scale_match_torch(
     attention_case: Callable[..., dict[str, Any]],
 ) -> None:
