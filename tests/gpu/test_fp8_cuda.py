@@ -193,3 +193,25 @@ def test_the_fused_gemv_matches_the_scaled_gemm(n: int, k: int) -> None:
             ).float()
             # (the same e4m3 values and products, float32 sums in another order; bf16 out)
             assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_tensor_core_gemv_over_quantized_rows_matches_the_scaled_gemm(n: int, k: int) -> None:
+    """`fp8_rows_mma` at 2-64 rows (16, 32 and 64 columns, rows past M masked), with a bias and
+    with a static input scale expanded over the rows, against cuBLASLt's scaled GEMM."""
+    from kvfleet.engine.layers.triton_gemv import fp8_rows_mma
+
+    weight, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for m in (2, 16, 33, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x_q, x_s = quantize_rows(x)
+        static = torch.tensor([[0.01]], device="cuda").expand(m, 1)
+        for rows_scale, with_bias in ((x_s, True), (static, False)):
+            got = fp8_rows_mma(x_q, rows_scale, weight, scale, bias if with_bias else None,
+                               torch.bfloat16).float()  # fmt: skip
+            want = torch._scaled_mm(x_q, weight.t(), scale_a=rows_scale.contiguous(),
+                                    scale_b=scale.t(), bias=bias if with_bias else None,
+                                    out_dtype=torch.bfloat16).float()  # fmt: skip
+            assert got.shape == (m, n)
+            assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (m, with_bias)

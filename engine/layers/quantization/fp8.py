@@ -31,6 +31,10 @@ QUANTIZE_IN_PRODUCER = True
 # 16-64 rows: 95-98 us against 113-118; at 128 and more rows cuBLASLt is as fast or faster).
 # One row goes to the GEMV (`triton_gemv`).
 TRITON_GEMM_ROWS = range(2, 65)
+# Row counts whose GEMM runs as the tensor-core GEMV over rows quantized already
+# (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS:
+# none until bench/fp8_gemm.py has measured where it is faster.
+MMA_GEMV_ROWS = range(0)
 
 
 def fp8_supported(device: torch.device) -> str | None:
@@ -271,6 +275,10 @@ class Fp8Linear(QuantizedLinear):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """[rows, out] in `dtype` from e4m3 rows `x_q` and their scales [rows, 1]."""
+        if x_q.is_cuda and x_q.shape[0] in MMA_GEMV_ROWS:
+            from kvfleet.engine.layers.triton_gemv import fp8_rows_mma
+
+            return fp8_rows_mma(x_q, x_scale, self.weight, self.weight_scale, bias, dtype)
         if x_q.is_cuda and x_q.shape[0] in TRITON_GEMM_ROWS:
             from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
 
