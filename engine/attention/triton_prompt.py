@@ -123,7 +123,6 @@ def _paged_attention_kernel(
     stride_ch,
     stride_vb,  # V's (read when V_TOKEN_MINOR)
     stride_vh,
-    stride_vd,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -182,9 +181,9 @@ def _paged_attention_kernel(
     for start_n in range(kv_begin, unmasked_end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end,
-            offs_n // BLOCK_SIZE * BLOCK_SIZE < unmasked_end, kv_head, offs_d, d_mask,
-            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
+            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, offs_n < unmasked_end,
+            unmasked_end, kv_head, offs_d, d_mask,
+            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, FP8,
             V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
         s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
@@ -193,9 +192,9 @@ def _paged_attention_kernel(
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < kv_end
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, offs_n, n_mask,
-            offs_n // BLOCK_SIZE * BLOCK_SIZE < kv_end, kv_head, offs_d, d_mask, stride_cb,
-            stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
+            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, n_mask, kv_end, kv_head,
+            offs_d, d_mask, stride_cb,
+            stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, FP8,
             V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
         s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
@@ -267,6 +266,7 @@ def paged_attention(
     k_cache, v_cache = cache_views(kv_cache)
     token_minor = v_cache.stride(3) != 1
     assert not token_minor or block_n % kv_cache.shape[2] == 0, "token-minor V: whole blocks"
+    assert not token_minor or v_cache.stride(3) == kv_cache.shape[2], "a head's V: one run"
     _PAGED_ATTENTION[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
         k_cache,
@@ -289,7 +289,6 @@ def paged_attention(
         k_cache.stride(2),
         v_cache.stride(0),
         v_cache.stride(2),
-        v_cache.stride(3),
         out.stride(0),
         out.stride(1),
         metadata.block_tables.stride(0),
