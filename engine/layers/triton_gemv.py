@@ -22,6 +22,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
+from kvfleet.engine.layers.quantization.triton_fp8 import scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
@@ -160,7 +161,7 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
     exact products, float32 sums."""
     if not QUANTIZED:
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        xq = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(w.dtype)
+        xq = scaled_to_e4m3(x, x_scale, fp8_max).to(w.dtype)
         columns = tl.broadcast_to(xq[None, :], [tokens.shape[0], BLOCK_K])
     else:
         columns = tl.load(
@@ -289,7 +290,7 @@ def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, QUANTIZE
     the weight tile w."""
     x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
     if QUANTIZE:
-        x = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(w_dtype).to(tl.float32)
+        x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
 
 

@@ -22,7 +22,14 @@ def quantized_row(x, fp8_max, min_scale):
     """One row x [BLOCK] float32 (0 past its end) as `quantize_rows` takes it: (its values
     divided by the scale and clamped, to be stored as e4m3; the scale)."""
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_scale) / fp8_max
-    return tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max), scale  # (IEEE, as torch)
+    return scaled_to_e4m3(x, scale, fp8_max), scale
+
+
+@triton.jit
+def scaled_to_e4m3(x, scale, fp8_max):
+    """x float32 times the reciprocal of `scale` (IEEE, as torch's `fp8.to_e4m3`), saturated:
+    to be stored as e4m3."""
+    return tl.clamp(x * tl.math.div_rn(1.0, scale), -fp8_max, fp8_max)
 
 
 @triton.jit
