@@ -31,7 +31,9 @@ from kvfleet.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Decode batch sizes captured (up to the engine's max_num_seqs; larger steps run eagerly): to
+# 1,024, vLLM's default concurrency on GPUs of 70 GiB and more.
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 class DecodeGraphs:
