@@ -5,10 +5,11 @@ of the causal pairs it must compute, beside the bf16 matmul ceiling).
 
     bench/device_env.sh python3 bench/attention_steps.py --part tiles [--cache fp8]
     bench/device_env.sh python3 bench/attention_steps.py --part mixed
-    bench/device_env.sh python3 bench/attention_steps.py --part prompt [--base DIR]
+    bench/device_env.sh python3 bench/attention_steps.py --part prompt
 
-`--base DIR`: also time the prompt kernel of another tree (DIR/engine/attention/
-triton_attention.py, loaded beside this one) on the same inputs, for an A/B in one call.
+To set another tree beside this one in the same call, run the script again with that tree's
+package first on PYTHONPATH (its kernels import each other: one file of it cannot be loaded
+beside this tree's). The inputs are seeded: both runs time the same steps.
 
 Every figure is a median over repeats in microseconds per layer, of device time (calls
 captured in a CUDA graph, so the host's launch gaps stay out) unless it says eager. The decode
@@ -242,26 +243,11 @@ def causal_flops(query_lens: list[int], seq_lens: list[int]) -> float:
     return 4.0 * HEAD_DIM * HEADS * pairs
 
 
-def load_base_kernel(base: str) -> Any:
-    """The prompt attention module of another tree, under its own name."""
-    import importlib.util
-
-    path = f"{base}/engine/attention/triton_attention.py"
-    spec = importlib.util.spec_from_file_location("base_triton_attention", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def prompt_tiles(matmul_tflops: float, base: str | None) -> None:
-    """Each prompt step with the shipped tiles, the base tree's kernel and each tile of the
-    prompt kernel (for the step's kind): us per layer, TFLOP/s, and the largest difference
-    from the shipped tiles' output."""
+def prompt_tiles(matmul_tflops: float) -> None:
+    """Each prompt step with the shipped tiles and each tile of the prompt kernel (for the
+    step's kind): us per layer, TFLOP/s, and the largest difference from the shipped tiles'
+    output."""
     kernels: dict[str, Callable[..., torch.Tensor]] = {"shipped": triton_prompt.paged_attention}
-    if base is not None:
-        kernels["base tree"] = load_base_kernel(base).paged_attention
     for tile in PROMPT_TILES:
         kernels[str(tile)] = functools.partial(_with_tile, tile)
     for name, (query_lens, seq_lens) in PROMPT_STEPS.items():
@@ -312,7 +298,6 @@ def _with_tile(tile: tuple[int, int, int, int], *args: Any, **kwargs: Any) -> to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--part", choices=("tiles", "mixed", "prompt"), required=True)
-    parser.add_argument("--base", help="another tree whose prompt kernel is timed beside")
     parser.add_argument("--cache", choices=("both", "bf16", "fp8"), default="both",
                         help="--part tiles: the caches swept")  # fmt: skip
     args = parser.parse_args()
@@ -327,7 +312,7 @@ def main() -> None:
     elif args.part == "mixed":
         mixed_steps(ceilings.copy_gbps)
     else:
-        prompt_tiles(ceilings.matmul_tflops, args.base)
+        prompt_tiles(ceilings.matmul_tflops)
 
 
 if __name__ == "__main__":
