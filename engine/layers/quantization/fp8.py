@@ -89,7 +89,6 @@ def takes_quantized_rows(layer: nn.Module | None, x: torch.Tensor) -> bool:
     are), on CUDA, for more than one row (one row goes to the GEMV, which quantizes inside)."""
     return (
         QUANTIZE_IN_PRODUCER
-        and isinstance(layer, Fp8Linear)
         and type(layer) is Fp8Linear
         and layer.input_scale is None
         and x.is_cuda

@@ -95,6 +95,14 @@ def fp8_gemm_tiles(m: int, n: int, device: torch.device) -> Fp8GemmTiles:
 
 
 @triton.jit
+def _output_tile(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A GEMM program's rows and columns of c [M, N], and which lie inside it."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < M, cols, cols < N
+
+
+@triton.jit
 def _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride):
     """A GEMM's tiles at inputs k: a [rows, k] and b [k, cols] of b [N, K] (0 past the ends)."""
     a = tl.load(
@@ -125,11 +133,8 @@ def _fp8_gemm_kernel(
     row_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % row_tiles
     pid_n = pid // row_tiles
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, row_ok, cols, col_ok = _output_tile(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
@@ -191,13 +196,10 @@ def _block_fp8_matmul_kernel(
 ):  # fmt: skip
     """c [M, N] float32 = sum over K tiles of (a_tile . b_tile^T) x a's scale (per row and
     tile) x b's scale (per GROUP_N rows and tile): each K tile is one scale group."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, row_ok, cols, col_ok = _output_tile(
+        tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N
+    )
     ks = tl.arange(0, GROUP_K)
-    row_ok = rows < M
-    col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, GROUP_K)):
         k = tile * GROUP_K + ks
