@@ -22,7 +22,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
-from kvfleet.engine.layers.quantization.triton_fp8 import scaled_to_e4m3
+from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
@@ -101,7 +101,7 @@ def _fp8_gemv_mma_kernel(
     M, N, K, stride_x, fp8_max, min_scale,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    QUANTIZED: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr,
+    QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x . w^T (+ bias) with the weight as the product's 64-row side: program
     (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3
@@ -129,12 +129,12 @@ def _fp8_gemv_mma_kernel(
     tokens = tl.arange(0, COLS)
     acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
     acc = _mma_step(acc, w_first, x_ptr, tokens, M, stride_x, k0 + offsets, K, x_scale,
-                    fp8_max, BLOCK_K, QUANTIZED)  # fmt: skip
+                    fp8_max, BLOCK_K, QUANTIZED, SPAN)  # fmt: skip
     for step in range(1, STEPS):
         ks = k0 + step * BLOCK_K + offsets
         w = _weight_tile(w_ptr, rows, row_ok, ks, K)
         acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, BLOCK_K,
-                        QUANTIZED)  # fmt: skip
+                        QUANTIZED, SPAN)  # fmt: skip
     w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -155,10 +155,10 @@ def _fp8_gemv_mma_kernel(
 
 @triton.jit
 def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
-              BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr, SPAN: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as e4m3 columns:
     one row quantized here and broadcast, else rows `tokens` of the QUANTIZED x (past M: 0);
-    exact products, float32 sums."""
+    exact products, summed SPAN at a time in the tensor cores, those sums in float32."""
     if not QUANTIZED:
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
         xq = scaled_to_e4m3(x, x_scale, fp8_max).to(w.dtype)
@@ -169,7 +169,7 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
             mask=(tokens < M)[:, None] & (ks < K)[None, :],
             other=0.0,
         )
-    return tl.dot(w, tl.trans(columns), acc)
+    return tl.dot(w, tl.trans(columns), acc, max_num_imprecise_acc=SPAN)
 
 
 def fp8_mma_plan(
@@ -270,7 +270,7 @@ def _launch_mma(
         x.stride(0), FP8_MAX, _MIN_SCALE, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
         SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
-        COLS=max(16, next_power_of_2(m)), **pdl, num_warps=warps, num_stages=3,
+        COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), **pdl, num_warps=warps, num_stages=3,
     )  # fmt: skip
 
 

@@ -32,9 +32,11 @@ QUANTIZE_IN_PRODUCER = True
 # One row goes to the GEMV (`triton_gemv`).
 TRITON_GEMM_ROWS = range(2, 65)
 # Row counts whose GEMM runs as the tensor-core GEMV over rows quantized already
-# (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS:
-# none until bench/fp8_gemm.py has measured where it is faster.
-MMA_GEMV_ROWS = range(0)
+# (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS.
+# bench/fp8_gemm.py on the H200 (bench/RESULTS.md "2026-11-28 (session 26)"): the four
+# Llama-3-8B layers at 2 / 8 / 16 rows 69-75 us against the Triton GEMM's 91-93; at 32 rows
+# qkv and o are slower this way, at 64 all four.
+MMA_GEMV_ROWS = range(2, 17)
 
 
 def fp8_supported(device: torch.device) -> str | None:
