@@ -270,7 +270,8 @@ def _launch_mma(
         x.stride(0), FP8_MAX, _MIN_SCALE, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
         SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
-        COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), **pdl, num_warps=warps, num_stages=3,
+        COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), **pdl, num_warps=warps,
+        num_stages=3,
     )  # fmt: skip
 
 
