@@ -219,9 +219,11 @@ def test_the_tensor_core_gemv_over_quantized_rows_matches_the_scaled_gemm(n: int
 
 def test_long_sums_of_one_sign_keep_float32_precision() -> None:
     """Hopper's e4m3 tensor cores keep fewer bits than float32 in their sums: a kernel that
-    lets the 14,336 positive products of a down projection's row run in them drifts low by
-    about a percent. Every path of the layer (GEMV, tensor-core GEMV over rows, Triton GEMM,
-    cuBLASLt) adds 128-input parts into float32: no bias beyond bf16 rounding's."""
+    lets the 14,336 positive products of a down projection's row run in them drifts low (the
+    Triton GEMM did by 22%, the one-row tensor-core GEMV by 3%: cuBLASLt's `use_fast_accum`
+    does too). Every path of the layer (GEMV, tensor-core GEMV over rows, Triton GEMM,
+    cuBLASLt) adds 128-input parts into float32 as cuBLASLt does by default, whose bias here
+    is -5.5e-4 (bench/RESULTS.md "2026-11-28 (session 26)")."""
     n, k = 4096, 14336
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -233,4 +235,4 @@ def test_long_sums_of_one_sign_keep_float32_precision() -> None:
         ref = fp8_linear_reference(x, layer.weight, layer.weight_scale, None).float()
         relative = (out - ref) / ref
         assert relative.abs().max() <= 8e-3, m  # (two bf16 roundings: 2 x 2^-8 at most)
-        assert relative.mean().abs() <= 5e-4, m  # (bf16 rounding averages out; truncation not)
+        assert relative.mean().abs() <= 1e-3, m  # (bf16 rounding averages out; truncation not)
