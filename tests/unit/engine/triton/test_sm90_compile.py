@@ -213,7 +213,7 @@ for variant in sys.argv[1:] if sys.argv[1:] != ["dependent-launch"] else []:
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
         (f"prompt {kind}{' split' if split else ''}",
          lambda kind=kind, split=split: prompt(q_type, cache_type, kind, split))
-        for kind in ("short", "chunks", "long") for split in (False, True)
+        for kind in ("short", "few", "chunks", "long") for split in (False, True)
     ]:
         try:
             build()
