@@ -39,14 +39,13 @@ FP8 = torch.float8_e4m3fn
 TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
     False: [(64, 4, 3, None), (64, 4, 5, None), (32, 4, 6, None), (128, 8, 4, None)],
     True: [
+        (128, 4, 3, 128),
         (128, 4, 3, None),
+        (128, 4, 3, 144),
+        (128, 4, 4, 128),
         (128, 4, 3, 104),
-        (128, 4, 3, 96),
-        (128, 4, 3, 88),
-        (128, 4, 3, 80),
-        (128, 4, 4, 96),
         (64, 4, 3, None),
-        (64, 4, 3, 96),
+        (256, 8, 3, None),
     ],
 }
 # Decode steps swept: (sequences, shortest, longest), lengths drawn between and sorted longest

@@ -1,8 +1,10 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
 """The FP8 GEMM at decode-step and prompt row counts: cuBLASLt's scaled GEMM
-(`torch._scaled_mm`, what `Fp8Linear` runs today) against the Triton GEMM
-(engine/layers/quantization/triton_fp8.py `fp8_gemm`) over a few tilings, at Llama-3-8B's
-shapes, on rows already quantized (the producers quantize them: `QuantizedRows`). Each
+(`torch._scaled_mm`) against the Triton GEMM (engine/layers/quantization/triton_fp8.py
+`fp8_gemm`: its tiles as shipped, `fp8_gemm_tiles`, then over a few tilings) and, up to 64 rows,
+the tensor-core GEMV over quantized rows (engine/layers/triton_gemv.py `fp8_rows_mma`: its plan
+as shipped, then other K tiles and splits), at Llama-3-8B's shapes, on rows already quantized
+(the producers quantize them: `QuantizedRows`). Each
 timing is a CUDA graph over 20 weight copies (weights from HBM, not L2), per call; beside it
 the floor: the larger of the bytes (weights + rows + output) at the copy bandwidth and the
 FLOPs at the FP8 matmul peak, both measured in the same run. Each tiling's largest
@@ -14,6 +16,7 @@ difference from cuBLASLt's output, relative to its largest magnitude, comes firs
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +24,7 @@ from kvfleet.bench.ceilings import fp8_matmul_tflops, measure_ceilings
 from kvfleet.bench.fp8_linear import graphed, replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
+from kvfleet.engine.layers.triton_gemv import MMA_MAX_ROWS, fp8_mma_plan, fp8_rows_mma
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
@@ -33,6 +37,13 @@ TILINGS = [
     (128, 128, 128, 4, 4),
     (128, 256, 128, 8, 3),
     (64, 256, 128, 4, 3),
+]
+# The tensor-core GEMV's (BLOCK_N, BLOCK_K, warps) and split (None: its plan's) beside its plan
+MMA_TILINGS: list[tuple[tuple[int, int, int], int | None]] = [
+    ((64, 256, 4), None),
+    ((64, 512, 4), None),
+    ((64, 256, 4), 16),
+    ((128, 256, 4), None),
 ]
 
 
@@ -59,21 +70,34 @@ def main() -> None:
             want = cublas(*weights[0]).float()
             us = replay_us(graphed(lambda: [cublas(w, s) for w, s in weights]), COPIES)
             line = f"{name:8s} M={m:5d}: floor {floor_us:7.1f} | cuBLASLt {us:7.1f}"
-            for tiles in TILINGS:
-                try:
-                    got = fp8_gemm(x_q, x_scale, *weights[0], None, torch.bfloat16, tiles)
-                    err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                    graph = graphed(
-                        lambda: [
-                            fp8_gemm(x_q, x_scale, w, s, None, torch.bfloat16, tiles)
-                            for w, s in weights
-                        ]
-                    )
-                    label = "/".join(map(str, tiles))
-                    line += f" | {label} {replay_us(graph, COPIES):7.1f} ({err:.0e})"
-                except Exception as exc:  # (a tiling that does not fit: say so, go on)
-                    line += f" | {'/'.join(map(str, tiles))} failed {type(exc).__name__}"
+            gemms = [("triton", None)] + [("/".join(map(str, t)), t) for t in TILINGS]
+            for label, tiles in gemms:
+                line += _timed(label, want, weights, lambda w, s: fp8_gemm(
+                    x_q, x_scale, w, s, None, torch.bfloat16, tiles))  # fmt: skip
+            if m <= MMA_MAX_ROWS:
+                for mma, split in [(None, None), *MMA_TILINGS]:
+                    plan = fp8_mma_plan(n, k, device, mma, split, m)
+                    label = "mma " + "/".join(map(str, (plan[0], plan[1], plan[4]))) + (
+                        f" split {plan[3]}")  # fmt: skip
+                    line += _timed(label, want, weights, lambda w, s: fp8_rows_mma(
+                        x_q, x_scale, w, s, None, torch.bfloat16, mma, split))  # fmt: skip
             print(line)
+
+
+def _timed(
+    label: str,
+    want: torch.Tensor,
+    weights: list[tuple[torch.Tensor, torch.Tensor]],
+    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> str:
+    """The line's part for `run(weight, scale)` over the weight copies: its time, its error."""
+    try:
+        got = run(*weights[0]).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        graph = graphed(lambda: [run(w, s) for w, s in weights])
+        return f" | {label} {replay_us(graph, COPIES):7.1f} ({err:.0e})"
+    except Exception as exc:  # (a tiling that does not fit: say so, go on)
+        return f" | {label} failed {type(exc).__name__}"
 
 
 if __name__ == "__main__":

@@ -32,12 +32,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
 # (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32 (at
-# 96-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
-# with V token-minor the tile takes 124 registers, four programs an SM, and the cap of 168 the
-# token-major upcasts wanted costs 3-9%: bench/RESULTS.md "2026-11-28 (session 24)")
+# 94-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
+# V token-minor loaded a block's run at a time takes 162 registers uncapped, three programs an
+# SM; capped at 128 it keeps four without spilling: bench/RESULTS.md "session 25")
 DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
     False: (64, 4, 3, None),
-    True: (128, 4, 3, None),
+    True: (128, 4, 3, 128),
 }
 
 
@@ -46,19 +46,20 @@ def load_kv_tile(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # the same, or token-minor in an FP8 cache (`cache_views`)
     block_table_ptr,  # this sequence's row of the block table
-    offs_n,  # [BLOCK_N] token positions in the sequence, from a multiple of BLOCK_SIZE
+    start_n,  # the tile's first position (a multiple of BLOCK_N when V_TOKEN_MINOR)
+    offs_n,  # [BLOCK_N] token positions in the sequence: start_n onwards
     n_mask,
-    block_mask,  # n_mask widened to whole blocks
+    kv_end,  # positions from here on are masked (a token-minor V: whole blocks from here)
     kv_head,
     offs_d,
     d_mask,
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_vb,  # V's strides when V_TOKEN_MINOR (its tokens' stride is 1), else K's serve
+    stride_vb,  # V's strides when V_TOKEN_MINOR (a head's [dim, slot] one run), else K's serve
     stride_vh,
-    stride_vd,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     FP8: tl.constexpr,
     V_TOKEN_MINOR: tl.constexpr,
     dtype: tl.constexpr,  # what an FP8 cache's values are upcast to (`fp8_query`'s dtype)
@@ -67,11 +68,7 @@ def load_kv_tile(
     (masked rows read 0); from an FP8 cache, upcast in registers (exactly: e4m3 fits float16)
     without their scales, which the caller applies once (K's to the scores, V's to the
     output)."""
-    block = offs_n // BLOCK_SIZE
-    if V_TOKEN_MINOR:
-        physical = tl.load(block_table_ptr + block, mask=block_mask, other=0).to(tl.int64)
-    else:
-        physical = tl.load(block_table_ptr + block, mask=n_mask, other=0).to(tl.int64)
+    physical = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = offs_n % BLOCK_SIZE
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k_offsets = (
@@ -82,16 +79,28 @@ def load_kv_tile(
     )
     k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
     if V_TOKEN_MINOR:
-        # whole blocks of BLOCK_SIZE contiguous tokens, loaded in vectors (the tokens of a
-        # sequence's last block past its end read stale, finite bytes: their weights are 0)
-        v_offsets = (
-            physical[:, None] * stride_vb
-            + slot[:, None]
-            + kv_head * stride_vh
-            + offs_d[None, :] * stride_vd
+        # Whole blocks, each one head's [head dim, BLOCK_SIZE] bytes in one run (`cache_views`:
+        # the dims' stride is BLOCK_SIZE), loaded as [blocks, run] so that a warp's lanes walk
+        # the run: a quarter warp's eight 16-byte vectors are 128 contiguous bytes. Loaded as
+        # [tokens, dim], lanes ran along the tokens, each vector in another block, and every
+        # 32-byte sector was read twice (ncu: 33% excess L2 sectors, L2 80% busy). The tokens
+        # of a sequence's last block past its end read stale, finite bytes: their weights are 0.
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        blocks = start_n // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+        block_ok = blocks * BLOCK_SIZE < kv_end
+        v_blocks = tl.load(block_table_ptr + blocks, mask=block_ok, other=0).to(tl.int64)
+        run = tl.arange(0, BLOCK_D * BLOCK_SIZE)  # (dim * BLOCK_SIZE + slot)
+        v_mask = block_ok[:, None]
+        if HEAD_DIM < BLOCK_D:
+            v_mask = v_mask & (run < HEAD_DIM * BLOCK_SIZE)[None, :]
+        v = tl.load(
+            v_cache_ptr + v_blocks[:, None] * stride_vb + kv_head * stride_vh + run[None, :],
+            mask=v_mask,
+            other=0.0,
         )
-        v_offsets = tl.max_contiguous(tl.multiple_of(v_offsets, [BLOCK_SIZE, 1]), [BLOCK_SIZE, 1])
-        v = tl.load(v_cache_ptr + v_offsets, mask=block_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.reshape(v, (BLOCK_N // BLOCK_SIZE, BLOCK_D, BLOCK_SIZE))
+        v = tl.reshape(tl.permute(v, (0, 2, 1)), (BLOCK_N, BLOCK_D))
     else:
         v = tl.load(v_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
     if FP8:
@@ -193,7 +202,6 @@ def _decode_partial_kernel(
     stride_ch,
     stride_vb,
     stride_vh,
-    stride_vd,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -250,9 +258,10 @@ def _decode_partial_kernel(
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + seq * stride_bt,
+            start_n,
             offs_n,
             n_mask,
-            offs_n // BLOCK_SIZE * BLOCK_SIZE < end,
+            end,
             kv_head,
             offs_d,
             d_mask,
@@ -261,8 +270,8 @@ def _decode_partial_kernel(
             stride_ch,
             stride_vb,
             stride_vh,
-            stride_vd,
             BLOCK_SIZE,
+            HEAD_DIM,
             FP8,
             V_TOKEN_MINOR,
             q.dtype,
@@ -412,6 +421,7 @@ def decode_attention(
     fp8 = kv_cache_is_fp8(kv_cache)
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
     assert not token_minor or block_n % block_size == 0, "token-minor V loads whole blocks"
+    assert not token_minor or v_cache.stride(3) == block_size, "a head's token-minor V: one run"
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
     _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
@@ -435,7 +445,6 @@ def decode_attention(
         k_cache.stride(2),
         v_cache.stride(0),
         v_cache.stride(2),
-        v_cache.stride(3),
         metadata.block_tables.stride(0),
         out.stride(0),
         out.stride(1),

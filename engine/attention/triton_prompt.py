@@ -31,28 +31,36 @@ from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
-# (no query longer than 16 tokens: decode rows, drafts), "chunks" (longer queries over less
-# than LONG_KV_TOKENS of KV: the 1,024-token prompts of the offline runs), "long". Measured
-# (bench/attention_steps.py --part prompt; bench/RESULTS.md "2026-11-27 (session 19)"): over a
-# bf16 cache 128 x 128 tiles (8 warps) are fastest from a 2k chunk after 6k cached to an 8k
-# prompt, 64 x 32 on ~1k prompts (by 10%: 128-row programs are too few to fill the GPU); over
-# an FP8 cache 128 x 128 in two stages everywhere (the upcast tiles take the third's room).
+# (no query longer than 16 tokens: decode rows, drafts), "long" (LONG_KV_TOKENS of KV or
+# more), "few" (no query longer than FEW_QUERY_TOKENS: a prefix hit's new tokens), "chunks"
+# (longer queries: the 1,024-token prompts of the offline runs). Measured
+# (bench/attention_steps.py --part prompt; bench/RESULTS.md "2026-11-27 (session 19)" and
+# "2026-11-28 (session 26)"): over a bf16 cache 128 x 128 tiles (8 warps) are fastest from a
+# 2k chunk after 6k cached to an 8k prompt, 64 x 32 on ~1k prompts (by 10%: 128-row programs
+# are too few to fill the GPU) and on 32 new tokens after 3k cached; over an FP8 cache 128 x
+# 128 in two stages for ~1k prompts and up (the upcast tiles take the third's room), 64 x 64
+# on 32 new tokens after 3k cached (30 us a layer against 128 x 128's 44).
 PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
     (False, "short"): (16, 64, 4, 3),
     (True, "short"): (16, 64, 4, 3),
+    (False, "few"): (64, 32, 4, 3),
+    (True, "few"): (64, 64, 4, 3),
     (False, "chunks"): (64, 32, 4, 3),
     (True, "chunks"): (128, 128, 8, 2),
     (False, "long"): (128, 128, 8, 3),
     (True, "long"): (128, 128, 8, 2),
 }
 LONG_KV_TOKENS = 4096
+FEW_QUERY_TOKENS = 64
 
 
 def prompt_step_kind(metadata: AttentionMetadata) -> str:
     """The PROMPT_TILES kind of a step (above)."""
     if metadata.max_seqlen_q <= 16:
         return "short"
-    return "long" if metadata.max_seqlen_k >= LONG_KV_TOKENS else "chunks"
+    if metadata.max_seqlen_k >= LONG_KV_TOKENS:
+        return "long"
+    return "few" if metadata.max_seqlen_q <= FEW_QUERY_TOKENS else "chunks"
 
 
 def prompt_tile(dtype: torch.dtype, fp8: bool, kind: str) -> tuple[int, int, int, int]:
@@ -123,7 +131,6 @@ def _paged_attention_kernel(
     stride_ch,
     stride_vb,  # V's (read when V_TOKEN_MINOR)
     stride_vh,
-    stride_vd,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -182,9 +189,9 @@ def _paged_attention_kernel(
     for start_n in range(kv_begin, unmasked_end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, offs_n, offs_n < unmasked_end,
-            offs_n // BLOCK_SIZE * BLOCK_SIZE < unmasked_end, kv_head, offs_d, d_mask,
-            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
+            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, offs_n < unmasked_end,
+            unmasked_end, kv_head, offs_d, d_mask,
+            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, FP8,
             V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
         s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
@@ -193,9 +200,9 @@ def _paged_attention_kernel(
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < kv_end
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, offs_n, n_mask,
-            offs_n // BLOCK_SIZE * BLOCK_SIZE < kv_end, kv_head, offs_d, d_mask, stride_cb,
-            stride_cs, stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, FP8,
+            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, n_mask, kv_end, kv_head,
+            offs_d, d_mask, stride_cb,
+            stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, FP8,
             V_TOKEN_MINOR, q.dtype,
         )  # fmt: skip
         s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
@@ -267,6 +274,7 @@ def paged_attention(
     k_cache, v_cache = cache_views(kv_cache)
     token_minor = v_cache.stride(3) != 1
     assert not token_minor or block_n % kv_cache.shape[2] == 0, "token-minor V: whole blocks"
+    assert not token_minor or v_cache.stride(3) == kv_cache.shape[2], "a head's V: one run"
     _PAGED_ATTENTION[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
         k_cache,
@@ -289,7 +297,6 @@ def paged_attention(
         k_cache.stride(2),
         v_cache.stride(0),
         v_cache.stride(2),
-        v_cache.stride(3),
         out.stride(0),
         out.stride(1),
         metadata.block_tables.stride(0),

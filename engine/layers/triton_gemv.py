@@ -22,6 +22,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
+from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
@@ -82,26 +83,32 @@ def _gemv_kernel(
 # MMA_PROGRAMS_PER_SM programs an SM (`fp8_mma_plan`).
 MMA_ROWS, MMA_WARPS = 64, 4
 MMA_PROGRAMS_PER_SM = 4
+# The most rows of x `fp8_rows_mma` takes (the product's columns: 16, 32 or 64).
+MMA_MAX_ROWS = 64
 
 
 @triton.jit
 def _fp8_gemv_mma_kernel(
-    x_ptr,  # [K]
+    x_ptr,  # [K] in the model dtype, or [M, K] e4m3 (ROWS > 1: rows quantized already)
+    x_scales_ptr,  # [M] float32 (ROWS > 1: the rows' scales)
     w_ptr,  # [N, K] e4m3, contiguous
     w_scale_ptr,  # [N] float32
     x_scale_ptr,  # [1] float32 (STATIC)
     bias_ptr,  # [N] (HAS_BIAS)
-    partial_ptr,  # [SPLIT, N] float32 (SPLIT > 1)
+    partial_ptr,  # [SPLIT, M, N] float32 (SPLIT > 1)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 (SPLIT > 1)
-    out_ptr,  # [N]
-    N, K, fp8_max, min_scale,
+    out_ptr,  # [M, N]
+    M, N, K, stride_x, fp8_max, min_scale,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out [N] = x . w^T (+ bias), x quantized to e4m3 as `quantize_rows` does: program (n, s)
-    takes BLOCK_N rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3 weight tile
-    with x's tile broadcast to 16 columns (the product's narrowest; column 0 is kept); the
-    SPLIT programs of a row block add their parts as the 4-bit GEMV's do."""
+    """out [M, N] = x . w^T (+ bias) with the weight as the product's 64-row side: program
+    (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3
+    weight tile with COLS (>= 16, the product's narrowest) columns of x: one row in the model
+    dtype quantized here as `quantize_rows` does and broadcast (column 0 is kept), or up to
+    COLS rows QUANTIZED already, with their scales. The SPLIT programs of a row block add their
+    parts as the 4-bit GEMV's do."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,34 +118,58 @@ def _fp8_gemv_mma_kernel(
     let_next_start(PDL)
     w_first = _weight_tile(w_ptr, rows, row_ok, k0 + offsets, K)
     wait_for_previous(PDL)
-    if STATIC:
-        x_scale = tl.load(x_scale_ptr)
-    else:  # (every program finds the whole row's largest magnitude: one load, from L2)
-        row = tl.arange(0, ROW_BLOCK)
-        x = tl.load(x_ptr + row, mask=row < K, other=0.0)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=0).to(tl.float32), min_scale) / fp8_max
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    acc = _mma_step(acc, w_first, x_ptr, k0 + offsets, K, x_scale, fp8_max, BLOCK_K)
+    x_scale = 1.0
+    if not QUANTIZED:
+        if STATIC:
+            x_scale = tl.load(x_scale_ptr)
+        else:  # (every program finds the whole row's largest magnitude: one load, from L2)
+            row = tl.arange(0, ROW_BLOCK)
+            x = tl.load(x_ptr + row, mask=row < K, other=0.0)
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=0).to(tl.float32), min_scale) / fp8_max
+    tokens = tl.arange(0, COLS)
+    acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
+    acc = _mma_step(acc, w_first, x_ptr, tokens, M, stride_x, k0 + offsets, K, x_scale,
+                    fp8_max, BLOCK_K, QUANTIZED, SPAN)  # fmt: skip
     for step in range(1, STEPS):
         ks = k0 + step * BLOCK_K + offsets
         w = _weight_tile(w_ptr, rows, row_ok, ks, K)
-        acc = _mma_step(acc, w, x_ptr, ks, K, x_scale, fp8_max, BLOCK_K)
-    column = tl.arange(0, 16)
-    part = tl.sum(tl.where(column[None, :] == 0, acc, 0.0), axis=1)
-    part = part * x_scale * tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
+        acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, BLOCK_K,
+                        QUANTIZED, SPAN)  # fmt: skip
+    w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N, pid_k, SPLIT)
+    if not QUANTIZED:
+        part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
+        split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N,
+                      pid_k, SPLIT)  # fmt: skip
+    else:
+        token_ok = tokens < M
+        x_scales = tl.load(x_scales_ptr + tokens, mask=token_ok, other=0.0)
+        part = acc * w_scale[:, None] * x_scales[None, :]
+        at = tokens[None, :] * N + rows[:, None]  # (out [M, N] from the [rows, tokens] tile)
+        ok = row_ok[:, None] & token_ok[None, :]
+        split_k_store(part, bias[:, None], partial_ptr, count_ptr, out_ptr, at, ok, pid_n,
+                      M * N, pid_k, SPLIT)  # fmt: skip
 
 
 @triton.jit
-def _mma_step(acc, w, x_ptr, ks, K, x_scale, fp8_max, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_N, 16] += w [BLOCK_N, BLOCK_K] times x[ks] quantized to e4m3, broadcast to 16
-    columns (exact products, float32 sums)."""
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-    xq = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(w.dtype)
-    return tl.dot(w, tl.trans(tl.broadcast_to(xq[None, :], [16, BLOCK_K])), acc)
+def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
+              BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr, SPAN: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as e4m3 columns:
+    one row quantized here and broadcast, else rows `tokens` of the QUANTIZED x (past M: 0);
+    exact products, summed SPAN at a time in the tensor cores, those sums in float32."""
+    if not QUANTIZED:
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        xq = scaled_to_e4m3(x, x_scale, fp8_max).to(w.dtype)
+        columns = tl.broadcast_to(xq[None, :], [tokens.shape[0], BLOCK_K])
+    else:
+        columns = tl.load(
+            x_ptr + tokens[:, None] * stride_x + ks[None, :],
+            mask=(tokens < M)[:, None] & (ks < K)[None, :],
+            other=0.0,
+        )
+    return tl.dot(w, tl.trans(columns), acc, max_num_imprecise_acc=SPAN)
 
 
 def fp8_mma_plan(
@@ -147,15 +178,18 @@ def fp8_mma_plan(
     device: torch.device,
     tiles: tuple[int, int, int] | None = None,
     split: int | None = None,
+    rows: int = 1,
 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core e4m3 GEMV for N rows of K:
-    K cut into SPLIT parts of STEPS tiles (about `split`, if given). The fastest of
-    bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200 (bench/RESULTS.md "2026-11-28
-    (session 24)"): row blocks at least two an SM take all of K (gate_up); fewer cut K for
-    about MMA_PROGRAMS_PER_SM programs an SM (qkv 4 parts, o 8, down 8), in 512-wide tiles,
-    256 where K is long (down's 14,336: 2x-longer parts of 512 were 20% slower)."""
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core e4m3 GEMV for N weight rows
+    of K against `rows` rows of x: K cut into SPLIT parts of STEPS tiles (about `split`, if
+    given). The fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200
+    (bench/RESULTS.md "2026-11-28 (session 24)"): row blocks at least two an SM take all of K
+    (gate_up); fewer cut K for about MMA_PROGRAMS_PER_SM programs an SM (qkv 4 parts, o 8, down
+    8), in 512-wide tiles, 256 where K is long (down's 14,336: 2x-longer parts of 512 were 20%
+    slower) or where more than 16 rows of x share the tile's shared memory."""
     sms = num_sms(device)
-    block_n, block_k, warps = tiles or (MMA_ROWS, 512 if k <= 4096 else 256, MMA_WARPS)
+    block_k = 512 if k <= 4096 and rows <= 16 else 256
+    block_n, block_k, warps = tiles or (MMA_ROWS, block_k, MMA_WARPS)
     row_blocks = cdiv(n, block_n)
     if split is None:
         split = 1 if row_blocks >= 2 * sms else cdiv(MMA_PROGRAMS_PER_SM * sms, row_blocks)
@@ -165,9 +199,11 @@ def fp8_mma_plan(
 
 
 def reserve_fp8_gemv(n: int, k: int, device: torch.device) -> None:
-    """Grow the device's split-K workspace to what `fp8_gemv_mma` takes for N x K."""
-    block_n, _, _, split, _ = fp8_mma_plan(n, k, device)
-    shared_workspace(device, split * n, cdiv(n, block_n))
+    """Grow the device's split-K workspace to what `fp8_gemv_mma` and `fp8_rows_mma` (up to
+    MMA_MAX_ROWS rows) take for N x K."""
+    for rows in (1, MMA_MAX_ROWS):
+        block_n, _, _, split, _ = fp8_mma_plan(n, k, device, rows=rows)
+        shared_workspace(device, split * rows * n, cdiv(n, block_n))
 
 
 def fp8_gemv_mma(
@@ -181,20 +217,62 @@ def fp8_gemv_mma(
 ) -> torch.Tensor:
     """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
     `split`: about how many parts K is cut into (default: enough programs an SM)."""
-    k = x.shape[1]
-    n = weight.shape[0]
-    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, x.device, tiles, split)
-    space = shared_workspace(x.device, split * n, cdiv(n, block_n))
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = dependent_launch_args(x.device)
-    _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
-        x, weight, weight_scale, x_scale if x_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, space.partials, space.counters, out, n, k,
-        FP8_MAX, _MIN_SCALE, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
-        ROW_BLOCK=next_power_of_2(k), **pdl, num_warps=warps, num_stages=3,
-    )  # fmt: skip
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split)
     return out
+
+
+def fp8_rows_mma(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    tiles: tuple[int, int, int] | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """Up to MMA_MAX_ROWS e4m3 rows x_q [M, K] with their scales [M, 1] (one value expanded:
+    a static input scale) times an e4m3 weight [N, K] with its scales [N, 1] (+ bias): [M, N]
+    in `out_dtype`, as `torch._scaled_mm` gives it, through the tensor-core GEMV (the weight
+    the product's 64-row side, K split over the SMs as for one row): what a decode of a few
+    sequences streams is the weight, which no M-wide GEMM tile fills at 2-64 rows."""
+    m = x_q.shape[0]
+    assert 0 < m <= MMA_MAX_ROWS, m
+    assert x_q.stride(1) == 1, "K-contiguous rows"
+    out = torch.empty((m, weight.shape[0]), dtype=out_dtype, device=x_q.device)
+    scales = x_scale.expand(m, 1).contiguous()  # (the kernel reads a scale a row)
+    _launch_mma(x_q, scales, weight, weight_scale, bias, None, out, tiles, split)
+    return out
+
+
+def _launch_mma(
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,  # quantized rows' scales [M, 1], or None: one row to quantize
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    tiles: tuple[int, int, int] | None,
+    split: int | None,
+) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, x.device, tiles, split, m)
+    space = shared_workspace(x.device, split * m * n, cdiv(n, block_n))
+    pdl = dependent_launch_args(x.device)
+    quantized = x_scales is not None
+    _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
+        x, x_scales if quantized else weight_scale, weight, weight_scale,
+        x_scale if x_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, space.partials, space.counters, out, m, n, k,
+        x.stride(0), FP8_MAX, _MIN_SCALE, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
+        SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
+        COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), **pdl, num_warps=warps,
+        num_stages=3,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -213,7 +291,7 @@ def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, QUANTIZE
     the weight tile w."""
     x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
     if QUANTIZE:
-        x = tl.clamp(tl.math.div_rn(x, x_scale), -fp8_max, fp8_max).to(w_dtype).to(tl.float32)
+        x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.attention.triton_prompt import LONG_KV_TOKENS, splits_forced
+from kvfleet.engine.attention.triton_prompt import FEW_QUERY_TOKENS, LONG_KV_TOKENS, splits_forced
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.lora.layers import LoRAContext
@@ -31,7 +31,9 @@ from kvfleet.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Decode batch sizes captured (up to the engine's max_num_seqs; larger steps run eagerly): to
+# 1,024, vLLM's default concurrency on GPUs of 70 GiB and more.
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 class DecodeGraphs:
@@ -85,9 +87,10 @@ class DecodeGraphs:
         self.warm_up_prefill_kernels()
 
     # Steps whose prompt-kernel launches compile apart: (query tokens, tokens cached before)
-    # for each kind of triton_prompt's tiles: "short" (16 query tokens or fewer), "chunks",
-    # "long" (LONG_KV_TOKENS of KV) — each run with its keys whole and split in two.
-    WARM_STEPS = ((2, 0), (17, 0), (17, LONG_KV_TOKENS - 17))
+    # for each kind of triton_prompt's tiles: "short" (16 query tokens or fewer), "few" (up to
+    # FEW_QUERY_TOKENS), "chunks", "long" (LONG_KV_TOKENS of KV) — each run with its keys whole
+    # and split in two.
+    WARM_STEPS = ((2, 0), (17, 0), (FEW_QUERY_TOKENS + 1, 0), (17, LONG_KV_TOKENS - 17))
 
     @torch.inference_mode()
     def warm_up_prefill_kernels(self) -> None:

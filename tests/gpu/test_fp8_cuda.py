@@ -193,3 +193,46 @@ def test_the_fused_gemv_matches_the_scaled_gemm(n: int, k: int) -> None:
             ).float()
             # (the same e4m3 values and products, float32 sums in another order; bf16 out)
             assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_tensor_core_gemv_over_quantized_rows_matches_the_scaled_gemm(n: int, k: int) -> None:
+    """`fp8_rows_mma` at 2-64 rows (16, 32 and 64 columns, rows past M masked), with a bias and
+    with a static input scale expanded over the rows, against cuBLASLt's scaled GEMM."""
+    from kvfleet.engine.layers.triton_gemv import fp8_rows_mma
+
+    weight, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for m in (2, 16, 33, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x_q, x_s = quantize_rows(x)
+        static = torch.tensor([[0.01]], device="cuda").expand(m, 1)
+        for rows_scale, with_bias in ((x_s, True), (static, False)):
+            got = fp8_rows_mma(x_q, rows_scale, weight, scale, bias if with_bias else None,
+                               torch.bfloat16).float()  # fmt: skip
+            want = torch._scaled_mm(x_q, weight.t(), scale_a=rows_scale.contiguous(),
+                                    scale_b=scale.t(), bias=bias if with_bias else None,
+                                    out_dtype=torch.bfloat16).float()  # fmt: skip
+            assert got.shape == (m, n)
+            assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (m, with_bias)
+
+
+def test_long_sums_of_one_sign_keep_float32_precision() -> None:
+    """Hopper's e4m3 tensor cores keep fewer bits than float32 in their sums: a kernel that
+    lets the 14,336 positive products of a down projection's row run in them drifts low (the
+    Triton GEMM did by 22%, the one-row tensor-core GEMV by 3%: cuBLASLt's `use_fast_accum`
+    does too). Every path of the layer (GEMV, tensor-core GEMV over rows, Triton GEMM,
+    cuBLASLt) adds 128-input parts into float32 as cuBLASLt does by default, whose bias here
+    is -5.5e-4 (bench/RESULTS.md "2026-11-28 (session 26)")."""
+    n, k = 4096, 14336
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.uniform_(0.0, 0.02)
+    layer = Fp8Linear.from_linear(linear)
+    for m in (1, 7, 16, 64, 2048):
+        x = torch.rand(m, k, device="cuda", dtype=torch.bfloat16)
+        out = layer(x).float()
+        ref = fp8_linear_reference(x, layer.weight, layer.weight_scale, None).float()
+        relative = (out - ref) / ref
+        assert relative.abs().max() <= 8e-3, m  # (two bf16 roundings: 2 x 2^-8 at most)
+        assert relative.mean().abs() <= 1e-3, m  # (bf16 rounding averages out; truncation not)

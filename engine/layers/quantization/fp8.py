@@ -31,6 +31,12 @@ QUANTIZE_IN_PRODUCER = True
 # 16-64 rows: 95-98 us against 113-118; at 128 and more rows cuBLASLt is as fast or faster).
 # One row goes to the GEMV (`triton_gemv`).
 TRITON_GEMM_ROWS = range(2, 65)
+# Row counts whose GEMM runs as the tensor-core GEMV over rows quantized already
+# (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS.
+# bench/fp8_gemm.py on the H200 (bench/RESULTS.md "2026-11-28 (session 26)"): the four
+# Llama-3-8B layers at 2 / 8 / 16 rows 69-75 us against the Triton GEMM's 91-93; at 32 rows
+# qkv and o are slower this way, at 64 all four.
+MMA_GEMV_ROWS = range(2, 17)
 
 
 def fp8_supported(device: torch.device) -> str | None:
@@ -53,8 +59,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     float32), x ≈ values * scales."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_MIN_SCALE)
     scales = amax / FP8_MAX
-    values = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return values, scales
+    return to_e4m3(x, scales), scales
+
+
+def to_e4m3(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x's values over their row's scale, saturated, as e4m3: times the scale's reciprocal (one
+    IEEE division a row, as vLLM's quantizers do; every kernel here computes it so, bit for
+    bit: an IEEE division a value made the quantizing kernels instruction-bound)."""
+    return (x.float() * (1.0 / scales)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 @dataclass(frozen=True)
@@ -252,7 +264,7 @@ class Fp8Linear(QuantizedLinear):
             return out.reshape(*shape[:-1], self.out_features)
         if self.input_scale is not None:
             x_scale = self.input_scale.expand(x2.shape[0], 1)
-            x_q = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            x_q = to_e4m3(x2, x_scale)
         elif x2.is_cuda:  # (one Triton pass instead of five torch ones)
             from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
 
@@ -270,6 +282,10 @@ class Fp8Linear(QuantizedLinear):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """[rows, out] in `dtype` from e4m3 rows `x_q` and their scales [rows, 1]."""
+        if x_q.is_cuda and x_q.shape[0] in MMA_GEMV_ROWS:
+            from kvfleet.engine.layers.triton_gemv import fp8_rows_mma
+
+            return fp8_rows_mma(x_q, x_scale, self.weight, self.weight_scale, bias, dtype)
         if x_q.is_cuda and x_q.shape[0] in TRITON_GEMM_ROWS:
             from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.triton_prompt import PROMPT_TILES, prompt_step_kind
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.worker.cuda_graphs import DecodeGraphs
 from kvfleet.engine.worker.model_runner import ModelRunner
@@ -31,3 +33,14 @@ def test_the_warm_up_steps_touch_only_the_null_block(tiny_config: Callable[..., 
         # [2, num_blocks, block_size, kv_heads, head_dim]: block 0 is the null block
         assert torch.equal(cache[:, 1:], old[:, 1:])
         assert not torch.equal(cache[:, 0], old[:, 0])  # (the steps did run)
+
+
+def test_the_warm_up_steps_cover_every_kind_of_prompt_tile() -> None:
+    """A kind of step no warm-up step has would compile its tile mid-serving."""
+    kinds = set()
+    for q, cached in DecodeGraphs.WARM_STEPS:
+        metadata = AttentionMetadata.one_prompt(
+            torch.zeros(q, dtype=torch.int64), torch.zeros(512, dtype=torch.int32), cached
+        )
+        kinds.add(prompt_step_kind(metadata))
+    assert kinds == {kind for _, kind in PROMPT_TILES}

@@ -150,6 +150,35 @@ def test_the_tensor_core_gemv_equals_the_reference_in_the_interpreter(
     assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
 
 
+@pytest.mark.parametrize(("m", "static", "with_bias"), [(2, False, True), (23, False, False),
+                                                       (40, True, True)])  # fmt: skip
+def test_the_tensor_core_gemv_over_quantized_rows_equals_the_reference_in_the_interpreter(
+    m: int, static: bool, with_bias: bool
+) -> None:
+    """`fp8_rows_mma`: e4m3 rows with their scales (or one static scale expanded) as the
+    product's 16/32/64 columns, the padding columns past M never written; weight rows past a
+    64-row block, K (200) in part-filled tiles split across programs whose parts the last to
+    arrive adds (with the bias, one a weight row), the counters left at zero."""
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
+    from kvfleet.engine.layers.triton_gemv import fp8_mma_plan, fp8_rows_mma
+
+    generator = torch.Generator().manual_seed(m)
+    x_q, x_scale = quantize_rows(torch.randn(m, 200, generator=generator))
+    if static:
+        x_scale = torch.tensor([[0.03]]).expand(m, 1)
+    weight, scale = quantize_rows(torch.randn(130, 200, generator=generator) * 0.1)
+    bias = torch.randn(130, generator=generator) if with_bias else None
+    tiles = (64, 64, 4)
+    assert fp8_mma_plan(130, 200, torch.device("cpu"), tiles, rows=m)[3] > 1  # (split)
+    out = fp8_rows_mma(x_q, x_scale, weight, scale, bias, torch.float32, tiles)
+    want = (x_q.float() * x_scale) @ (weight.float() * scale).t()
+    if bias is not None:
+        want = want + bias
+    assert out.shape == (m, 130)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
+
+
 def test_the_triton_gemm_widens_its_column_tiles_only_where_every_sm_keeps_one() -> None:
     """Up to 64 rows, 128-wide column tiles where they still give each SM a program (the CPU
     stands in for 4 SMs), else 64-wide; more rows keep their tiles."""

@@ -91,6 +91,10 @@ def dependent_launch():
     from kvfleet.engine.layers import triton_gemv, triton_layers, triton_moe
     from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
     cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
+    mma_types = {"x_ptr": "*bf16", "x_scales_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                 "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
+                 "partial_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16",
+                 "fp8_max": "fp32", "min_scale": "fp32"}
     kernels = {
         "norm": (triton_layers._add_rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
                  "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
@@ -167,13 +171,15 @@ def dependent_launch():
                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
                      dict(QUANTIZE=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                           BLOCK_K=512, ROW_BLOCK=16384), 1),
-        "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, {"x_ptr": "*bf16",
-                                   "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
-                                   "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
-                                   "partial_ptr": "*fp32", "count_ptr": "*i32",
-                                   "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
+        "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                    dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
-                                        BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096), 1),
+                                        BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096,
+                                        QUANTIZED=False, COLS=16, SPAN=128), 1),
+        "fp8 rows, tensor cores": (triton_gemv._fp8_gemv_mma_kernel,
+                                   mma_types | {"x_ptr": "*fp8e4nv", "bias_ptr": "*bf16"},
+                                   dict(STATIC=False, HAS_BIAS=True, SPLIT=4, STEPS=4,
+                                        BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=1,
+                                        QUANTIZED=True, COLS=32, SPAN=128), 1),
         "bf16 gemv": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
                       "w_scale_ptr": "*bf16", "x_scale_ptr": "*bf16", "bias_ptr": "*bf16",
                       "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
@@ -207,7 +213,7 @@ for variant in sys.argv[1:] if sys.argv[1:] != ["dependent-launch"] else []:
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
         (f"prompt {kind}{' split' if split else ''}",
          lambda kind=kind, split=split: prompt(q_type, cache_type, kind, split))
-        for kind in ("short", "chunks", "long") for split in (False, True)
+        for kind in ("short", "few", "chunks", "long") for split in (False, True)
     ]:
         try:
             build()

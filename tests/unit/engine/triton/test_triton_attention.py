@@ -85,7 +85,7 @@ def test_write_and_attend_match_torch(
     assert (out.float() - expected.float()).abs().max() < tolerance
 
 
-@pytest.mark.parametrize("kind", ["chunks", "long"])
+@pytest.mark.parametrize("kind", ["few", "chunks", "long"])
 @pytest.mark.parametrize("sliding_window", [None, 40])
 def test_prompt_tiles_of_every_kind_match_torch(
     attention_case: Callable[..., dict[str, Any]],
@@ -94,12 +94,13 @@ def test_prompt_tiles_of_every_kind_match_torch(
     kind: str,
     sliding_window: int | None,
 ) -> None:
-    """Each kind's tile (128 x 128 for long KV, made long here by lowering the threshold),
-    over prompts whose blocks lie below, across and beyond the causal diagonal (the tiles
-    below it run unmasked), with and without a window."""
+    """Each kind's tile (128 x 128 for long KV, made long here by lowering the threshold;
+    "few": no query past 64 tokens), over prompts whose blocks lie below, across and beyond
+    the causal diagonal (the tiles below it run unmasked), with and without a window."""
     if kind == "long":
         monkeypatch.setattr(triton_prompt, "LONG_KV_TOKENS", 64)
-    inputs = attention_case([1, 200, 37, 150], [90, 200, 300, 260], seed=5)
+    query_lens = [1, 64, 37, 20] if kind == "few" else [1, 200, 37, 150]
+    inputs = attention_case(query_lens, [90, 200, 300, 260], seed=5)
     assert triton_prompt.prompt_step_kind(inputs["metadata"]) == kind
     reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
     cache = inputs["kv_cache"].clone()
