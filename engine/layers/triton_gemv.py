@@ -198,6 +198,14 @@ def fp8_mma_plan(
     return block_n, block_k, steps, cdiv(tiles_k, steps), warps
 
 
+def rows_mma_splits_k(n: int, k: int, device: torch.device, rows: int) -> bool:
+    """Whether `fp8_rows_mma`'s plan for N x K at `rows` rows cuts K over programs: where its
+    row blocks alone fill the SMs (gate_up's 448) it is no faster than the Triton GEMM, which
+    fills them too (bench/RESULTS.md "2026-11-28 (session 26)": 40.6-41.3 us against 32.2-32.6
+    at 2-16 rows)."""
+    return fp8_mma_plan(n, k, device, rows=rows)[3] > 1
+
+
 def reserve_fp8_gemv(n: int, k: int, device: torch.device) -> None:
     """Grow the device's split-K workspace to what `fp8_gemv_mma` and `fp8_rows_mma` (up to
     MMA_MAX_ROWS rows) take for N x K."""

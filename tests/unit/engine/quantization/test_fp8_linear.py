@@ -213,3 +213,20 @@ def test_the_triton_gemm_equals_the_reference_in_the_interpreter(
     if bias is not None:
         want = want + bias
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_tensor_core_gemv_over_rows_is_taken_where_it_splits_k(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an H200's 132 SMs at 2-16 rows: Llama-3-8B's qkv, o and down cut K over programs
+    (the Triton GEMM gives them 64-96 programs); gate_up's 448 row blocks do not, and go to
+    the GEMM."""
+    from kvfleet.engine.layers import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    for rows in (2, 16):
+        assert triton_gemv.rows_mma_splits_k(6144, 4096, cuda, rows)
+        assert triton_gemv.rows_mma_splits_k(4096, 4096, cuda, rows)
+        assert triton_gemv.rows_mma_splits_k(4096, 14336, cuda, rows)
+        assert not triton_gemv.rows_mma_splits_k(28672, 4096, cuda, rows)
