@@ -198,11 +198,15 @@ def fp8_mma_plan(
     return block_n, block_k, steps, cdiv(tiles_k, steps), warps
 
 
-def rows_mma_splits_k(n: int, k: int, device: torch.device, rows: int) -> bool:
-    """Whether `fp8_rows_mma`'s plan for N x K at `rows` rows cuts K over programs: where its
-    row blocks alone fill the SMs (gate_up's 448) it is no faster than the Triton GEMM, which
-    fills them too (bench/RESULTS.md "2026-11-28 (session 26)": 40.6-41.3 us against 32.2-32.6
-    at 2-16 rows)."""
+def rows_mma_pays(n: int, k: int, device: torch.device, rows: int) -> bool:
+    """Whether `fp8_rows_mma` beats the Triton GEMM for N x K at `rows` rows (2-32), by
+    bench/fp8_gemm.py on the H200 (bench/RESULTS.md "2026-11-28 (session 26)"): where its plan
+    cuts K over programs, at up to 16 rows (qkv, o, down: 8.4-23.5 us against 12.7-38.1); past
+    16 rows only over a long K (down at 32 rows: 25.9 against 38.0; qkv and o 14.4-18.3 against
+    13.3-14.5). Where its row blocks alone fill the SMs (gate_up's 448) it is slower (40.6-41.3
+    against 32.2-32.6)."""
+    if rows > 16 and k <= 4096:
+        return False
     return fp8_mma_plan(n, k, device, rows=rows)[3] > 1
 
 

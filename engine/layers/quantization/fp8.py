@@ -35,8 +35,8 @@ TRITON_GEMM_ROWS = range(2, 65)
 # (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS.
 # bench/fp8_gemm.py on the H200 (bench/RESULTS.md "2026-11-28 (session 26)"): the four
 # Llama-3-8B layers at 2 / 8 / 16 rows 69-75 us against the Triton GEMM's 91-93; at 32 rows
-# qkv and o are slower this way, at 64 all four. Taken where its plan splits K (not gate_up).
-MMA_GEMV_ROWS = range(2, 17)
+# qkv and o are slower this way, at 64 all four: which layers take it, `rows_mma_pays`.
+MMA_GEMV_ROWS = range(2, 33)
 
 
 def fp8_supported(device: torch.device) -> str | None:
@@ -283,10 +283,10 @@ class Fp8Linear(QuantizedLinear):
     ) -> torch.Tensor:
         """[rows, out] in `dtype` from e4m3 rows `x_q` and their scales [rows, 1]."""
         if x_q.is_cuda and x_q.shape[0] in MMA_GEMV_ROWS:
-            from kvfleet.engine.layers.triton_gemv import fp8_rows_mma, rows_mma_splits_k
+            from kvfleet.engine.layers.triton_gemv import fp8_rows_mma, rows_mma_pays
 
             n, k = self.weight.shape
-            if rows_mma_splits_k(n, k, x_q.device, x_q.shape[0]):
+            if rows_mma_pays(n, k, x_q.device, x_q.shape[0]):
                 return fp8_rows_mma(x_q, x_scale, self.weight, self.weight_scale, bias, dtype)
         if x_q.is_cuda and x_q.shape[0] in TRITON_GEMM_ROWS:
             from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm

@@ -215,18 +215,23 @@ def test_the_triton_gemm_equals_the_reference_in_the_interpreter(
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
-def test_the_tensor_core_gemv_over_rows_is_taken_where_it_splits_k(
+def test_the_tensor_core_gemv_over_rows_is_taken_where_it_measured_faster(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On an H200's 132 SMs at 2-16 rows: Llama-3-8B's qkv, o and down cut K over programs
+    """On an H200's 132 SMs: at 2-16 rows Llama-3-8B's qkv, o and down cut K over programs
     (the Triton GEMM gives them 64-96 programs); gate_up's 448 row blocks do not, and go to
-    the GEMM."""
+    the GEMM; at 17-32 rows only down's long K."""
     from kvfleet.engine.layers import triton_gemv
 
     monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
+    qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
     for rows in (2, 16):
-        assert triton_gemv.rows_mma_splits_k(6144, 4096, cuda, rows)
-        assert triton_gemv.rows_mma_splits_k(4096, 4096, cuda, rows)
-        assert triton_gemv.rows_mma_splits_k(4096, 14336, cuda, rows)
-        assert not triton_gemv.rows_mma_splits_k(28672, 4096, cuda, rows)
+        assert triton_gemv.rows_mma_pays(*qkv, cuda, rows)
+        assert triton_gemv.rows_mma_pays(*o, cuda, rows)
+        assert triton_gemv.rows_mma_pays(*down, cuda, rows)
+        assert not triton_gemv.rows_mma_pays(*gate_up, cuda, rows)
+    for rows in (17, 32):
+        assert triton_gemv.rows_mma_pays(*down, cuda, rows)
+        for shape in (qkv, o, gate_up):
+            assert not triton_gemv.rows_mma_pays(*shape, cuda, rows)
