@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
 """The FP8 GEMM at decode-step and prompt row counts: cuBLASLt's scaled GEMM
 (`torch._scaled_mm`) against the Triton GEMM (engine/layers/quantization/triton_fp8.py
-`fp8_gemm`: its tiles as shipped, `fp8_gemm_tiles`, then over a few tilings) and, up to 64 rows,
+`fp8_gemm`: its tiles as shipped, `fp8_gemm_tiles`, then over a few tilings, and from 128
+rows with K split in parts) and, up to 64 rows,
 the tensor-core GEMV over quantized rows (engine/layers/triton_gemv.py `fp8_rows_mma`: its plan
 as shipped, then other K tiles and splits), at Llama-3-8B's shapes, on rows already quantized
 (the producers quantize them: `QuantizedRows`). Each
@@ -37,6 +38,15 @@ TILINGS = [
     (128, 128, 128, 4, 4),
     (128, 256, 128, 8, 3),
     (64, 256, 128, 4, 3),
+]
+# Tilings with K split in parts, from 128 rows (where qkv, o and down give 64-96 output tiles
+# of 128 x 128 to 132 SMs): (tiles, parts)
+SPLIT_TILINGS: list[tuple[tuple[int, int, int, int, int], int]] = [
+    ((128, 128, 128, 8, 3), 2),
+    ((128, 128, 128, 8, 3), 4),
+    ((128, 256, 128, 8, 3), 2),
+    ((64, 128, 128, 4, 4), 2),
+    ((128, 64, 128, 4, 4), 2),
 ]
 # The tensor-core GEMV's (BLOCK_N, BLOCK_K, warps) and split (None: its plan's) beside its plan
 MMA_TILINGS: list[tuple[tuple[int, int, int], int | None]] = [
@@ -74,6 +84,11 @@ def main() -> None:
             for label, tiles in gemms:
                 line += _timed(label, want, weights, lambda w, s: fp8_gemm(
                     x_q, x_scale, w, s, None, torch.bfloat16, tiles))  # fmt: skip
+            if m >= 128:
+                for tiles, parts in SPLIT_TILINGS:
+                    label = "/".join(map(str, tiles)) + f" split {parts}"
+                    line += _timed(label, want, weights, lambda w, s: fp8_gemm(
+                        x_q, x_scale, w, s, None, torch.bfloat16, tiles, parts))  # fmt: skip
             if m <= MMA_MAX_ROWS:
                 for mma, split in [(None, None), *MMA_TILINGS]:
                     plan = fp8_mma_plan(n, k, device, mma, split, m)

@@ -15,6 +15,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
+from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 
 # Inputs an e4m3 `tl.dot` sums in the tensor cores before its part is added to a float32 sum.
 # Hopper's e4m3 MMAs keep fewer bits than float32 in their sums (about 14: DeepSeek-V3's report,
@@ -126,36 +127,40 @@ def _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_s
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, partial_ptr, count_ptr, c_ptr, M, N, K,
     a_stride, b_stride, c_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """c [M, N] = (a . b^T) x a's scale per row x b's per row (+ bias), a [M, K] and b [N, K]
     e4m3, both K-contiguous (the tensor cores' operands as they lie). Programs sharing a tile
     of b are consecutive, so the row tiles of a decode step read each weight tile once from
-    memory and the rest from L2."""
+    memory and the rest from L2. SPLIT > 1: K cut into SPLIT parts (program axis 1) whose
+    float32 sums the last to finish adds (`split_k_store`), where the output tiles alone are
+    too few for the SMs."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     row_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % row_tiles
     pid_n = pid // row_tiles
     rows, row_ok, cols, col_ok = _output_tile(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_part = tl.cdiv(k_tiles, SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
+    for t in range(pid_k * per_part, tl.minimum((pid_k + 1) * per_part, k_tiles)):
+        k = t * BLOCK_K + ks
         a, b = _operand_tiles(a_ptr, b_ptr, rows, row_ok, cols, col_ok, k, K, a_stride, b_stride)
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_K <= SUM_SPAN)
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
     acc = acc * a_scale[:, None] * b_scale[None, :]
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        c_ptr + rows[:, None] * c_stride + cols[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    split_k_store(acc, bias[None, :], partial_ptr, count_ptr, c_ptr,
+                  rows[:, None] * c_stride + cols[None, :], row_ok[:, None] & col_ok[None, :],
+                  pid, M * c_stride, pid_k, SPLIT)  # fmt: skip
 
 
 def fp8_gemm(
@@ -166,10 +171,12 @@ def fp8_gemm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     tiles: Fp8GemmTiles | None = None,
+    split: int = 1,
 ) -> torch.Tensor:
     """x_q [M, K] e4m3 with scales [M, 1] times w_q [N, K] e4m3 with scales [N, 1] (+ bias):
     [M, N] in `out_dtype`, as `torch._scaled_mm` gives it with row-wise scales. `tiles`:
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), else `fp8_gemm_tiles`'. Either scale may be
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), else `fp8_gemm_tiles`'; `split`: parts K is
+    cut into (outside CUDA graphs only: the workspace grows on first use). Either scale may be
     one value expanded (a static input scale, a per-tensor weight scale)."""
     m, k = x_q.shape
     n = w_q.shape[0]
@@ -184,12 +191,16 @@ def fp8_gemm(
         tiles = fp8_gemm_tiles(m, n, x_q.device)
     block_m, block_n, block_k, warps, stages = tiles
     assert block_k <= SUM_SPAN, "a K tile is summed in the tensor cores whole"
-    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n), split)
+    partials = counters = x_scale  # (unsplit: not read)
+    if split > 1:
+        space = shared_workspace(x_q.device, split * m * n, grid[0])
+        partials, counters = space.partials, space.counters
     _fp8_gemm_kernel[grid](
-        x_q, x_scale, w_q, w_scale, bias if bias is not None else w_scale, out, m, n, k,
-        x_q.stride(0), w_q.stride(0), out.stride(0),
+        x_q, x_scale, w_q, w_scale, bias if bias is not None else w_scale, partials, counters,
+        out, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        SPLIT=split, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

@@ -193,13 +193,16 @@ def test_the_triton_gemm_widens_its_column_tiles_only_where_every_sm_keeps_one()
 @pytest.mark.parametrize("tiles", [(16, 16, 32, 4, 1), (32, 64, 64, 4, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
 def test_the_triton_gemm_equals_the_reference_in_the_interpreter(
-    tiles: tuple[int, int, int, int, int], with_bias: bool, static: bool
+    tiles: tuple[int, int, int, int, int], with_bias: bool, static: bool, split: int
 ) -> None:
     """`fp8_gemm` on e4m3 rows already quantized (the interpreter's own e4m3 rounding stays
     out: the inputs are e4m3 already): rows and columns past their tiles, K (200) past its
     tiles, both scales and the bias in the epilogue, float32 out as the reference's; a static
-    input scale arrives as one value expanded over the rows, as `Fp8Linear` passes it."""
+    input scale arrives as one value expanded over the rows, as `Fp8Linear` passes it. Split
+    in 3: K's 7 tiles of 32 cut 3 / 3 / 1, its 4 of 64 cut 2 / 2 / none (a part with no
+    tiles still arrives), twice over (the counters reset)."""
     from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
 
     generator = torch.Generator().manual_seed(7)
@@ -208,11 +211,12 @@ def test_the_triton_gemm_equals_the_reference_in_the_interpreter(
         x_scale = torch.tensor([[0.25]]).expand(37, 1)
     weight, scale = quantize_rows(torch.randn(70, 200, generator=generator) * 0.1)
     bias = torch.randn(70, generator=generator) if with_bias else None
-    out = fp8_gemm(x_q, x_scale, weight, scale, bias, torch.float32, tiles)
     want = (x_q.float() * x_scale) @ (weight.float() * scale).t()
     if bias is not None:
         want = want + bias
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    for _ in range(2 if split > 1 else 1):
+        out = fp8_gemm(x_q, x_scale, weight, scale, bias, torch.float32, tiles, split)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
 def test_the_tensor_core_gemv_over_rows_is_taken_where_it_measured_faster(

@@ -202,13 +202,32 @@ def dependent_launch():
         assert "griddepcontrol" not in plain, f"{name}: PDL=False still waits"
 
 
+def fp8_gemm():
+    # The Triton FP8 GEMM at each of its shipped tilings, whole and with K split.
+    from kvfleet.engine.layers.quantization import triton_fp8
+    types = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv",
+             "b_scale_ptr": "*fp32", "bias_ptr": "*bf16", "partial_ptr": "*fp32",
+             "count_ptr": "*i32", "c_ptr": "*bf16"}
+    tilings = [t for _, t in triton_fp8.FP8_GEMM_TILES] + [triton_fp8.FP8_GEMM_LARGE]
+    for block_m, block_n, block_k, warps, stages in tilings:
+        for split in (1, 2):
+            compile_for_sm90(triton_fp8._fp8_gemm_kernel, types,
+                             dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=block_k, SPLIT=split), warps, stages)
+
+
 failed = {}
+if sys.argv[1:] == ["fp8-gemm"]:
+    try:
+        fp8_gemm()
+    except Exception as exc:
+        failed["fp8 gemm"] = f"{type(exc).__name__}: {exc}"[-1500:]
 if sys.argv[1:] == ["dependent-launch"]:
     try:
         dependent_launch()
     except Exception as exc:
         failed["dependent launch"] = f"{type(exc).__name__}: {exc}"[-1500:]
-for variant in sys.argv[1:] if sys.argv[1:] != ["dependent-launch"] else []:
+for variant in sys.argv[1:] if sys.argv[1:] not in (["dependent-launch"], ["fp8-gemm"]) else []:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
         (f"prompt {kind}{' split' if split else ''}",
@@ -253,6 +272,20 @@ def test_dependent_launch_kernels_wait_before_reading_what_came_before() -> None
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-c", _COMPILE, "dependent-launch"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_the_fp8_gemm_compiles_for_sm90_whole_and_split() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, "fp8-gemm"],
         check=False,
         env=env,
         capture_output=True,
