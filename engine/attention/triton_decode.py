@@ -190,6 +190,7 @@ def _decode_partial_kernel(
     acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32: unnormalized P·V
     max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: running max of the scores
     sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: sum of exp(score - max)
+    count_ptr,  # [num_seqs * num_kv_heads] int32, zero between launches (MERGE)
     out_ptr,  # [num_seqs, num_heads, head_dim]: written directly when NUM_SPLITS == 1
     kv_scales_ptr,  # [2] float32 (an FP8 cache's)
     scale,
@@ -218,6 +219,8 @@ def _decode_partial_kernel(
     FP8: tl.constexpr,
     V_TOKEN_MINOR: tl.constexpr,  # (`head_major_blocks`)
     SOFTCAP: tl.constexpr,
+    MERGE: tl.constexpr,  # the last split of a sequence's KV head to finish merges its heads
+    SPLITS_PAD: tl.constexpr,  # (MERGE)
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
@@ -299,6 +302,46 @@ def _decode_partial_kernel(
             acc,
             mask=g_mask[:, None] & d_mask[None, :],
         )
+        if MERGE:
+            tl.debug_barrier()  # (every thread's part written before the count says so)
+            counter = count_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                out = _merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
+                              g_mask, offs_d, d_mask, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
+                tl.store(
+                    out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=g_mask[:, None] & d_mask[None, :],
+                )
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merged(
+    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """[rows, BLOCK_D] float32: each row's splits (partials at first_rows + 0..NUM_SPLITS-1,
+    natural-log maxima) merged as `_decode_merge_kernel` merges one (read past L1: other
+    programs wrote them)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    at = first_rows[:, None] + offs_s[None, :]
+    ok = row_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    m = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, 1)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[:, None]))
+    total = tl.sum(weight * l_s, 1)
+    out = tl.zeros([first_rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        part = tl.load(
+            acc_ptr + (first_rows + i)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        out += part * tl.sum(tl.where(offs_s[None, :] == i, weight, 0.0), 1)[:, None]
+    return out / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -359,6 +402,25 @@ def num_splits_for(
 
 _DECODE_MERGE = CachedKernel(_decode_merge_kernel)
 _DECODE_PARTIAL = CachedKernel(_decode_partial_kernel)
+
+# The last split of a sequence's KV head to finish merges its query heads (False: a merge
+# kernel after the decode kernel, as before; for A/B runs).
+FUSED_MERGE = True
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # (captured CUDA graphs may still count in them)
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The device's int32 counters of finished splits, zero between launches (the last split
+    resets its own), at least `count` of them: one allocation of 65,536 (1,024 sequences x 64
+    KV heads) on first use, normally before any CUDA graph is captured."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < count:
+        if have is not None:
+            _OUTGROWN.append(have)
+        have = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
 
 
 def merge_splits(
@@ -424,6 +486,8 @@ def decode_attention(
     assert not token_minor or v_cache.stride(3) == block_size, "a head's token-minor V: one run"
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
+    merge = FUSED_MERGE and num_splits > 1
+    counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -433,6 +497,7 @@ def decode_attention(
         acc,
         maxes,
         sums,
+        counters,
         out,
         kv_scales if kv_scales is not None else sums,
         scale,
@@ -461,11 +526,13 @@ def decode_attention(
         FP8=fp8,
         V_TOKEN_MINOR=token_minor,
         SOFTCAP=softcap is not None,
+        MERGE=merge,
+        SPLITS_PAD=next_power_of_2(num_splits),
         **pdl,
         num_warps=warps,
         num_stages=stages,
         **limits,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         merge_splits(acc, maxes, sums, out)
     return out
