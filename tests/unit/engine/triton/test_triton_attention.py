@@ -176,6 +176,33 @@ def test_decode_kernel_matches_torch(
     assert (out - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_the_splits_merge_in_the_kernel_or_after_it_alike(
+    attention_case: Callable[..., dict[str, Any]],
+    block_layout: str,
+    monkeypatch: pytest.MonkeyPatch,
+    fused_merge: bool,
+) -> None:
+    """The last split of each sequence's KV head merges its heads (FUSED_MERGE) or the merge
+    kernel does, to the same result; launched twice, the fused way finds its counters reset
+    (a stale count would leave rows unmerged: NaN)."""
+    monkeypatch.setattr(triton_decode, "FUSED_MERGE", fused_merge)
+    seq_lens = [1, 129, 300, 700]
+    inputs = attention_case([1] * 4, seq_lens, num_heads=4, num_kv_heads=2, seed=13)
+    reference = TorchAttention(4, 2, 32)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
+    for _ in range(2):
+        out = torch.full_like(inputs["q"], float("nan"))
+        triton_decode.decode_attention(
+            inputs["q"], cache, inputs["metadata"], reference.scale, out=out, num_splits=5
+        )
+        assert not out.isnan().any()
+        assert (out - expected).abs().max() < 1e-4
+    if fused_merge:
+        assert not triton_decode.split_counters(out.device, 8)[:8].any()
+
+
 def test_decode_kernel_sliding_window_and_float16(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
