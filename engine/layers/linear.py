@@ -18,6 +18,9 @@ from kvfleet.engine.layers.dependent_launch import dependent_launch
 # `nn.Linear`, ~1 GB at 128k words) stays with cuBLAS.
 TRITON_GEMV_MAX_BYTES = 512 << 20
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# One row's act(gate) x up made by the down projection's GEMV as it reads them (False: the
+# activation kernel before it, as before; for A/B runs).
+GATED_GEMV = True
 
 
 class Linear(nn.Linear):
@@ -29,12 +32,25 @@ class Linear(nn.Linear):
             return out.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
-    def uses_triton_gemv(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` runs the Triton GEMV: one row, a bf16/fp16 weight of at most
-        TRITON_GEMV_MAX_BYTES, contiguous, on a device that launches dependent."""
+    def gated_forward(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """forward(act(gate) x up) of one gate_up row [..., 2 x in_features] in one kernel
+        (the Triton GEMV makes the products as it reads them), or None where forward would not
+        run the Triton GEMV: the caller applies the activation itself."""
+        if not (GATED_GEMV and gate_up.is_cuda and self.uses_triton_gemv(gate_up, inputs=2)):
+            return None
+        from kvfleet.engine.layers.triton_gemv import gemv
+
+        row = gate_up.reshape(1, 2 * self.in_features).contiguous()
+        out = gemv(row, self.weight, bias=self.bias, gated=activation)
+        return out.reshape(*gate_up.shape[:-1], self.out_features)
+
+    def uses_triton_gemv(self, x: torch.Tensor, inputs: int = 1) -> bool:
+        """Whether `forward(x)` runs the Triton GEMV: one row (of `inputs` x in_features
+        values), a bf16/fp16 weight of at most TRITON_GEMV_MAX_BYTES, contiguous, on a device
+        that launches dependent."""
         weight = self.weight
         return (
-            x.numel() == self.in_features
+            x.numel() == inputs * self.in_features
             and weight.dtype in _GEMV_DTYPES
             and x.dtype == weight.dtype
             and weight.numel() * weight.element_size() <= TRITON_GEMV_MAX_BYTES

@@ -24,6 +24,7 @@ from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
+from kvfleet.engine.layers.triton_layers import gated_product
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
@@ -39,11 +40,13 @@ def _gemv_kernel(
     out_ptr,  # [N]
     N, K, fp8_max, min_scale,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    GATED: tl.constexpr, GELU_TANH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
     largest magnitude found first: x is small and stays in L2; or the static scale), times both
-    scales (products of e4m3 values are exact in float32)."""
+    scales (products of e4m3 values are exact in float32). GATED: x [2K] is a gate_up row and
+    the row multiplied is act(gate) x up (`triton_layers.act_and_mul`'s values, made here)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,15 +62,16 @@ def _gemv_kernel(
             # (the whole row in one load: a loop over it, each load waiting for the last,
             # held the weights' stream back by a round trip to L2 per BLOCK_K)
             row = tl.arange(0, ROW_BLOCK)
-            x = tl.load(x_ptr + row, mask=row < K, other=0.0)
+            x = _row_values(x_ptr, row, K, GATED, GELU_TANH)
             amax = tl.max(tl.abs(x), axis=0).to(tl.float32)  # (exact in x's dtype)
             x_scale = tl.maximum(amax, min_scale) / fp8_max
     w_dtype = w_ptr.dtype.element_ty
-    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, QUANTIZE)
+    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, QUANTIZE, GATED,
+                    GELU_TANH)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         ks = k + offsets
         w = _weight_tile(w_ptr, cols, col_ok, ks, K)
-        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, QUANTIZE)
+        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, QUANTIZE, GATED, GELU_TANH)
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -298,10 +302,21 @@ def _weight_tile(w_ptr, cols, col_ok, ks, K):
 
 
 @triton.jit
-def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, QUANTIZE: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] float32: the inputs x[ks] (quantized to e4m3 when QUANTIZE) times
-    the weight tile w."""
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+def _row_values(x_ptr, ks, K, GATED: tl.constexpr, GELU_TANH: tl.constexpr):
+    """The multiplied row's inputs `ks` (0 past K): x[ks], or act(gate) x up when GATED."""
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    if GATED:
+        up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0)
+        x = gated_product(x, up, GELU_TANH)
+    return x
+
+
+@triton.jit
+def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, QUANTIZE: tl.constexpr,
+              GATED: tl.constexpr, GELU_TANH: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (quantized to e4m3 when QUANTIZE)
+    times the weight tile w."""
+    x = _row_values(x_ptr, ks, K, GATED, GELU_TANH).to(tl.float32)
     if QUANTIZE:
         x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
@@ -323,10 +338,13 @@ def gemv(
     bias: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    gated: str | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype. An
     e4m3 weight takes its scales [N, 1] and the row is quantized inside (or with the static
-    per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages)."""
+    per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). `gated` ("silu" or
+    "gelu_tanh"): x [1, 2K] is a gate_up row, and the row multiplied act(gate) x up, made
+    inside as `triton_layers.act_and_mul` makes it (one kernel fewer)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m == 1
@@ -334,7 +352,11 @@ def gemv(
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
-    if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
+    if gated is not None:
+        assert gated in ("silu", "gelu_tanh"), gated
+        assert k == 2 * weight.shape[1], "a gate_up row: twice the weight's inputs"
+        k //= 2
+    elif weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale)
     block_n, block_k = gemv_tiles(n, k, weight.element_size())
     warps, stages = 4, 3
@@ -349,6 +371,7 @@ def gemv(
         QUANTIZE=quantize, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=next_power_of_2(k) if quantize and x_scale is None else 1,
+        GATED=gated is not None, GELU_TANH=gated == "gelu_tanh",
         **pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -466,6 +466,21 @@ def rotary_and_write_kv(
 
 
 @triton.jit
+def gated_product(gate, up, GELU_TANH: tl.constexpr):
+    """act(gate) x up in float32, each factor rounded to the activations' dtype (gate's) as
+    torch computes it: act SiLU, or GELU with the tanh approximation (Gemma's GeGLU)."""
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    if GELU_TANH:
+        # 0.5 x (1 + tanh(y)) = x sigmoid(2y), y = sqrt(2 / pi) (x + 0.044715 x^3)
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = _rounded(gate / (1.0 + tl.exp(-2.0 * y)), dtype)
+    else:
+        act = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    return _rounded(act * up.to(tl.float32), dtype)
+
+
+@triton.jit
 def _act_and_mul_kernel(
     gate_up_ptr,  # [num_tokens, 2 * inner]: gate, then up
     out_ptr,  # [num_tokens, inner] (e4m3 when QUANTIZE)
@@ -486,15 +501,9 @@ def _act_and_mul_kernel(
     let_next_start(PDL)
     wait_for_previous(PDL)
     dtype = gate_up_ptr.dtype.element_ty  # (the activations' own: what the products round to)
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + inner + cols, mask=mask, other=0.0)
-    if GELU_TANH:
-        # 0.5 x (1 + tanh(y)) = x sigmoid(2y), y = sqrt(2 / pi) (x + 0.044715 x^3)
-        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = _rounded(gate / (1.0 + tl.exp(-2.0 * y)), dtype)
-    else:
-        act = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
-    out = (act * up.to(tl.float32)).to(dtype)
+    out = gated_product(gate, up, GELU_TANH).to(dtype)
     if QUANTIZE:
         out, scale = quantized_row(out.to(tl.float32), fp8_max, min_scale)
         tl.store(scale_ptr + row, scale)

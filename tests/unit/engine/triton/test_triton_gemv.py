@@ -40,3 +40,33 @@ def test_the_linear_layer_keeps_cublas_off_hopper() -> None:
     x = torch.randn(1, 8, dtype=torch.bfloat16)
     assert not layer.uses_triton_gemv(x)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_gemv_multiplies_what_act_and_mul_makes(
+    dtype: torch.dtype, activation: str
+) -> None:
+    """A gate_up row [1, 2K] through `gemv(..., gated=...)` gives, bit for bit, the GEMV of
+    `triton_layers.act_and_mul`'s output (the products made in the kernel as that kernel makes
+    them, rounded to the row's dtype), K = 200 past the tiles, with a bias."""
+    from kvfleet.engine.layers import triton_layers
+
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype)
+    gate_up = (torch.randn(1, 400, generator=generator) * 2).to(dtype)
+    inner = triton_layers.act_and_mul(gate_up, activation)
+    want = gemv(inner, weight, bias=bias, tiles=(16, 64, 4, 3))
+    got = gemv(gate_up, weight, bias=bias, tiles=(16, 64, 4, 3), gated=activation)
+    assert torch.equal(got, want)
+    silu = F.silu(gate_up[:, :200].float()) * gate_up[:, 200:].float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    if activation == "silu":
+        torch.testing.assert_close(got.float(), F.linear(silu, weight.float(), bias.float()),
+                                   rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
+def test_the_linear_layer_leaves_the_gate_to_its_caller_off_hopper() -> None:
+    layer = Linear(8, 4).to(torch.bfloat16)
+    assert layer.gated_forward(torch.randn(1, 16, dtype=torch.bfloat16), "silu") is None
