@@ -34,8 +34,9 @@ TRITON_GEMM_ROWS = range(2, 65)
 # Row counts whose GEMM runs as the tensor-core GEMV over rows quantized already
 # (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS.
 # bench/fp8_gemm.py on the H200 (bench/RESULTS.md "2026-11-28 (session 26)"): the four
-# Llama-3-8B layers at 2 / 8 / 16 rows 69-75 us against the Triton GEMM's 91-93; at 32 rows
-# qkv and o are slower this way, at 64 all four: which layers take it, `rows_mma_pays`.
+# Llama-3-8B layers at 2 / 8 / 16 rows 80.6-85.6 us against the Triton GEMM's 95.6-97.7 (gate_up
+# alone slower, 40.6-41.3 against 32.2-32.6); at 32 rows qkv and o are slower this way, at 64
+# all four: which layers take it, `rows_mma_pays`.
 MMA_GEMV_ROWS = range(2, 33)
 
 
