@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.triton_decode import split_counters
 from kvfleet.engine.attention.triton_prompt import FEW_QUERY_TOKENS, LONG_KV_TOKENS, splits_forced
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.moe import RealTokens
@@ -79,6 +80,8 @@ class DecodeGraphs:
         """Capture every bucket now (at startup), largest first so the pool fits them all; then
         compile the prefill kernels (`warm_up_prefill_kernels`)."""
         query_lens = sorted({1, self.max_query_len}, reverse=True)
+        if self.kv_caches[0].is_cuda:  # (the decode kernel's split counters, outside any graph)
+            split_counters(self.kv_caches[0].device, self.max_batch * self.kv_caches[0].shape[3])
         for bucket in reversed(self.buckets):
             for q in query_lens:
                 for with_lora in (False, True) if self.lora else (False,):
