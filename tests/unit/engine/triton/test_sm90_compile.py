@@ -272,31 +272,27 @@ def test_attention_kernels_compile_for_sm90_in_every_variant() -> None:
     assert failed == {}
 
 
+def _failed_compiles(mode: str) -> dict[str, str]:
+    """The compile script run in `mode` in a process of its own: what failed, by name."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, mode],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    failed: dict[str, str] = json.loads(run.stdout.strip().splitlines()[-1])
+    return failed
+
+
 def test_dependent_launch_kernels_wait_before_reading_what_came_before() -> None:
     """engine/layers/dependent_launch.py's rule, on the compiled code: before its
     griddepcontrol.wait a kernel stores nothing and loads only its weights (the GEMVs)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, "dependent-launch"],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
+    assert _failed_compiles("dependent-launch") == {}
 
 
 def test_the_fp8_gemm_compiles_for_sm90_whole_and_split() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, "fp8-gemm"],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
+    assert _failed_compiles("fp8-gemm") == {}
