@@ -34,7 +34,8 @@ _MAX_SPLITS = 32
 # (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32 (at
 # 94-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
 # V token-minor loaded a block's run at a time takes 162 registers uncapped, three programs an
-# SM; capped at 128 it keeps four without spilling: bench/RESULTS.md "session 25")
+# SM, 233.5 us at 256 x U[1,025, 2,047]; capped at 128 it keeps four without spilling, 202.9
+# us: bench/RESULTS.md "2026-11-28 (session 26)")
 DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
     False: (64, 4, 3, None),
     True: (128, 4, 3, 128),

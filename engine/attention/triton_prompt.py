@@ -31,7 +31,7 @@ from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
-# (no query longer than 16 tokens: decode rows, drafts), "long" (LONG_KV_TOKENS of KV or
+# (no query longer than SHORT_QUERY_TOKENS: decode rows, drafts), "long" (LONG_KV_TOKENS of KV or
 # more), "few" (no query longer than FEW_QUERY_TOKENS: a prefix hit's new tokens), "chunks"
 # (longer queries: the 1,024-token prompts of the offline runs). Measured
 # (bench/attention_steps.py --part prompt; bench/RESULTS.md "2026-11-27 (session 19)" and
@@ -50,13 +50,14 @@ PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
     (False, "long"): (128, 128, 8, 3),
     (True, "long"): (128, 128, 8, 2),
 }
+SHORT_QUERY_TOKENS = 16
 LONG_KV_TOKENS = 4096
 FEW_QUERY_TOKENS = 64
 
 
 def prompt_step_kind(metadata: AttentionMetadata) -> str:
     """The PROMPT_TILES kind of a step (above)."""
-    if metadata.max_seqlen_q <= 16:
+    if metadata.max_seqlen_q <= SHORT_QUERY_TOKENS:
         return "short"
     if metadata.max_seqlen_k >= LONG_KV_TOKENS:
         return "long"

@@ -23,7 +23,12 @@ import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.attention.triton_decode import split_counters
-from kvfleet.engine.attention.triton_prompt import FEW_QUERY_TOKENS, LONG_KV_TOKENS, splits_forced
+from kvfleet.engine.attention.triton_prompt import (
+    FEW_QUERY_TOKENS,
+    LONG_KV_TOKENS,
+    SHORT_QUERY_TOKENS,
+    splits_forced,
+)
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.lora.layers import LoRAContext
@@ -90,10 +95,15 @@ class DecodeGraphs:
         self.warm_up_prefill_kernels()
 
     # Steps whose prompt-kernel launches compile apart: (query tokens, tokens cached before)
-    # for each kind of triton_prompt's tiles: "short" (16 query tokens or fewer), "few" (up to
+    # for each kind of triton_prompt's tiles: "short" (up to SHORT_QUERY_TOKENS), "few" (up to
     # FEW_QUERY_TOKENS), "chunks", "long" (LONG_KV_TOKENS of KV) — each run with its keys whole
     # and split in two.
-    WARM_STEPS = ((2, 0), (17, 0), (FEW_QUERY_TOKENS + 1, 0), (17, LONG_KV_TOKENS - 17))
+    WARM_STEPS = (
+        (2, 0),
+        (SHORT_QUERY_TOKENS + 1, 0),
+        (FEW_QUERY_TOKENS + 1, 0),
+        (SHORT_QUERY_TOKENS + 1, LONG_KV_TOKENS - SHORT_QUERY_TOKENS - 1),
+    )
 
     @torch.inference_mode()
     def warm_up_prefill_kernels(self) -> None:

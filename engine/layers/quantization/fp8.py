@@ -28,7 +28,9 @@ _MIN_SCALE = 1e-12  # (an all-zero row keeps a finite scale)
 QUANTIZE_IN_PRODUCER = True
 # Row counts whose GEMM runs in Triton (`triton_fp8.fp8_gemm`) instead of cuBLASLt's scaled
 # GEMM: where bench/fp8_gemm.py measured it faster on the H200 (Llama-3-8B's four layers at
-# 16-64 rows: 95-98 us against 113-118; at 128 and more rows cuBLASLt is as fast or faster).
+# 16-64 rows: 95-98 us against 113-118 in session 25; with its sums promoted to float32 every
+# SUM_SPAN inputs, 97.7 us at 16 rows in session 26; at 128 and more rows cuBLASLt is as fast
+# or faster).
 # One row goes to the GEMV (`triton_gemv`).
 TRITON_GEMM_ROWS = range(2, 65)
 # Row counts whose GEMM runs as the tensor-core GEMV over rows quantized already

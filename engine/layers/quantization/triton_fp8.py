@@ -20,7 +20,9 @@ from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, s
 # Inputs an e4m3 `tl.dot` sums in the tensor cores before its part is added to a float32 sum.
 # Hopper's e4m3 MMAs keep fewer bits than float32 in their sums (about 14: DeepSeek-V3's report,
 # section 3.3.2) and Triton lets them run over the whole of K on sm_90 unless told: at K =
-# 14,336 (Llama-3-8B's down projection) that lost ~1% against cuBLASLt, which promotes as here.
+# 14,336 (Llama-3-8B's down projection) sums of one sign came out 22% low and random-sign ones
+# ~1% off; every SUM_SPAN inputs promoted into float32, as cuBLASLt does by default, they match
+# its figures (bench/fp8_sums.py; bench/RESULTS.md "2026-11-28 (session 26)").
 SUM_SPAN = 128
 
 
