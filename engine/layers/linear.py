@@ -7,6 +7,8 @@ kernel before it finishes, and it streams the large weights as fast as cuBLAS's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -21,10 +23,37 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # One row's act(gate) x up made by the down projection's GEMV as it reads them (False: the
 # activation kernel before it, as before; for A/B runs).
 GATED_GEMV = True
+# One row's residual add and RMSNorm made by the next layer's GEMV as it reads the row
+# (`UnnormalizedRow`; False: the norm's kernel before it, as before; for A/B runs), for rows
+# of up to NORM_GEMV_MAX_INPUTS values (each program holds the whole row once).
+NORM_IN_GEMV = True
+NORM_GEMV_MAX_INPUTS = 8192
+
+
+@dataclass(frozen=True)
+class UnnormalizedRow:
+    """One row handed to a linear layer before its RMSNorm (`RMSNorm.forward_for`), for the
+    layer's one-row GEMV to make weight * RMSNorm(x + residual) as it reads it; the GEMV
+    writes x + residual (the next residual) into `residual_out`."""
+
+    x: torch.Tensor  # [1, hidden], contiguous
+    residual: torch.Tensor | None  # [1, hidden]
+    weight: torch.Tensor  # [hidden] the norm's
+    eps: float
+    offset: bool  # times 1 + weight (Gemma)
+    residual_out: torch.Tensor  # [1, hidden]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
 
 
 class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | UnnormalizedRow) -> torch.Tensor:
+        if isinstance(x, UnnormalizedRow):  # (`takes_norm` said this layer's GEMV takes it)
+            from kvfleet.engine.layers.triton_gemv import gemv
+
+            return gemv(x, self.weight, bias=self.bias)
         if x.is_cuda and self.uses_triton_gemv(x):
             from kvfleet.engine.layers.triton_gemv import gemv
 

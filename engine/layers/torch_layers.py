@@ -12,7 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
+from kvfleet.engine.layers import linear
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
+from kvfleet.engine.layers.quantization.fp8 import (
+    Fp8Linear,
+    QuantizedRows,
+    takes_quantized_rows,
+)
 
 
 class RMSNorm(nn.Module):
@@ -50,15 +56,42 @@ class RMSNorm(nn.Module):
 
     def forward_for(
         self, layer: nn.Module | None, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    ) -> tuple[torch.Tensor | QuantizedRows | UnnormalizedRow, torch.Tensor]:
         """`forward`, the normalized rows handed to `layer` (the one after) quantized by the
-        norm's kernel where it takes them so (`takes_quantized_rows`)."""
+        norm's kernel where it takes them so (`takes_quantized_rows`), or one row handed
+        unnormalized for the layer's GEMV to normalize (`takes_norm`; the residual it
+        returns is written by that GEMV)."""
+        if self.fused and takes_norm(layer, x):
+            residual_out = torch.empty_like(x)
+            row = UnnormalizedRow(
+                x.contiguous(), residual, self.weight, self.eps, self.offset, residual_out
+            )
+            return row, residual_out
         if self.fused and takes_quantized_rows(layer, x):
             from kvfleet.engine.layers import triton_layers
 
             return triton_layers.add_rms_norm_fp8(x, residual, self.weight, self.eps, self.offset)
         normed: tuple[torch.Tensor, torch.Tensor] = self(x, residual)
         return normed
+
+
+def takes_norm(layer: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether the RMSNorm producing `layer`'s input from `x` [rows, hidden] should be left to
+    the layer's one-row GEMV (`UnnormalizedRow`): one row on CUDA of at most
+    NORM_GEMV_MAX_INPUTS values, into a layer (not wrapped, e.g. by LoRA, which needs the
+    normalized row) whose forward runs the Triton GEMV: bf16/fp16 weights where
+    `Linear.uses_triton_gemv`, e4m3 weights always."""
+    if not (
+        linear.NORM_IN_GEMV
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.shape[1] <= linear.NORM_GEMV_MAX_INPUTS
+    ):
+        return False
+    if type(layer) is Linear:
+        return layer.uses_triton_gemv(x)
+    return type(layer) is Fp8Linear
 
 
 def act_and_mul(

@@ -21,10 +21,16 @@ from kvfleet.engine.layers.dependent_launch import (
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
+from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
-from kvfleet.engine.layers.triton_layers import gated_product
+from kvfleet.engine.layers.triton_layers import (
+    gated_product,
+    inverse_rms,
+    rms_scaled,
+    summed_row,
+)
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
@@ -38,15 +44,21 @@ def _gemv_kernel(
     x_scale_ptr,  # [1] float32 (QUANTIZE and STATIC: the checkpoint's input scale)
     bias_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [N]
-    N, K, fp8_max, min_scale,
+    residual_ptr,  # [K] (NORM and HAS_RESIDUAL)
+    norm_w_ptr,  # [K] the norm's weight (NORM)
+    residual_out_ptr,  # [K] x + residual (NORM)
+    N, K, fp8_max, min_scale, eps,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    GATED: tl.constexpr, GELU_TANH: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr, GELU_TANH: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
     largest magnitude found first: x is small and stays in L2; or the static scale), times both
     scales (products of e4m3 values are exact in float32). GATED: x [2K] is a gate_up row and
-    the row multiplied is act(gate) x up (`triton_layers.act_and_mul`'s values, made here)."""
+    the row multiplied is act(gate) x up (`triton_layers.act_and_mul`'s values, made here).
+    NORM: the row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values,
+    made here; the first program writes x + residual)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,24 +66,20 @@ def _gemv_kernel(
     let_next_start(PDL)
     w_first = _weight_tile(w_ptr, cols, col_ok, offsets, K)
     wait_for_previous(PDL)
-    x_scale = 1.0
-    if QUANTIZE:
-        if STATIC:
-            x_scale = tl.load(x_scale_ptr)
-        else:
-            # (the whole row in one load: a loop over it, each load waiting for the last,
-            # held the weights' stream back by a round trip to L2 per BLOCK_K)
-            row = tl.arange(0, ROW_BLOCK)
-            x = _row_values(x_ptr, row, K, GATED, GELU_TANH)
-            amax = tl.max(tl.abs(x), axis=0).to(tl.float32)  # (exact in x's dtype)
-            x_scale = tl.maximum(amax, min_scale) / fp8_max
+    x_scale, inv_rms = _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
+                                  pid_n == 0, K, fp8_max, min_scale, eps, ROW_BLOCK,
+                                  QUANTIZE and not STATIC, QUANTIZE and STATIC, GATED, GELU_TANH,
+                                  NORM, HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
-    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, QUANTIZE, GATED,
-                    GELU_TANH)  # fmt: skip
+    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
+                    norm_w_ptr, inv_rms, QUANTIZE, GATED, GELU_TANH, NORM, HAS_RESIDUAL,
+                    OFFSET)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         ks = k + offsets
         w = _weight_tile(w_ptr, cols, col_ok, ks, K)
-        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, QUANTIZE, GATED, GELU_TANH)
+        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, residual_ptr, norm_w_ptr,
+                         inv_rms, QUANTIZE, GATED, GELU_TANH, NORM, HAS_RESIDUAL,
+                         OFFSET)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -102,17 +110,22 @@ def _fp8_gemv_mma_kernel(
     partial_ptr,  # [SPLIT, M, N] float32 (SPLIT > 1)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 (SPLIT > 1)
     out_ptr,  # [M, N]
-    M, N, K, stride_x, fp8_max, min_scale,
+    residual_ptr,  # [K] (NORM and HAS_RESIDUAL)
+    norm_w_ptr,  # [K] the norm's weight (NORM)
+    residual_out_ptr,  # [K] x + residual (NORM)
+    M, N, K, stride_x, fp8_max, min_scale, eps,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr,
+    QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x . w^T (+ bias) with the weight as the product's 64-row side: program
     (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3
     weight tile with COLS (>= 16, the product's narrowest) columns of x: one row in the model
     dtype quantized here as `quantize_rows` does and broadcast (column 0 is kept), or up to
     COLS rows QUANTIZED already, with their scales. The SPLIT programs of a row block add their
-    parts as the 4-bit GEMV's do."""
+    parts as the 4-bit GEMV's do. NORM (one row): the row is RMSNorm(x + residual), made here
+    as `_gemv_kernel` makes it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,23 +135,23 @@ def _fp8_gemv_mma_kernel(
     let_next_start(PDL)
     w_first = _weight_tile(w_ptr, rows, row_ok, k0 + offsets, K)
     wait_for_previous(PDL)
-    x_scale = 1.0
-    if not QUANTIZED:
-        if STATIC:
-            x_scale = tl.load(x_scale_ptr)
-        else:  # (every program finds the whole row's largest magnitude: one load, from L2)
-            row = tl.arange(0, ROW_BLOCK)
-            x = tl.load(x_ptr + row, mask=row < K, other=0.0)
-            x_scale = tl.maximum(tl.max(tl.abs(x), axis=0).to(tl.float32), min_scale) / fp8_max
+    # (every program finds the whole row's largest magnitude: one load, from L2)
+    x_scale, inv_rms = _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
+                                  (pid_n == 0) & (pid_k == 0), K, fp8_max, min_scale, eps,
+                                  ROW_BLOCK, not QUANTIZED and not STATIC,
+                                  not QUANTIZED and STATIC, False, False, NORM, HAS_RESIDUAL,
+                                  OFFSET)  # fmt: skip
     tokens = tl.arange(0, COLS)
     acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
     acc = _mma_step(acc, w_first, x_ptr, tokens, M, stride_x, k0 + offsets, K, x_scale,
-                    fp8_max, BLOCK_K, QUANTIZED, SPAN)  # fmt: skip
+                    fp8_max, residual_ptr, norm_w_ptr, inv_rms, BLOCK_K, QUANTIZED, SPAN, NORM,
+                    HAS_RESIDUAL, OFFSET)  # fmt: skip
     for step in range(1, STEPS):
         ks = k0 + step * BLOCK_K + offsets
         w = _weight_tile(w_ptr, rows, row_ok, ks, K)
-        acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, BLOCK_K,
-                        QUANTIZED, SPAN)  # fmt: skip
+        acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
+                        residual_ptr, norm_w_ptr, inv_rms, BLOCK_K, QUANTIZED, SPAN, NORM,
+                        HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -158,13 +171,17 @@ def _fp8_gemv_mma_kernel(
 
 
 @triton.jit
-def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
-              BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr, SPAN: tl.constexpr):  # fmt: skip
+def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, residual_ptr,
+              norm_w_ptr, inv_rms, BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr,
+              SPAN: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              OFFSET: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as e4m3 columns:
-    one row quantized here and broadcast, else rows `tokens` of the QUANTIZED x (past M: 0);
-    exact products, summed SPAN at a time in the tensor cores, those sums in float32."""
+    one row (normalized here if NORM) quantized here and broadcast, else rows `tokens` of the
+    QUANTIZED x (past M: 0); exact products, summed SPAN at a time in the tensor cores, those
+    sums in float32."""
     if not QUANTIZED:
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, False, False, NORM,
+                        HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
         xq = scaled_to_e4m3(x, x_scale, fp8_max).to(w.dtype)
         columns = tl.broadcast_to(xq[None, :], [tokens.shape[0], BLOCK_K])
     else:
@@ -223,7 +240,7 @@ def reserve_fp8_gemv(n: int, k: int, device: torch.device) -> None:
 
 
 def fp8_gemv_mma(
-    x: torch.Tensor,
+    x: torch.Tensor | UnnormalizedRow,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -233,7 +250,8 @@ def fp8_gemv_mma(
 ) -> torch.Tensor:
     """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
     `split`: about how many parts K is cut into (default: enough programs an SM)."""
-    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    row = x.x if isinstance(x, UnnormalizedRow) else x
+    out = torch.empty((1, weight.shape[0]), dtype=row.dtype, device=row.device)
     _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split)
     return out
 
@@ -263,7 +281,7 @@ def fp8_rows_mma(
 
 
 def _launch_mma(
-    x: torch.Tensor,
+    x: torch.Tensor | UnnormalizedRow,  # one row to quantize (to normalize first), or e4m3 rows
     x_scales: torch.Tensor | None,  # quantized rows' scales [M, 1], or None: one row to quantize
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -273,22 +291,39 @@ def _launch_mma(
     tiles: tuple[int, int, int] | None,
     split: int | None,
 ) -> None:
-    m, k = x.shape
+    norm = x if isinstance(x, UnnormalizedRow) else None
+    row = norm.x if norm is not None else x
+    assert isinstance(row, torch.Tensor)
+    m, k = row.shape
     n = weight.shape[0]
-    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, x.device, tiles, split, m)
-    space = shared_workspace(x.device, split * m * n, cdiv(n, block_n))
-    pdl = dependent_launch_args(x.device)
+    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
+    space = shared_workspace(row.device, split * m * n, cdiv(n, block_n))
+    pdl = dependent_launch_args(row.device)
     quantized = x_scales is not None
+    assert norm is None or not quantized, "a row normalized here is quantized here"
     _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
-        x, x_scales if quantized else weight_scale, weight, weight_scale,
+        row, x_scales if quantized else weight_scale, weight, weight_scale,
         x_scale if x_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, space.partials, space.counters, out, m, n, k,
-        x.stride(0), FP8_MAX, _MIN_SCALE, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
+        bias if bias is not None else weight_scale, space.partials, space.counters, out,
+        *_norm_args(norm, row), m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
+        norm.eps if norm is not None else 0.0, STATIC=x_scale is not None,
+        HAS_BIAS=bias is not None, SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
-        COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), **pdl, num_warps=warps,
-        num_stages=3,
+        COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=3,
     )  # fmt: skip
+
+
+def _norm_args(
+    norm: UnnormalizedRow | None, row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(residual, the norm's weight, residual out) for a GEMV kernel (the row in their place
+    where there is no norm or no residual: never read)."""
+    if norm is None:
+        return row, row, row
+    residual = norm.residual if norm.residual is not None else row
+    return residual, norm.weight, norm.residual_out
 
 
 @triton.jit
@@ -302,21 +337,66 @@ def _weight_tile(w_ptr, cols, col_ok, ks, K):
 
 
 @triton.jit
-def _row_values(x_ptr, ks, K, GATED: tl.constexpr, GELU_TANH: tl.constexpr):
-    """The multiplied row's inputs `ks` (0 past K): x[ks], or act(gate) x up when GATED."""
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-    if GATED:
-        up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0)
-        x = gated_product(x, up, GELU_TANH)
+def _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, GATED: tl.constexpr,
+                GELU_TANH: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                OFFSET: tl.constexpr):  # fmt: skip
+    """The multiplied row's inputs `ks` (0 past K): x[ks]; act(gate) x up when GATED; when
+    NORM, RMSNorm(x + residual)[ks] of the row whose `inverse_rms` is inv_rms."""
+    ok = ks < K
+    if NORM:
+        weight = tl.load(norm_w_ptr + ks, mask=ok, other=0.0)
+        x = rms_scaled(summed_row(x_ptr, residual_ptr, ks, ok, HAS_RESIDUAL), weight, inv_rms,
+                       OFFSET)  # fmt: skip
+    else:
+        x = tl.load(x_ptr + ks, mask=ok, other=0.0)
+        if GATED:
+            x = gated_product(x, tl.load(x_ptr + K + ks, mask=ok, other=0.0), GELU_TANH)
     return x
 
 
 @triton.jit
-def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, QUANTIZE: tl.constexpr,
-              GATED: tl.constexpr, GELU_TANH: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (quantized to e4m3 when QUANTIZE)
-    times the weight tile w."""
-    x = _row_values(x_ptr, ks, K, GATED, GELU_TANH).to(tl.float32)
+def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, first, K,
+               fp8_max, min_scale, eps, ROW_BLOCK: tl.constexpr, DYNAMIC: tl.constexpr,
+               STATIC: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr,
+               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+    """(x_scale, inv_rms) of the multiplied row: its e4m3 scale (DYNAMIC: its largest magnitude
+    over fp8_max, as `quantize_rows`; STATIC: the checkpoint's; else 1) and, when NORM, the
+    `inverse_rms` of x + residual, which the `first` program writes out. The whole row in one
+    load (from L2: a loop over it, each load waiting for the last, held the weights' stream
+    back by a round trip per tile)."""
+    x_scale = 1.0
+    inv_rms = 1.0
+    if STATIC:
+        x_scale = tl.load(x_scale_ptr)
+    if NORM or DYNAMIC:
+        row = tl.arange(0, ROW_BLOCK)
+        ok = row < K
+        if NORM:
+            summed = summed_row(x_ptr, residual_ptr, row, ok, HAS_RESIDUAL)
+            inv_rms = inverse_rms(summed, K, eps)
+            if first:
+                tl.store(residual_out_ptr + row, summed, mask=ok)
+            if DYNAMIC:
+                weight = tl.load(norm_w_ptr + row, mask=ok, other=0.0)
+                x = rms_scaled(summed, weight, inv_rms, OFFSET)
+                amax = tl.max(tl.abs(x), axis=0).to(tl.float32)  # (exact in x's dtype)
+                x_scale = tl.maximum(amax, min_scale) / fp8_max
+        else:
+            x = _row_values(x_ptr, row, K, residual_ptr, norm_w_ptr, inv_rms, GATED, GELU_TANH,
+                            False, False, False)  # fmt: skip
+            amax = tl.max(tl.abs(x), axis=0).to(tl.float32)
+            x_scale = tl.maximum(amax, min_scale) / fp8_max
+    return x_scale, inv_rms
+
+
+@triton.jit
+def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr, norm_w_ptr,
+              inv_rms, QUANTIZE: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr,
+              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`_row_values`; quantized to e4m3 when
+    QUANTIZE) times the weight tile w."""
+    x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, GATED, GELU_TANH, NORM,
+                    HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
     if QUANTIZE:
         x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
@@ -332,7 +412,7 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
 
 
 def gemv(
-    x: torch.Tensor,
+    x: torch.Tensor | UnnormalizedRow,
     weight: torch.Tensor,
     weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
@@ -344,16 +424,22 @@ def gemv(
     e4m3 weight takes its scales [N, 1] and the row is quantized inside (or with the static
     per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). `gated` ("silu" or
     "gelu_tanh"): x [1, 2K] is a gate_up row, and the row multiplied act(gate) x up, made
-    inside as `triton_layers.act_and_mul` makes it (one kernel fewer)."""
-    m, k = x.shape
+    inside as `triton_layers.act_and_mul` makes it (one kernel fewer). An `UnnormalizedRow`:
+    the row multiplied is its RMSNorm, made inside as `triton_layers.add_rms_norm` makes it,
+    x + residual written to its `residual_out` (one kernel fewer)."""
+    norm = x if isinstance(x, UnnormalizedRow) else None
+    row = norm.x if norm is not None else x
+    assert isinstance(row, torch.Tensor)
+    m, k = row.shape
     n = weight.shape[0]
     assert m == 1
-    assert x.is_contiguous()
+    assert row.is_contiguous()
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
     if gated is not None:
         assert gated in ("silu", "gelu_tanh"), gated
+        assert norm is None, "a gate_up row is no norm's output"
         assert k == 2 * weight.shape[1], "a gate_up row: twice the weight's inputs"
         k //= 2
     elif weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
@@ -362,16 +448,18 @@ def gemv(
     warps, stages = 4, 3
     if tiles is not None:
         block_n, block_k, warps, stages = tiles
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = dependent_launch_args(x.device)
+    out = torch.empty((1, n), dtype=row.dtype, device=row.device)
+    pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
+    whole_row = norm is not None or (quantize and x_scale is None)
     _gemv_kernel[(cdiv(n, block_n),)](
-        x, weight, placeholder, x_scale if x_scale is not None else placeholder,
-        bias if bias is not None else placeholder, out, n, k, FP8_MAX, _MIN_SCALE,
-        QUANTIZE=quantize, STATIC=x_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        ROW_BLOCK=next_power_of_2(k) if quantize and x_scale is None else 1,
-        GATED=gated is not None, GELU_TANH=gated == "gelu_tanh",
-        **pdl, num_warps=warps, num_stages=stages,
+        row, weight, placeholder, x_scale if x_scale is not None else placeholder,
+        bias if bias is not None else placeholder, out, *_norm_args(norm, row), n, k, FP8_MAX,
+        _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
+        STATIC=x_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
+        GATED=gated is not None, GELU_TANH=gated == "gelu_tanh", NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

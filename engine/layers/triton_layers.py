@@ -65,13 +65,37 @@ def rms_normalize(x, weight, hidden, eps, OFFSET: tl.constexpr):
     """weight * RMSNorm(x) for one row x [BLOCK] (zero beyond `hidden`), in x's dtype: float32
     statistics, the normalized value rounded before the weight is applied; with OFFSET (Gemma)
     (1 + weight) * RMSNorm(x) in float32, rounded once."""
+    return rms_scaled(x, weight, inverse_rms(x, hidden, eps), OFFSET)
+
+
+@triton.jit
+def inverse_rms(x, hidden, eps):
+    """1 / RMS(x) (+ eps under the root) of one row x [BLOCK] (zero beyond `hidden`), float32."""
     x32 = x.to(tl.float32)
     # times 1/n as torch's mean does (a division rounds differently in the last bit)
     variance = tl.sum(x32 * x32, axis=0) * (1.0 / hidden)
+    return tl.rsqrt(variance + eps)
+
+
+@triton.jit
+def rms_scaled(x, weight, inv_rms, OFFSET: tl.constexpr):
+    """`rms_normalize`'s values for inputs x of a row whose `inverse_rms` is `inv_rms` (any
+    part of the row: the values are made one by one)."""
+    x32 = x.to(tl.float32)
     if OFFSET:
-        return (x32 * tl.rsqrt(variance + eps) * (1.0 + weight.to(tl.float32))).to(x.dtype)
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+        return (x32 * inv_rms * (1.0 + weight.to(tl.float32))).to(x.dtype)
+    normed = (x32 * inv_rms).to(x.dtype)
     return (weight * normed).to(x.dtype)
+
+
+@triton.jit
+def summed_row(x_ptr, residual_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """x + residual at `cols` (0 where not `mask`), the sum rounded to x's dtype (the
+    residual stream's), or x alone."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x + tl.load(residual_ptr + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
+    return x
 
 
 @triton.jit
@@ -102,11 +126,8 @@ def _add_rms_norm_kernel(
     let_next_start(PDL)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     wait_for_previous(PDL)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(
-            x_ptr.dtype.element_ty
-        )
+    x = summed_row(x_ptr + row * stride_x, residual_ptr + row * stride_r, cols, mask,
+                   HAS_RESIDUAL)  # fmt: skip
     tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     normed = rms_normalize(x, weight, hidden, eps, OFFSET)
     if QUANTIZE:

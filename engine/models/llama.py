@@ -19,7 +19,7 @@ from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
-from kvfleet.engine.layers.linear import Linear
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
 from kvfleet.engine.layers.quantization.linear import (
@@ -72,7 +72,7 @@ def norm_for(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     tp: TPGroup | None,
-) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+) -> tuple[torch.Tensor | QuantizedRows | UnnormalizedRow, torch.Tensor]:
     """`reduce_and_norm` for the input of `layer`: without tensor parallelism, quantized in the
     norm's kernel where an FP8 layer takes its rows so (`RMSNorm.forward_for`)."""
     if tp is None:
@@ -123,7 +123,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor | QuantizedRows,
+        hidden: torch.Tensor | QuantizedRows | UnnormalizedRow,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -168,7 +168,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = linear((f"{prefix}.down_proj",), inner, size, bias)
         self.activation = config.mlp_activation
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows | UnnormalizedRow) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         inner: torch.Tensor | QuantizedRows
         if self.fused and self.tp is None and isinstance(self.down_proj, Linear):

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from kvfleet.engine.layers import dependent_launch as pdl  # noqa: E402
+from kvfleet.engine.layers.linear import UnnormalizedRow  # noqa: E402
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows  # noqa: E402
 from kvfleet.engine.layers.quantization.packed import quantize_rtn  # noqa: E402
 from kvfleet.engine.layers.quantization.triton_packed import packed_gemv  # noqa: E402
@@ -56,6 +57,21 @@ def _chain(layers: list[dict[str, object]], linear: Callable[..., torch.Tensor],
         o = linear(qkv[:, :HIDDEN].contiguous(), w["o"])
         y, residual = add_rms_norm(o, residual, norm, 1e-5)
         hidden = linear(act_and_mul(linear(y, w["gate_up"])), w["down"])
+    return hidden
+
+
+def _chain_with_norms_in_gemvs(layers: list[dict[str, object]],
+                               linear: Callable[..., torch.Tensor], x: torch.Tensor,
+                               norm: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`_chain` with each residual add + norm made by the GEMV after it (`UnnormalizedRow`)."""
+    hidden, residual = x, None
+    for w in layers:
+        row = UnnormalizedRow(hidden, residual, norm, 1e-5, False, torch.empty_like(hidden))
+        qkv = linear(row, w["qkv"])
+        o = linear(qkv[:, :HIDDEN].contiguous(), w["o"])
+        row = UnnormalizedRow(o, row.residual_out, norm, 1e-5, False, torch.empty_like(o))
+        hidden = linear(act_and_mul(linear(row, w["gate_up"])), w["down"])
+        residual = row.residual_out
     return hidden
 
 
@@ -179,3 +195,33 @@ def test_the_linear_layer_takes_the_triton_gemv_up_to_its_size_only() -> None:
     got = small(one)
     assert got.shape == (1, 1, 6144)
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_norms_made_in_the_gemvs_keep_the_chain(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The chain with each residual add + RMSNorm made inside the next GEMV (one kernel fewer
+    each): the same bits eager and in every replay launched dependent, and the chain's result
+    within rounding of the norm kernels' (the GEMV sums the row's squares in its own order)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dependent launch needs compute capability 9.0")
+    torch.manual_seed(0)
+    if kind == "fp8":
+        layers = _fp8_layers()
+
+        def linear(x: object, w: object) -> torch.Tensor:
+            return gemv(x, *w)  # type: ignore[arg-type, misc]
+    else:
+        layers = _bf16_layers()
+
+        def linear(x: object, w: object) -> torch.Tensor:
+            return w(x)  # type: ignore[operator, no-any-return]
+
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    apart = _runs(monkeypatch, lambda: _chain(layers, linear, x, norm), on=True)
+    fused = _runs(monkeypatch, lambda: _chain_with_norms_in_gemvs(layers, linear, x, norm), on=True)
+    for got in fused[1:]:
+        assert torch.equal(got, fused[0])
+    assert torch.isfinite(fused[0]).all()
+    error = (fused[0].float() - apart[0].float()).norm() / apart[0].float().norm()
+    assert error.item() < 1e-2, error.item()

@@ -236,3 +236,42 @@ def test_long_sums_of_one_sign_keep_float32_precision() -> None:
         relative = (out - ref) / ref
         assert relative.abs().max() <= 8e-3, m  # (two bf16 roundings: 2 x 2^-8 at most)
         assert relative.mean().abs() <= 1e-3, m  # (bf16 rounding averages out; truncation not)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_batch_1_decode_keeps_its_tokens_with_the_norms_in_the_gemvs(
+    monkeypatch: pytest.MonkeyPatch, quantization: str | None
+) -> None:
+    """One sequence's decode with each residual add + RMSNorm made by the GEMV after it (qkv,
+    gate_up; `linear.NORM_IN_GEMV`) and with the norm kernels: the same tokens, logprobs
+    within the rounding of the row's sum of squares (summed in another order)."""
+    from kvfleet.engine.layers import linear, torch_layers
+    from kvfleet.engine.llm import LLM
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    taken = []
+    takes_norm = torch_layers.takes_norm
+
+    def spy(layer: object, x: torch.Tensor) -> bool:
+        taken.append(takes_norm(layer, x))  # type: ignore[arg-type]
+        return taken[-1]
+
+    monkeypatch.setattr(torch_layers, "takes_norm", spy)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    prompts = [[128000 + i, *range(1000 + 7 * i, 1040 + 9 * i)] for i in range(3)]
+    runs = []
+    for in_gemv in (True, False):
+        monkeypatch.setattr(linear, "NORM_IN_GEMV", in_gemv)
+        llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
+                  quantization=quantization, max_model_len=1024, num_blocks=256,
+                  max_num_seqs=1)  # fmt: skip
+        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs])
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+        assert any(taken) == in_gemv
+        taken.clear()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*runs, strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 0.05

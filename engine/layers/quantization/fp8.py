@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 
 FP8 = torch.float8_e4m3fn
@@ -253,10 +254,16 @@ class Fp8Linear(QuantizedLinear):
 
             reserve_fp8_gemv(self.out_features, self.in_features, self.weight.device)
 
-    def forward(self, x: torch.Tensor | QuantizedRows, with_bias: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | QuantizedRows | UnnormalizedRow, with_bias: bool = True
+    ) -> torch.Tensor:
         bias = self.bias if with_bias else None
         if isinstance(x, QuantizedRows):  # (quantized by the kernel that produced them)
             return self._scaled_mm(x.values, x.scales, bias, x.dtype)
+        if isinstance(x, UnnormalizedRow):  # (normalized and quantized by the GEMV)
+            from kvfleet.engine.layers.triton_gemv import gemv
+
+            return gemv(x, self.weight, self.weight_scale, bias, self.input_scale)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.is_cuda and x2.shape[0] == 1:

@@ -239,3 +239,47 @@ def test_the_tensor_core_gemv_over_rows_is_taken_where_it_measured_faster(
         assert triton_gemv.rows_mma_pays(*down, cuda, rows)
         for shape in (qkv, o, gate_up):
             assert not triton_gemv.rows_mma_pays(*shape, cuda, rows)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_the_gemvs_normalize_their_row_as_the_norm_kernel_does(
+    static: bool, tensor_cores: bool
+) -> None:
+    """An `UnnormalizedRow` (x + residual before its RMSNorm) through either e4m3 GEMV gives, bit
+    for bit, that GEMV of `triton_layers.add_rms_norm`'s output, its largest magnitude (for the
+    row's scale) taken after the norm; the first program writes x + residual (the tensor-core
+    GEMV with K split across programs); the layer hands such a row to its GEMV."""
+    from kvfleet.engine.layers import triton_layers
+    from kvfleet.engine.layers.linear import UnnormalizedRow
+    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan, gemv
+
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 200, generator=generator) * 3
+    x[0, 17] = 40.0  # (the largest before the norm, not after: its weight is small)
+    residual = torch.randn(1, 200, generator=generator)
+    norm_weight = torch.rand(200, generator=generator) * 2 + 0.1
+    norm_weight[17] = 0.01
+    row = UnnormalizedRow(x, residual, norm_weight, 1e-5, False, torch.full_like(x, float("nan")))
+    weight, scale = quantize_rows(torch.randn(130, 200, generator=generator) * 0.1)
+    bias = torch.randn(130, generator=generator)
+    x_scale = torch.tensor(0.01) if static else None
+    normed, summed = triton_layers.add_rms_norm(x, residual, norm_weight, 1e-5)
+    if tensor_cores:
+        tiles = (64, 64, 4)
+        assert fp8_mma_plan(130, 200, torch.device("cpu"), tiles)[3] > 1  # (split)
+        want = fp8_gemv_mma(normed, weight, scale, bias, x_scale, tiles)
+        got = fp8_gemv_mma(row, weight, scale, bias, x_scale, tiles)
+    else:
+        want = gemv(normed, weight, scale, bias, x_scale, tiles=(16, 64, 4, 3))
+        got = gemv(row, weight, scale, bias, x_scale, tiles=(16, 64, 4, 3))
+    assert torch.equal(got, want)
+    assert torch.equal(row.residual_out, summed)
+    layer = Fp8Linear(200, 130, bias=True, dtype=torch.float32, static_input=static)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale.copy_(scale)
+        layer.bias.copy_(bias)
+        if x_scale is not None and layer.input_scale is not None:
+            layer.input_scale.fill_(x_scale)
+    assert torch.equal(layer(row), gemv(normed, weight, scale, bias, x_scale))

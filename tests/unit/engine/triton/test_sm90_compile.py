@@ -30,6 +30,9 @@ from kvfleet.engine.attention import triton_attention, triton_decode, triton_pro
 
 DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
 SHARED_LIMIT = 227 * 1024
+# (the one-row GEMVs' norm arguments)
+NORM_TYPES = {"residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr": "*bf16",
+              "eps": "fp32"}
 
 
 def compile_for_sm90(kernel, types, constants, warps, stages):
@@ -94,7 +97,12 @@ def dependent_launch():
     mma_types = {"x_ptr": "*bf16", "x_scales_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                  "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
                  "partial_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16",
-                 "fp8_max": "fp32", "min_scale": "fp32"}
+                 "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES
+    no_norm = dict(NORM=False, HAS_RESIDUAL=False, OFFSET=False)
+    bf16_gemv_types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w_scale_ptr": "*bf16",
+                       "x_scale_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                       "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES
+    norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
     kernels = {
         "norm": (triton_layers._add_rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
                  "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
@@ -168,29 +176,34 @@ def dependent_launch():
                   dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, BLOCK_D=128), 0),
         "fp8 gemv": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv",
                      "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
-                     "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
+                     "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES,
                      dict(QUANTIZE=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
-                          BLOCK_K=512, ROW_BLOCK=16384, GATED=False, GELU_TANH=False), 1),
+                          BLOCK_K=512, ROW_BLOCK=16384, GATED=False, GELU_TANH=False)
+                     | no_norm, 1),
         "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                    dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096,
-                                        QUANTIZED=False, COLS=16, SPAN=128), 1),
+                                        QUANTIZED=False, COLS=16, SPAN=128) | no_norm, 1),
+        "fp8 gemv, tensor cores, norm": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
+                                         dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
+                                              BLOCK_N=64, BLOCK_K=512, ROW_BLOCK=4096,
+                                              QUANTIZED=False, COLS=16, SPAN=128) | norm, 1),
         "fp8 rows, tensor cores": (triton_gemv._fp8_gemv_mma_kernel,
                                    mma_types | {"x_ptr": "*fp8e4nv", "bias_ptr": "*bf16"},
                                    dict(STATIC=False, HAS_BIAS=True, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=1,
-                                        QUANTIZED=True, COLS=32, SPAN=128), 1),
-        "bf16 gemv": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
-                      "w_scale_ptr": "*bf16", "x_scale_ptr": "*bf16", "bias_ptr": "*bf16",
-                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"},
+                                        QUANTIZED=True, COLS=32, SPAN=128) | no_norm, 1),
+        "bf16 gemv": (triton_gemv._gemv_kernel, bf16_gemv_types,
                       dict(QUANTIZE=False, STATIC=False, HAS_BIAS=True, BLOCK_N=8,
-                           BLOCK_K=512, ROW_BLOCK=1, GATED=False, GELU_TANH=False), 1),
-        "bf16 gemv, gated": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16",
-                             "w_scale_ptr": "*bf16", "x_scale_ptr": "*bf16",
-                             "bias_ptr": "*bf16", "out_ptr": "*bf16", "fp8_max": "fp32",
-                             "min_scale": "fp32"},
+                           BLOCK_K=512, ROW_BLOCK=1, GATED=False, GELU_TANH=False) | no_norm, 1),
+        "bf16 gemv, gated": (triton_gemv._gemv_kernel, bf16_gemv_types,
                              dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8,
-                                  BLOCK_K=512, ROW_BLOCK=1, GATED=True, GELU_TANH=False), 1),
+                                  BLOCK_K=512, ROW_BLOCK=1, GATED=True, GELU_TANH=False)
+                             | no_norm, 1),
+        "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
+                            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
+                                 BLOCK_K=256, ROW_BLOCK=4096, GATED=False, GELU_TANH=False)
+                            | norm, 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, {"x_ptr": "*bf16", "perm_ptr": "*i32",
                         "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
                         "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.layers.linear import Linear
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.triton_gemv import gemv
 
 
@@ -70,3 +70,53 @@ def test_the_gated_gemv_multiplies_what_act_and_mul_makes(
 def test_the_linear_layer_leaves_the_gate_to_its_caller_off_hopper() -> None:
     layer = Linear(8, 4).to(torch.bfloat16)
     assert layer.gated_forward(torch.randn(1, 16, dtype=torch.bfloat16), "silu") is None
+
+
+def _unnormalized_row(
+    dtype: torch.dtype, with_residual: bool, offset: bool, seed: int
+) -> UnnormalizedRow:
+    """One row of 200 values (past every tile) before its RMSNorm, residual and weight drawn."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, 200, generator=generator) * 3).to(dtype)
+    residual = torch.randn(1, 200, generator=generator).to(dtype) if with_residual else None
+    weight = (torch.rand(200, generator=generator) * (0.2 if offset else 1.5) + 0.1).to(dtype)
+    return UnnormalizedRow(x, residual, weight, 1e-5, offset, torch.full_like(x, float("nan")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("with_residual", "offset"), [(True, False), (False, False), (True, True)])
+def test_the_gemv_normalizes_its_row_as_the_norm_kernel_does(
+    dtype: torch.dtype, with_residual: bool, offset: bool
+) -> None:
+    """An `UnnormalizedRow` through `gemv` gives, bit for bit, the GEMV of
+    `triton_layers.add_rms_norm`'s output (with and without a residual, Gemma's 1 + weight),
+    and writes that kernel's x + residual; over a weight of 40 rows in 16-row tiles."""
+    from kvfleet.engine.layers import triton_layers
+
+    row = _unnormalized_row(dtype, with_residual, offset, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype)
+    normed, residual = triton_layers.add_rms_norm(row.x, row.residual, row.weight, row.eps, offset)
+    want = gemv(normed, weight, bias=bias, tiles=(16, 64, 4, 3))
+    got = gemv(row, weight, bias=bias, tiles=(16, 64, 4, 3))
+    assert torch.equal(got, want)
+    assert torch.equal(row.residual_out, residual)
+    layer = Linear(200, 40).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(layer(row).float(), F.linear(normed, weight, bias).float(),
+                               rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
+def test_the_norm_stays_in_its_own_kernel_off_hopper() -> None:
+    from kvfleet.engine.layers.torch_layers import RMSNorm, takes_norm
+
+    layer = Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(1, 8, dtype=torch.bfloat16)
+    assert not takes_norm(layer, x)
+    normed, residual = RMSNorm(8, 1e-5, fused=True).to(torch.bfloat16).forward_for(layer, x)
+    assert isinstance(normed, torch.Tensor)
+    assert residual is x
