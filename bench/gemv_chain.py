@@ -3,7 +3,9 @@ the qkv and o GEMVs, add + norm, gate_up, SiLU x mul, down; bf16 through the eng
 (cuBLAS, or the Triton GEMV where it takes the weight), FP8 or 4-bit weights), launched
 normally and launched dependent (engine/layers/dependent_launch.py), each in a CUDA graph over
 16 layers of distinct weights (so they come from HBM): us per layer beside the weights' bytes
-floor at the copy bandwidth measured in the same run.
+floor at the copy bandwidth measured in the same run. Then, launched dependent, the chain as
+the engine runs it now for bf16 and FP8: each add + norm made by the GEMV after it
+(`UnnormalizedRow`), and bf16's SiLU x mul by the down GEMV (`gemv(..., gated=...)`).
 
     bench/device_env.sh python3 bench/gemv_chain.py
 """
@@ -19,7 +21,7 @@ import torch
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
 from kvfleet.bench.fp8_linear import graphed
 from kvfleet.engine.layers import dependent_launch as pdl
-from kvfleet.engine.layers.linear import Linear
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.packed import quantize_rtn
 from kvfleet.engine.layers.quantization.triton_packed import packed_gemv
@@ -40,6 +42,29 @@ def chain(
         o = linear(linear(y, w["qkv"])[:, :HIDDEN].contiguous(), w["o"])
         y, residual = add_rms_norm(o, residual, norm, 1e-5)
         hidden = linear(act_and_mul(linear(y, w["gate_up"])), w["down"])
+    return hidden
+
+
+def fused_chain(
+    layers: list[dict[str, Any]],
+    linear: Callable[..., Any],
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    gated: bool,
+) -> torch.Tensor:
+    """`chain` with the norms in the qkv and gate_up GEMVs (and SiLU x mul in down's if
+    `gated`)."""
+    hidden, residual = x, None
+    for w in layers:
+        row = UnnormalizedRow(hidden, residual, norm, 1e-5, False, torch.empty_like(hidden))
+        o = linear(linear(row, w["qkv"])[:, :HIDDEN].contiguous(), w["o"])
+        row = UnnormalizedRow(o, row.residual_out, norm, 1e-5, False, torch.empty_like(o))
+        gate_up = linear(row, w["gate_up"])
+        if gated:
+            hidden = gemv(gate_up, w["down"].weight, gated="silu")
+        else:
+            hidden = linear(act_and_mul(gate_up), w["down"])
+        residual = row.residual_out
     return hidden
 
 
@@ -79,6 +104,13 @@ def main() -> None:
         ) -> torch.Tensor:
             return chain(layers, linear, x, norm)
 
+        def fused_step(
+            layers: list[dict[str, Any]] = layers,
+            linear: Callable[..., Any] = linear,
+            gated: bool = kind == "bf16",
+        ) -> torch.Tensor:
+            return fused_chain(layers, linear, x, norm, gated)
+
         floor = sum(nbytes(n, k) for n, k in SHAPES.values()) / copy * 1e6
         line = f"{kind:5s} floor {floor:6.1f}"
         for on in ("0", "1"):
@@ -86,6 +118,10 @@ def main() -> None:
             graph = graphed(step)
             us = median_seconds(graph.replay, device, repeats=20) / LAYERS * 1e6
             line += f" | dependent={on}: {us:6.1f} ({floor / us:5.1%} of floor)"
+        if kind != "int4":
+            graph = graphed(fused_step)
+            us = median_seconds(graph.replay, device, repeats=20) / LAYERS * 1e6
+            line += f" | fused: {us:6.1f} ({floor / us:5.1%} of floor)"
         print(line, flush=True)
 
 
