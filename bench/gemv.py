@@ -2,12 +2,16 @@
 Llama-3-8B, Qwen3-30B-A3B's attention and router): cuBLAS through F.linear against torch.mv
 (cuBLAS's matrix-vector path) and the Triton GEMV (engine/layers/triton_gemv.py, launched
 dependent where the GPU can: consecutive calls overlap as consecutive layers do), in CUDA
-graphs of 20 calls over distinct weights (no cache reuse), beside the copy bandwidth.
+graphs of 20 calls over distinct weights (no cache reuse), beside the copy bandwidth. The LM
+heads (128k-152k words) stay with cuBLAS in the engine (`linear.TRITON_GEMV_MAX_BYTES`); they
+are timed here to say whether they should not.
 
-    bench/device_env.sh python3 bench/gemv.py
+    bench/device_env.sh python3 bench/gemv.py [--shapes 8b-lm-head ...]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +32,21 @@ SHAPES = {
     "30b-a3b-qkv": (5120, 2048),
     "30b-a3b-o": (2048, 4096),
     "30b-a3b-router": (128, 2048),
+    "8b-lm-head": (128256, 4096),
+    "30b-a3b-lm-head": (151936, 2048),
 }
 COPIES = 20
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    args = parser.parse_args()
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s")
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes:
+        n, k = SHAPES[name]
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
