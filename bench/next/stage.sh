@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Here (not on the device): the wheels the device lacks, and the trees the calls compare:
-# .stage/base = main; .stage/no-norm, no-gated, no-merge = this tree with one change off.
+# .stage/base = main; .stage/no-norm, no-gated, no-merge, no-lmhead = this tree with one
+# change off.
 set -euo pipefail
 [ -d .whl ] || { mkdir -p .whl && .venv/bin/pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
@@ -17,4 +18,5 @@ variant() {  # $1: name, $2: file, $3: the line to switch off
 variant no-norm engine/layers/linear.py NORM_IN_GEMV
 variant no-gated engine/layers/linear.py GATED_GEMV
 variant no-merge engine/attention/triton_decode.py FUSED_MERGE
+variant no-lmhead engine/layers/linear.py LM_HEAD_GEMV
 du -sh .whl .stage

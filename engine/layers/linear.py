@@ -17,8 +17,11 @@ from kvfleet.engine.layers.dependent_launch import dependent_launch
 # Weights up to this size take the Triton GEMV for one row: every projection of Llama-3-8B and
 # of Llama-3-70B over two GPUs (bench/gemv.py, H100: faster than cuBLAS at 9 of 11 shapes; slower
 # at 70B's per-rank qkv, 33.7 against 32.9 us, and o, 27.0 against 25.4). The LM head (an
-# `nn.Linear`, ~1 GB at 128k words) stays with cuBLAS.
+# `nn.Linear`, ~1 GB at 128k words) is not a `Linear`: see LM_HEAD_GEMV.
 TRITON_GEMV_MAX_BYTES = 512 << 20
+# One row's logits through the Triton GEMV (launched dependent, float32 out) instead of
+# cuBLAS's float32-out matmul (`LlamaForCausalLM.compute_logits`; False: cuBLAS, for A/B runs).
+LM_HEAD_GEMV = True
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # One row's act(gate) x up made by the down projection's GEMV as it reads them (False: the
 # activation kernel before it, as before; for A/B runs).

@@ -419,8 +419,10 @@ def gemv(
     x_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     gated: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype. An
+    """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype (or
+    `out_dtype`: float32 for logits, out of the float32 sums as they are). An
     e4m3 weight takes its scales [N, 1] and the row is quantized inside (or with the static
     per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). `gated` ("silu" or
     "gelu_tanh"): x [1, 2K] is a gate_up row, and the row multiplied act(gate) x up, made
@@ -443,12 +445,13 @@ def gemv(
         assert k == 2 * weight.shape[1], "a gate_up row: twice the weight's inputs"
         k //= 2
     elif weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
+        assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale)
     block_n, block_k = gemv_tiles(n, k, weight.element_size())
     warps, stages = 4, 3
     if tiles is not None:
         block_n, block_k, warps, stages = tiles
-    out = torch.empty((1, n), dtype=row.dtype, device=row.device)
+    out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)

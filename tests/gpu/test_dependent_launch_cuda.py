@@ -225,3 +225,24 @@ def test_norms_made_in_the_gemvs_keep_the_chain(monkeypatch: pytest.MonkeyPatch,
     assert torch.isfinite(fused[0]).all()
     error = (fused[0].float() - apart[0].float()).norm() / apart[0].float().norm()
     assert error.item() < 1e-2, error.item()
+
+
+@pytest.mark.parametrize(("vocab", "hidden"), [(128256, 4096), (151936, 2048), (49152, 576)])
+def test_one_rows_logits_through_the_gemv_match_cublas_float32(vocab: int, hidden: int) -> None:
+    """The LM head at one row (`llama.lm_head_takes_gemv`): the Triton GEMV's float32 logits
+    against cuBLAS's float32-out matmul, both summing bf16 products in float32: within float32
+    summation order, the same greedy token."""
+    from kvfleet.engine.models.llama import lm_head_takes_gemv
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dependent launch needs compute capability 9.0")
+    weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        assert lm_head_takes_gemv(x, weight)
+        got = gemv(x, weight, out_dtype=torch.float32)
+        want = torch.mm(x, weight.t(), out_dtype=torch.float32)
+        assert got.dtype == torch.float32
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-5
+        assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -120,3 +120,17 @@ def test_the_norm_stays_in_its_own_kernel_off_hopper() -> None:
     normed, residual = RMSNorm(8, 1e-5, fused=True).to(torch.bfloat16).forward_for(layer, x)
     assert isinstance(normed, torch.Tensor)
     assert residual is x
+
+
+def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
+    """`out_dtype=float32` (the LM head's logits): the float32 sums as they are, where x's
+    dtype would round them."""
+    generator = torch.Generator().manual_seed(9)
+    weight = (torch.randn(300, 200, generator=generator) * 0.1).to(torch.float16)
+    x = torch.randn(1, 200, generator=generator).to(torch.float16)
+    got = gemv(x, weight, tiles=(16, 64, 4, 3), out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    want = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rounded = gemv(x, weight, tiles=(16, 64, 4, 3))
+    assert torch.equal(rounded, got.to(torch.float16))
