@@ -250,7 +250,7 @@ def fp8_gemv_mma(
 ) -> torch.Tensor:
     """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
     `split`: about how many parts K is cut into (default: enough programs an SM)."""
-    row = x.x if isinstance(x, UnnormalizedRow) else x
+    row, _ = _row_and_norm(x)
     out = torch.empty((1, weight.shape[0]), dtype=row.dtype, device=row.device)
     _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split)
     return out
@@ -291,9 +291,7 @@ def _launch_mma(
     tiles: tuple[int, int, int] | None,
     split: int | None,
 ) -> None:
-    norm = x if isinstance(x, UnnormalizedRow) else None
-    row = norm.x if norm is not None else x
-    assert isinstance(row, torch.Tensor)
+    row, norm = _row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
     block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
@@ -313,6 +311,15 @@ def _launch_mma(
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=3,
     )  # fmt: skip
+
+
+def _row_and_norm(
+    x: torch.Tensor | UnnormalizedRow,
+) -> tuple[torch.Tensor, UnnormalizedRow | None]:
+    """(the row a GEMV reads, the norm it applies to it or None)."""
+    if isinstance(x, UnnormalizedRow):
+        return x.x, x
+    return x, None
 
 
 def _norm_args(
@@ -429,9 +436,7 @@ def gemv(
     inside as `triton_layers.act_and_mul` makes it (one kernel fewer). An `UnnormalizedRow`:
     the row multiplied is its RMSNorm, made inside as `triton_layers.add_rms_norm` makes it,
     x + residual written to its `residual_out` (one kernel fewer)."""
-    norm = x if isinstance(x, UnnormalizedRow) else None
-    row = norm.x if norm is not None else x
-    assert isinstance(row, torch.Tensor)
+    row, norm = _row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
     assert m == 1

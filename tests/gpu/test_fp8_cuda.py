@@ -19,6 +19,7 @@ from kvfleet.engine.layers.quantization.fp8 import (  # noqa: E402
     quantize_rows,
 )
 from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton  # noqa: E402
+from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -92,30 +93,33 @@ def test_rows_quantized_in_their_producers_give_the_same_tokens(
     graphs): the norm and SiLU x mul kernels quantizing the FP8 layers' rows give the tokens
     and logprobs of the layers' own quantization passes."""
     from kvfleet.engine.layers.quantization import fp8
-    from kvfleet.engine.llm import LLM
-    from kvfleet.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     prompts = [[128000 + i, *range(1000 + 7 * i, 1100 + 9 * i)] for i in range(12)]
     runs = []
     for in_producer in (True, False):
         monkeypatch.setattr(fp8, "QUANTIZE_IN_PRODUCER", in_producer)
-        llm = LLM(
-            "llama-3.2-1b",
-            load_format="dummy",
-            device="cuda",
-            dtype="bfloat16",
-            quantization="fp8",
-            max_model_len=1024,
-            num_blocks=1024,
-            max_num_seqs=16,
-        )
-        outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs])
-        llm.engine.close()
-        del llm
-        torch.cuda.empty_cache()
+        runs.append(_llama_1b_outputs([prompts], params, "fp8", num_blocks=1024, max_num_seqs=16))
     assert runs[0] == runs[1]
+
+
+def _llama_1b_outputs(
+    batches: list[list[list[int]]],
+    params: SamplingParams,
+    quantization: str | None,
+    **settings: int,
+) -> list[tuple[list[int], list[float]]]:
+    """(tokens, logprobs) of each prompt of Llama-3.2-1B's shape (random weights, seeded, bf16)
+    given in `batches` (each one `generate` call); the engine closed after."""
+    from kvfleet.engine.llm import LLM
+
+    llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
+              quantization=quantization, max_model_len=1024, **settings)  # fmt: skip
+    outputs = [o.outputs[0] for batch in batches for o in llm.generate(batch, params)]
+    llm.engine.close()
+    del llm
+    torch.cuda.empty_cache()
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +149,6 @@ def test_online_fp8_keeps_smollm2_perplexity(smollm2_quality: dict[str, object])
 
 def test_fp8_decode_graphs_give_the_eager_tokens_on_smollm2(smollm2: Path) -> None:
     from kvfleet.engine.llm import LLM
-    from kvfleet.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [f"Question {i}: what is {i} times {i + 3}?" for i in range(12)]
@@ -246,8 +249,6 @@ def test_batch_1_decode_keeps_its_tokens_with_the_norms_in_the_gemvs(
     gate_up; `linear.NORM_IN_GEMV`) and with the norm kernels: the same tokens, logprobs
     within the rounding of the row's sum of squares (summed in another order)."""
     from kvfleet.engine.layers import linear, torch_layers
-    from kvfleet.engine.llm import LLM
-    from kvfleet.engine.sampling_params import SamplingParams
 
     taken = []
     takes_norm = torch_layers.takes_norm
@@ -262,14 +263,8 @@ def test_batch_1_decode_keeps_its_tokens_with_the_norms_in_the_gemvs(
     runs = []
     for in_gemv in (True, False):
         monkeypatch.setattr(linear, "NORM_IN_GEMV", in_gemv)
-        llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
-                  quantization=quantization, max_model_len=1024, num_blocks=256,
-                  max_num_seqs=1)  # fmt: skip
-        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
-        runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs])
-        llm.engine.close()
-        del llm
-        torch.cuda.empty_cache()
+        batches = [[prompt] for prompt in prompts]  # (one sequence a step)
+        runs.append(_llama_1b_outputs(batches, params, quantization, num_blocks=256))
         assert any(taken) == in_gemv
         taken.clear()
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*runs, strict=True):
