@@ -288,11 +288,7 @@ def _decode_partial_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & d_mask[None, :],
-        )
+        _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
     else:
         # An empty split stores max -inf and sum 0: the merge gives it no weight.
         row = (seq * num_heads + heads) * NUM_SPLITS + split
@@ -309,12 +305,19 @@ def _decode_partial_kernel(
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 out = _merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
                               g_mask, offs_d, d_mask, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
-                tl.store(
-                    out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                    out.to(out_ptr.dtype.element_ty),
-                    mask=g_mask[:, None] & d_mask[None, :],
-                )
+                _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
+                             d_mask)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask):
+    """out [heads, BLOCK_D] (float32) into a sequence's rows of the output, in its dtype."""
+    tl.store(
+        out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
 
 
 @triton.jit

@@ -108,6 +108,18 @@ def _bf16_layers() -> list[dict[str, object]]:
     return [{name: layer(n, k) for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
 
 
+def _layers_and_linear(
+    kind: str,
+) -> tuple[list[dict[str, object]], Callable[[object, object], torch.Tensor]]:
+    """LAYERS layers of `kind` ("bf16": the engine's `Linear`, "fp8", "int4") at SHAPES, and
+    the one-row product `linear(x, layer's weight)` of that kind."""
+    if kind == "bf16":
+        return _bf16_layers(), lambda x, layer: layer(x)  # type: ignore[operator]
+    if kind == "fp8":
+        return _fp8_layers(), lambda x, w: gemv(x, *w)  # type: ignore[arg-type, misc]
+    return _int4_layers(), packed_gemv  # type: ignore[return-value]
+
+
 def test_a_bf16_layer_chain_launched_dependent_is_stable_and_close(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -139,14 +151,7 @@ def test_a_layer_chain_gives_the_same_bits_launched_dependent(
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("dependent launch needs compute capability 9.0")
     torch.manual_seed(0)
-    if kind == "fp8":
-        layers = _fp8_layers()
-
-        def linear(x: torch.Tensor, w: object) -> torch.Tensor:
-            return gemv(x, *w)  # type: ignore[misc]
-    else:
-        layers = _int4_layers()
-        linear = packed_gemv
+    layers, linear = _layers_and_linear(kind)
     x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
 
@@ -205,17 +210,7 @@ def test_norms_made_in_the_gemvs_keep_the_chain(monkeypatch: pytest.MonkeyPatch,
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("dependent launch needs compute capability 9.0")
     torch.manual_seed(0)
-    if kind == "fp8":
-        layers = _fp8_layers()
-
-        def linear(x: object, w: object) -> torch.Tensor:
-            return gemv(x, *w)  # type: ignore[arg-type, misc]
-    else:
-        layers = _bf16_layers()
-
-        def linear(x: object, w: object) -> torch.Tensor:
-            return w(x)  # type: ignore[operator, no-any-return]
-
+    layers, linear = _layers_and_linear(kind)
     x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
     apart = _runs(monkeypatch, lambda: _chain(layers, linear, x, norm), on=True)
