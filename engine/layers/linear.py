@@ -19,6 +19,11 @@ from kvfleet.engine.layers.dependent_launch import dependent_launch
 # at 70B's per-rank qkv, 33.7 against 32.9 us, and o, 27.0 against 25.4). The LM head (an
 # `nn.Linear`, ~1 GB at 128k words) is not a `Linear`: see LM_HEAD_GEMV.
 TRITON_GEMV_MAX_BYTES = 512 << 20
+# Row counts (2-64) whose product runs as the tensor-core GEMV over rows (`triton_gemv.rows_mma`:
+# the weight the product's 64-row side, K split over the SMs) where its plan splits K, instead
+# of cuBLAS: none until bench/gemv.py --rows says where it wins (e4m3's counterpart,
+# fp8.MMA_GEMV_ROWS, beat cuBLASLt by 30-45% at 2-16 rows).
+MMA_GEMV_ROWS = range(0)
 # One row's logits through the Triton GEMV (launched dependent, float32 out) instead of
 # cuBLAS's float32-out matmul (`LlamaForCausalLM.compute_logits`; False: cuBLAS, for A/B runs).
 LM_HEAD_GEMV = True
@@ -62,7 +67,32 @@ class Linear(nn.Linear):
 
             out = gemv(x.reshape(1, self.in_features).contiguous(), self.weight, bias=self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
+        if x.is_cuda and self.uses_rows_mma(x):
+            from kvfleet.engine.layers.triton_gemv import rows_mma
+
+            out = rows_mma(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
+
+    def uses_rows_mma(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` runs the tensor-core GEMV over rows: a row count in
+        MMA_GEMV_ROWS, a weight the Triton GEMV would take, which too few row blocks cover to
+        fill the SMs (`triton_gemv.mma_plan` splits K)."""
+        from kvfleet.engine.layers.triton_gemv import mma_plan
+
+        rows = x.numel() // self.in_features
+        if rows not in MMA_GEMV_ROWS or rows < 2 or not self.uses_triton_gemv(x, inputs=rows):
+            return False
+        n, k = self.out_features, self.in_features
+        return mma_plan(n, k, x.device, rows=rows, element_bytes=2)[3] > 1
+
+    def reserve_rows_mma(self, rows: int) -> None:
+        """Room in the device's split-K workspace for `uses_rows_mma`'s products of up to `rows`
+        rows (before CUDA graphs are captured)."""
+        if any(2 <= m <= rows for m in MMA_GEMV_ROWS) and self.weight.is_cuda:
+            from kvfleet.engine.layers.triton_gemv import reserve_rows_mma
+
+            reserve_rows_mma(self.out_features, self.in_features, self.weight.device, rows)
 
     def gated_forward(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
         """forward(act(gate) x up) of one gate_up row [..., 2 x in_features] in one kernel

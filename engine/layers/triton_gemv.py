@@ -92,19 +92,21 @@ def _gemv_kernel(
 # with 4 warps; it takes e4m3 tiles from shared memory as they are, where the CUDA-core GEMV
 # spent ~4.6 instructions a weight on upcasts and products (bench/RESULTS.md "2026-11-28
 # (session 23)"). Where its row blocks alone are fewer than two an SM, K is cut for about
-# MMA_PROGRAMS_PER_SM programs an SM (`fp8_mma_plan`).
+# MMA_PROGRAMS_PER_SM programs an SM (`mma_plan`).
 MMA_ROWS, MMA_WARPS = 64, 4
 MMA_PROGRAMS_PER_SM = 4
-# The most rows of x `fp8_rows_mma` takes (the product's columns: 16, 32 or 64).
+# Weights `rows_mma` takes (float32 has no such tensor-core product)
+_MMA_DTYPES = (torch.bfloat16, torch.float16)
+# The most rows of x `fp8_rows_mma` and `rows_mma` take (the product's columns: 16, 32 or 64).
 MMA_MAX_ROWS = 64
 
 
 @triton.jit
 def _fp8_gemv_mma_kernel(
-    x_ptr,  # [K] in the model dtype, or [M, K] e4m3 (ROWS > 1: rows quantized already)
-    x_scales_ptr,  # [M] float32 (ROWS > 1: the rows' scales)
-    w_ptr,  # [N, K] e4m3, contiguous
-    w_scale_ptr,  # [N] float32
+    x_ptr,  # [K] in the model dtype, or [M, K] rows ready (QUANTIZED): e4m3, or w's dtype
+    x_scales_ptr,  # [M] float32 (QUANTIZED and SCALED: the rows' scales)
+    w_ptr,  # [N, K] e4m3 (SCALED) or bf16/fp16, contiguous
+    w_scale_ptr,  # [N] float32 (SCALED)
     x_scale_ptr,  # [1] float32 (STATIC)
     bias_ptr,  # [N] (HAS_BIAS)
     partial_ptr,  # [SPLIT, M, N] float32 (SPLIT > 1)
@@ -117,15 +119,16 @@ def _fp8_gemv_mma_kernel(
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
     QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x . w^T (+ bias) with the weight as the product's 64-row side: program
-    (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3
+    (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the
     weight tile with COLS (>= 16, the product's narrowest) columns of x: one row in the model
     dtype quantized here as `quantize_rows` does and broadcast (column 0 is kept), or up to
     COLS rows QUANTIZED already, with their scales. The SPLIT programs of a row block add their
     parts as the 4-bit GEMV's do. NORM (one row): the row is RMSNorm(x + residual), made here
-    as `_gemv_kernel` makes it."""
+    as `_gemv_kernel` makes it. Not SCALED: a bf16/fp16 weight and rows of its dtype (always
+    QUANTIZED: ready as they are), no scales, float32 sums."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,18 +155,21 @@ def _fp8_gemv_mma_kernel(
         acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
                         residual_ptr, norm_w_ptr, inv_rms, BLOCK_K, QUANTIZED, SPAN, NORM,
                         HAS_RESIDUAL, OFFSET)  # fmt: skip
-    w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if not QUANTIZED:
+        w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
         part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
         split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N,
                       pid_k, SPLIT)  # fmt: skip
     else:
         token_ok = tokens < M
-        x_scales = tl.load(x_scales_ptr + tokens, mask=token_ok, other=0.0)
-        part = acc * w_scale[:, None] * x_scales[None, :]
+        part = acc
+        if SCALED:
+            w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
+            x_scales = tl.load(x_scales_ptr + tokens, mask=token_ok, other=0.0)
+            part = acc * w_scale[:, None] * x_scales[None, :]
         at = tokens[None, :] * N + rows[:, None]  # (out [M, N] from the [rows, tokens] tile)
         ok = row_ok[:, None] & token_ok[None, :]
         split_k_store(part, bias[:, None], partial_ptr, count_ptr, out_ptr, at, ok, pid_n,
@@ -175,10 +181,10 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, resid
               norm_w_ptr, inv_rms, BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr,
               SPAN: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               OFFSET: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as e4m3 columns:
-    one row (normalized here if NORM) quantized here and broadcast, else rows `tokens` of the
-    QUANTIZED x (past M: 0); exact products, summed SPAN at a time in the tensor cores, those
-    sums in float32."""
+    """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as columns: one row
+    (normalized here if NORM) quantized to e4m3 here and broadcast, else rows `tokens` of the
+    QUANTIZED x (past M: 0). e4m3: exact products, summed SPAN at a time in the tensor cores,
+    those sums in float32; bf16/fp16: float32 sums."""
     if not QUANTIZED:
         x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, False, False, NORM,
                         HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
@@ -190,26 +196,31 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, resid
             mask=(tokens < M)[:, None] & (ks < K)[None, :],
             other=0.0,
         )
-    return tl.dot(w, tl.trans(columns), acc, max_num_imprecise_acc=SPAN)
+    if w.dtype == tl.float8e4nv:
+        return tl.dot(w, tl.trans(columns), acc, max_num_imprecise_acc=SPAN)
+    return tl.dot(w, tl.trans(columns), acc)
 
 
-def fp8_mma_plan(
+def mma_plan(
     n: int,
     k: int,
     device: torch.device,
     tiles: tuple[int, int, int] | None = None,
     split: int | None = None,
     rows: int = 1,
+    element_bytes: int = 1,
 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core e4m3 GEMV for N weight rows
-    of K against `rows` rows of x: K cut into SPLIT parts of STEPS tiles (about `split`, if
-    given). The fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200
-    (bench/RESULTS.md "2026-11-28 (session 24)"): row blocks at least two an SM take all of K
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core GEMV for N weight rows of K
+    against `rows` rows of x: K cut into SPLIT parts of STEPS tiles (about `split`, if given).
+    The fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200 (e4m3;
+    bench/RESULTS.md "2026-11-28 (session 24)"): row blocks at least two an SM take all of K
     (gate_up); fewer cut K for about MMA_PROGRAMS_PER_SM programs an SM (qkv 4 parts, o 8, down
     8), in 512-wide tiles, 256 where K is long (down's 14,336: 2x-longer parts of 512 were 20%
-    slower) or where more than 16 rows of x share the tile's shared memory."""
+    slower) or where more than 16 rows of x share the tile's shared memory (half again past 32
+    rows: 64 columns of x). Weights of `element_bytes` (2: bf16/fp16) take tiles as many bytes
+    wide (sm_90 ptxas: a bf16 tile of 128 against 64 columns spills 818 bytes, of 64 56)."""
     sms = num_sms(device)
-    block_k = 512 if k <= 4096 and rows <= 16 else 256
+    block_k = (512 if k <= 4096 and rows <= 16 else 256) // element_bytes // (2 if rows > 32 else 1)
     block_n, block_k, warps = tiles or (MMA_ROWS, block_k, MMA_WARPS)
     row_blocks = cdiv(n, block_n)
     if split is None:
@@ -228,14 +239,14 @@ def rows_mma_pays(n: int, k: int, device: torch.device, rows: int) -> bool:
     against 32.2-32.6)."""
     if rows > 16 and k <= 4096:
         return False
-    return fp8_mma_plan(n, k, device, rows=rows)[3] > 1
+    return mma_plan(n, k, device, rows=rows)[3] > 1
 
 
 def reserve_fp8_gemv(n: int, k: int, device: torch.device) -> None:
     """Grow the device's split-K workspace to what `fp8_gemv_mma` and `fp8_rows_mma` (up to
     MMA_MAX_ROWS rows) take for N x K."""
     for rows in (1, MMA_MAX_ROWS):
-        block_n, _, _, split, _ = fp8_mma_plan(n, k, device, rows=rows)
+        block_n, _, _, split, _ = mma_plan(n, k, device, rows=rows)
         shared_workspace(device, split * rows * n, cdiv(n, block_n))
 
 
@@ -280,11 +291,41 @@ def fp8_rows_mma(
     return out
 
 
-def _launch_mma(
-    x: torch.Tensor | UnnormalizedRow,  # one row to quantize (to normalize first), or e4m3 rows
-    x_scales: torch.Tensor | None,  # quantized rows' scales [M, 1], or None: one row to quantize
+def rows_mma(
+    x: torch.Tensor,
     weight: torch.Tensor,
-    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """Up to MMA_MAX_ROWS rows x [M, K] times a bf16/fp16 weight [N, K] of their dtype (+
+    bias): [M, N] in that dtype, through the tensor-core GEMV over rows as `fp8_rows_mma` runs
+    it for e4m3 (the weight the product's 64-row side, K split over the SMs), float32 sums: at
+    a few sequences' decode the weight is what streams, and few output tiles of an M-wide GEMM
+    leave SMs idle."""
+    m = x.shape[0]
+    assert 0 < m <= MMA_MAX_ROWS, m
+    assert x.dtype == weight.dtype, "rows of the weight's dtype"
+    assert weight.dtype in _MMA_DTYPES, weight.dtype
+    assert x.stride(1) == 1, "K-contiguous rows"
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_mma(x, None, weight, None, bias, None, out, tiles, split)
+    return out
+
+
+def reserve_rows_mma(n: int, k: int, device: torch.device, rows: int) -> None:
+    """Grow the device's split-K workspace to what `rows_mma` takes for N x K at up to `rows`
+    rows (before CUDA graphs are captured)."""
+    for m in range(2, min(rows, MMA_MAX_ROWS) + 1):
+        block_n, _, _, split, _ = mma_plan(n, k, device, rows=m, element_bytes=2)
+        shared_workspace(device, split * m * n, cdiv(n, block_n))
+
+
+def _launch_mma(
+    x: torch.Tensor | UnnormalizedRow,  # one row to quantize (to normalize first), or rows ready
+    x_scales: torch.Tensor | None,  # e4m3 rows' scales [M, 1], or None: one row to quantize
+    weight: torch.Tensor,  # e4m3 (with its scales), or bf16/fp16 (x: rows of its dtype)
+    weight_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     x_scale: torch.Tensor | None,
     out: torch.Tensor,
@@ -294,22 +335,27 @@ def _launch_mma(
     row, norm = _row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
-    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
+    scaled = weight.dtype == FP8
+    assert scaled == (weight_scale is not None), "e4m3 weights, and only they, take scales"
+    size = weight.element_size()
+    block_n, block_k, steps, split, warps = mma_plan(n, k, row.device, tiles, split, m, size)
     space = shared_workspace(row.device, split * m * n, cdiv(n, block_n))
     pdl = dependent_launch_args(row.device)
-    quantized = x_scales is not None
-    assert norm is None or not quantized, "a row normalized here is quantized here"
+    ready = x_scales is not None or not scaled
+    assert norm is None or not ready, "a row normalized here is quantized here"
+    placeholder = weight_scale if weight_scale is not None else out
     _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
-        row, x_scales if quantized else weight_scale, weight, weight_scale,
-        x_scale if x_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, space.partials, space.counters, out,
+        row, x_scales if x_scales is not None else placeholder, weight, placeholder,
+        x_scale if x_scale is not None else placeholder,
+        bias if bias is not None else placeholder, space.partials, space.counters, out,
         *_norm_args(norm, row), m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
         norm.eps if norm is not None else 0.0, STATIC=x_scale is not None,
         HAS_BIAS=bias is not None, SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
-        ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
+        ROW_BLOCK=1 if ready else next_power_of_2(k), QUANTIZED=ready,
         COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=3,
+        OFFSET=norm is not None and norm.offset, SCALED=scaled, **pdl, num_warps=warps,
+        num_stages=3,
     )  # fmt: skip
 
 

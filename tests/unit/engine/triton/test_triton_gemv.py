@@ -134,3 +134,26 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     rounded = gemv(x, weight, tiles=(16, 64, 4, 3))
     assert torch.equal(rounded, got.to(torch.float16))
+
+
+@pytest.mark.parametrize(("m", "with_bias"), [(2, True), (23, False), (40, True)])
+def test_the_tensor_core_gemv_over_fp16_rows_equals_linear(m: int, with_bias: bool) -> None:
+    """`rows_mma`: fp16 rows (bf16's path) as the product's 16/32/64 columns, the padding
+    columns past M never written; weight rows past a 64-row block, K (200) in part-filled tiles
+    split across programs whose parts the last to arrive adds (with the bias), the counters
+    left at zero."""
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
+    from kvfleet.engine.layers.triton_gemv import mma_plan, rows_mma
+
+    generator = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 200, generator=generator).to(torch.float16)
+    weight = (torch.randn(130, 200, generator=generator) * 0.1).to(torch.float16)
+    bias = torch.randn(130, generator=generator).to(torch.float16) if with_bias else None
+    tiles = (64, 64, 4)
+    assert mma_plan(130, 200, torch.device("cpu"), tiles, rows=m, element_bytes=2)[3] > 1
+    out = rows_mma(x, weight, bias, tiles)
+    assert out.shape == (m, 130)
+    assert out.dtype == torch.float16
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(out.float(), want, rtol=2e-3, atol=2e-3)
+    assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
