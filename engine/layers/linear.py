@@ -119,3 +119,11 @@ class Linear(nn.Linear):
             and weight.is_contiguous()
             and dependent_launch(x.device)
         )
+
+
+def reserve_rows_mma(model: nn.Module, rows: int) -> None:
+    """`Linear.reserve_rows_mma` for every layer of `model`: called before capturing graphs of
+    steps of up to `rows` rows (none may grow the workspace inside a capture)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.reserve_rows_mma(rows)
