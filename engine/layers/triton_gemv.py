@@ -7,6 +7,12 @@ the end (a reduction across threads per tile was 2-10x slower). Launched depende
 engine/layers/dependent_launch.py), a program loads its first weight tile while the kernel
 before it finishes, then waits for x: at batch 1 the weights of consecutive layers stream
 with no gap between kernels, which cuBLAS's GEMVs (launched normally) cannot do.
+
+A one-row GEMV can also make its row from what the kernel before would have made: the residual
+add + RMSNorm (`UnnormalizedRow`), act(gate) x up (`gated`). The tensor-core GEMV
+(`_fp8_gemv_mma_kernel`) puts the weight on the product's 64-row side with one row (or up to
+MMA_MAX_ROWS rows) of x as its narrow side and K split over the SMs: e4m3 weights at one row
+and at a few rows already quantized, bf16/fp16 weights at a few rows (`rows_mma`).
 """
 
 from __future__ import annotations
