@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Device call 2 (about 9 minutes): 1k/1k FP8 + FP8 KV against main, then at 512 sequences
 # (session 25: +4.7% over 256 before the faster attention; 1,024 were slower in session 26);
-# batch-1 bf16 with each change switched off (NORM_IN_GEMV, GATED_GEMV, FUSED_MERGE,
-# LM_HEAD_GEMV).
+# batch-1 FP8 against main.
 set -uo pipefail
 OUT=${OUT:?}
 L="--model llama-3-8b --load-format dummy"
@@ -10,6 +9,4 @@ K="--num-prompts 1000 --input-len 1024 --output-len 1024 --quantization fp8 --kv
 timeout 260 bash bench/ab.sh .stage/base 1 "$OUT/1k1k-fp8" bench throughput $L $K 2>&1 | grep -v "^WARNING" | tail -6
 timeout 130 bench/device_env.sh python3 -m kvfleet.cli.main bench throughput $L $K --max-num-seqs 512 \
   --json "$OUT/1k1k-fp8-512.json" 2>&1 | grep -v "^WARNING" | tail -4
-for v in no-norm no-gated no-merge no-lmhead; do
-  timeout 55 bash bench/ab.sh ".stage/$v" 1 "$OUT/b1-bf16-$v" bench latency $L --batch-size 1 2>&1 | grep -v "^WARNING" | tail -3
-done
+timeout 110 bash bench/ab.sh .stage/base 1 "$OUT/b1-fp8" bench latency $L --batch-size 1 --quantization fp8 2>&1 | grep -v "^WARNING" | tail -4
