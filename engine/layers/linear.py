@@ -25,7 +25,7 @@ TRITON_GEMV_MAX_BYTES = 512 << 20
 # fp8.MMA_GEMV_ROWS, beat cuBLASLt by 30-45% at 2-16 rows).
 MMA_GEMV_ROWS = range(0)
 # One row's logits through the Triton GEMV (launched dependent, float32 out) instead of
-# cuBLAS's float32-out matmul (`LlamaForCausalLM.compute_logits`; False: cuBLAS, for A/B runs).
+# cuBLAS's float32-out matmul (`float32_logits`; False: cuBLAS, for A/B runs).
 LM_HEAD_GEMV = True
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # One row's act(gate) x up made by the down projection's GEMV as it reads them (False: the
@@ -127,3 +127,30 @@ def reserve_rows_mma(model: nn.Module, rows: int) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.reserve_rows_mma(rows)
+
+
+def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [rows, H] times the LM head's weight [vocab, H]: float32 logits [rows, vocab]."""
+    if lm_head_takes_gemv(hidden, weight):
+        from kvfleet.engine.layers.triton_gemv import gemv
+
+        return gemv(hidden.contiguous(), weight, out_dtype=torch.float32)
+    if hidden.is_cuda and hidden.dtype != torch.float32:
+        # NOTE: float32 out of the matmul itself: bf16 logits near 20 are 0.125 apart, so
+        # greedy near-ties would be decided by rounding noise rather than by the model.
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return (hidden @ weight.t()).float()
+
+
+def lm_head_takes_gemv(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one row's logits go through the Triton GEMV (LM_HEAD_GEMV: launched dependent,
+    float32 out of its float32 sums) rather than cuBLAS."""
+    return (
+        LM_HEAD_GEMV
+        and hidden.is_cuda
+        and hidden.shape[0] == 1
+        and hidden.dtype in _GEMV_DTYPES
+        and weight.dtype == hidden.dtype
+        and weight.is_contiguous()
+        and dependent_launch(hidden.device)
+    )

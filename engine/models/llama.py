@@ -19,9 +19,7 @@ from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
-from kvfleet.engine.layers import linear as linear_layer
-from kvfleet.engine.layers.dependent_launch import dependent_launch
-from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow, float32_logits
 from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
 from kvfleet.engine.layers.quantization.linear import (
@@ -367,16 +365,7 @@ class LlamaForCausalLM(nn.Module):
         """[num_sampled, hidden] -> [num_sampled, vocab] float32 logits; with tensor parallelism
         and not `gather`, this rank's (padded) vocabulary shard of them."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if lm_head_takes_gemv(hidden, weight):
-            from kvfleet.engine.layers.triton_gemv import gemv
-
-            logits = gemv(hidden.contiguous(), weight, out_dtype=torch.float32)
-        elif hidden.is_cuda and hidden.dtype != torch.float32:
-            # NOTE: float32 out of the matmul itself: bf16 logits near 20 are 0.125 apart, so
-            # greedy near-ties would be decided by rounding noise rather than by the model.
-            logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-        else:
-            logits = (hidden @ weight.t()).float()
+        logits = float32_logits(hidden, weight)
         cap = self.config.final_logit_softcap
         if cap is not None:  # (Gemma 2: cap * tanh(logits / cap))
             logits = torch.tanh(logits / cap) * cap
@@ -397,20 +386,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LlamaAttention) and not module.kv_scales_given:
                 module.calibrate_kv = True
-
-
-def lm_head_takes_gemv(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether one row's logits go through the Triton GEMV (`linear.LM_HEAD_GEMV`: launched
-    dependent, float32 out of its float32 sums) rather than cuBLAS."""
-    return (
-        linear_layer.LM_HEAD_GEMV
-        and hidden.is_cuda
-        and hidden.shape[0] == 1
-        and hidden.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == hidden.dtype
-        and weight.is_contiguous()
-        and dependent_launch(hidden.device)
-    )
 
 
 def layer_config(config: ModelConfig, layer: int) -> ModelConfig:

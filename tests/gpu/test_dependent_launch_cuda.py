@@ -224,10 +224,10 @@ def test_norms_made_in_the_gemvs_keep_the_chain(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize(("vocab", "hidden"), [(128256, 4096), (151936, 2048), (49152, 576)])
 def test_one_rows_logits_through_the_gemv_match_cublas_float32(vocab: int, hidden: int) -> None:
-    """The LM head at one row (`llama.lm_head_takes_gemv`): the Triton GEMV's float32 logits
+    """The LM head at one row (`linear.float32_logits`): the Triton GEMV's float32 logits
     against cuBLAS's float32-out matmul, both summing bf16 products in float32: within float32
     summation order, the same greedy token."""
-    from kvfleet.engine.models.llama import lm_head_takes_gemv
+    from kvfleet.engine.layers.linear import float32_logits, lm_head_takes_gemv
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("dependent launch needs compute capability 9.0")
@@ -236,7 +236,7 @@ def test_one_rows_logits_through_the_gemv_match_cublas_float32(vocab: int, hidde
         torch.manual_seed(seed)
         x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         assert lm_head_takes_gemv(x, weight)
-        got = gemv(x, weight, out_dtype=torch.float32)
+        got = float32_logits(x, weight)
         want = torch.mm(x, weight.t(), out_dtype=torch.float32)
         assert got.dtype == torch.float32
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-5

@@ -29,10 +29,8 @@ _MIN_SCALE = 1e-12  # (an all-zero row keeps a finite scale)
 QUANTIZE_IN_PRODUCER = True
 # Row counts whose GEMM runs in Triton (`triton_fp8.fp8_gemm`) instead of cuBLASLt's scaled
 # GEMM: where bench/fp8_gemm.py measured it faster on the H200 (Llama-3-8B's four layers at
-# 16-64 rows: 95-98 us against 113-118 in session 25; with its sums promoted to float32 every
-# SUM_SPAN inputs, 97.7 us at 16 rows in session 26; at 128 and more rows cuBLASLt is as fast
-# or faster).
-# One row goes to the GEMV (`triton_gemv`).
+# 16-64 rows: 95-98 us against 113-118 in session 25; sums promoted to float32, 97.7 us at 16
+# rows in session 26; from 128 rows cuBLASLt is as fast or faster). One row: the GEMV.
 TRITON_GEMM_ROWS = range(2, 65)
 # Row counts whose GEMM runs as the tensor-core GEMV over rows quantized already
 # (`triton_gemv.fp8_rows_mma`: K split over the SMs as for one row), before TRITON_GEMM_ROWS.
@@ -260,18 +258,16 @@ class Fp8Linear(QuantizedLinear):
         bias = self.bias if with_bias else None
         if isinstance(x, QuantizedRows):  # (quantized by the kernel that produced them)
             return self._scaled_mm(x.values, x.scales, bias, x.dtype)
-        if isinstance(x, UnnormalizedRow):  # (normalized and quantized by the GEMV)
-            from kvfleet.engine.layers.triton_gemv import gemv
-
-            return gemv(x, self.weight, self.weight_scale, bias, self.input_scale)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.is_cuda and x2.shape[0] == 1:
-            # (decode of one sequence: one kernel quantizes the row and streams the weight)
+        if isinstance(x, UnnormalizedRow) or (x.is_cuda and x.numel() == shape[-1]):
+            # (decode of one sequence: one kernel quantizes the row, normalizing it first if
+            # asked, and streams the weight)
             from kvfleet.engine.layers.triton_gemv import gemv
 
-            out = gemv(x2.contiguous(), self.weight, self.weight_scale, bias, self.input_scale)
+            row = x if isinstance(x, UnnormalizedRow) else x.reshape(1, -1).contiguous()
+            out = gemv(row, self.weight, self.weight_scale, bias, self.input_scale)
             return out.reshape(*shape[:-1], self.out_features)
+        x2 = x.reshape(-1, shape[-1])
         if self.input_scale is not None:
             x_scale = self.input_scale.expand(x2.shape[0], 1)
             x_q = to_e4m3(x2, x_scale)
