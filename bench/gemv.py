@@ -127,17 +127,7 @@ def main() -> None:
         for label, fn in methods.items():
             got = fn(weights[0]).reshape(1, n).float()
             err = ((got - want).abs().max() / want.abs().max()).item()
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for w in weights:
-                    fn(w)
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph):
-                for w in weights:
-                    fn(w)
-            us = median_seconds(graph.replay, device, repeats=20) * 1e6 / COPIES
+            us = replay_us(fn, weights, device)
             row.append(f"{label} {us:7.1f} us ({floor_us / us:4.0%}, err {err:.0e})")
         print("  ".join(row), flush=True)
         del weights

@@ -108,6 +108,21 @@ def _bf16_layers() -> list[dict[str, object]]:
     return [{name: layer(n, k) for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
 
 
+def _chain_inputs(
+    kind: str,
+) -> tuple[list[dict[str, object]], Callable[[object, object], torch.Tensor], torch.Tensor,
+           torch.Tensor]:  # fmt: skip
+    """(layers, their product, a row x, a norm weight) for a chain of `kind` (seeded); skips
+    where dependent launch cannot run."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dependent launch needs compute capability 9.0")
+    torch.manual_seed(0)
+    layers, linear = _layers_and_linear(kind)
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    return layers, linear, x, norm
+
+
 def _layers_and_linear(
     kind: str,
 ) -> tuple[list[dict[str, object]], Callable[[object, object], torch.Tensor]]:
@@ -148,12 +163,7 @@ def test_a_bf16_layer_chain_launched_dependent_is_stable_and_close(
 def test_a_layer_chain_gives_the_same_bits_launched_dependent(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("dependent launch needs compute capability 9.0")
-    torch.manual_seed(0)
-    layers, linear = _layers_and_linear(kind)
-    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    layers, linear, x, norm = _chain_inputs(kind)
 
     def run() -> torch.Tensor:
         return _chain(layers, linear, x, norm)
@@ -207,12 +217,7 @@ def test_norms_made_in_the_gemvs_keep_the_chain(monkeypatch: pytest.MonkeyPatch,
     """The chain with each residual add + RMSNorm made inside the next GEMV (one kernel fewer
     each): the same bits eager and in every replay launched dependent, and the chain's result
     within rounding of the norm kernels' (the GEMV sums the row's squares in its own order)."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("dependent launch needs compute capability 9.0")
-    torch.manual_seed(0)
-    layers, linear = _layers_and_linear(kind)
-    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    norm = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    layers, linear, x, norm = _chain_inputs(kind)
     apart = _runs(monkeypatch, lambda: _chain(layers, linear, x, norm), on=True)
     fused = _runs(monkeypatch, lambda: _chain_with_norms_in_gemvs(layers, linear, x, norm), on=True)
     for got in fused[1:]:
