@@ -121,14 +121,6 @@ class Linear(nn.Linear):
         )
 
 
-def reserve_rows_mma(model: nn.Module, rows: int) -> None:
-    """`Linear.reserve_rows_mma` for every layer of `model`: called before capturing graphs of
-    steps of up to `rows` rows (none may grow the workspace inside a capture)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.reserve_rows_mma(rows)
-
-
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden [rows, H] times the LM head's weight [vocab, H]: float32 logits [rows, vocab]."""
     if lm_head_takes_gemv(hidden, weight):

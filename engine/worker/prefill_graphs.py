@@ -33,7 +33,6 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.grid import cdiv
-from kvfleet.engine.layers.linear import reserve_rows_mma
 from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -127,7 +126,6 @@ class PrefillGraphs:
     def capture_all(self) -> None:
         """Capture every bucket now (at startup), largest first so the pool fits them all."""
         self.pool = torch.cuda.graph_pool_handle()
-        reserve_rows_mma(self.model, self.buckets[-1])
         for bucket in reversed(self.buckets):
             self.pieces[bucket] = self._capture(bucket)
 
