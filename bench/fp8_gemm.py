@@ -25,7 +25,7 @@ from kvfleet.bench.ceilings import fp8_matmul_tflops, measure_ceilings
 from kvfleet.bench.fp8_linear import graphed, replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
-from kvfleet.engine.layers.triton_gemv import MMA_MAX_ROWS, fp8_rows_mma, mma_plan
+from kvfleet.engine.layers.triton_gemv import MMA_MAX_ROWS, fp8_mma_plan, fp8_rows_mma
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
@@ -91,7 +91,7 @@ def main() -> None:
                         x_q, x_scale, w, s, None, torch.bfloat16, tiles, parts))  # fmt: skip
             if m <= MMA_MAX_ROWS:
                 for mma, split in [(None, None), *MMA_TILINGS]:
-                    plan = mma_plan(n, k, device, mma, split, m)
+                    plan = fp8_mma_plan(n, k, device, mma, split, m)
                     label = "mma " + "/".join(map(str, (plan[0], plan[1], plan[4]))) + (
                         f" split {plan[3]}")  # fmt: skip
                     line += _timed(label, want, weights, lambda w, s: fp8_rows_mma(

@@ -19,7 +19,7 @@ from kvfleet.bench.ceilings import measure_ceilings
 from kvfleet.bench.fp8_linear import graphed, replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
-from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, gemv, mma_plan
+from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan, gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
@@ -64,7 +64,7 @@ def main() -> None:
                 line += f" | {label}: {replay_us(graph, COPIES):5.1f}"
             for mma in MMA_TILINGS:
                 for split in MMA_SPLITS:
-                    plan = mma_plan(n, k, device, mma, split)
+                    plan = fp8_mma_plan(n, k, device, mma, split)
                     if plan[3] != split:  # (K's tiles do not cut into that many parts)
                         continue
                     got = fp8_gemv_mma(x, *weights[0], tiles=mma, split=split).float()

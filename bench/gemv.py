@@ -7,23 +7,18 @@ heads (128k-152k words) stay with cuBLAS in the engine (`linear.TRITON_GEMV_MAX_
 are timed here to say whether they should not.
 
     bench/device_env.sh python3 bench/gemv.py [--shapes 8b-lm-head ...]
-
-With `--rows 2 8 16 32 64`: products of that many rows instead, cuBLAS (F.linear) against the
-tensor-core GEMV over rows (`triton_gemv.rows_mma`, its plan and the tilings in ROWS_TILINGS),
-for `linear.MMA_GEMV_ROWS`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
-from kvfleet.engine.layers.triton_gemv import gemv, mma_plan, rows_mma
+from kvfleet.engine.layers.triton_gemv import gemv
 
 # name: (out_features, in_features) per rank
 SHAPES = {
@@ -42,13 +37,6 @@ SHAPES = {
     "30b-a3b-lm-head": (151936, 2048),
 }
 COPIES = 20
-# `rows_mma` (BLOCK_N, BLOCK_K, warps) and split (None: its plan's) beside its plan
-ROWS_TILINGS: list[tuple[tuple[int, int, int], int | None]] = [
-    ((64, 64, 4), None),
-    ((64, 128, 4), None),
-    ((64, 256, 4), None),
-    ((64, 128, 4), 8),
-]
 
 
 def replay_us(
@@ -68,49 +56,13 @@ def replay_us(
     return median_seconds(graph.replay, device, repeats=20) * 1e6 / len(weights)
 
 
-def _rows_mma_tiled(
-    x: torch.Tensor, w: torch.Tensor, tiles: tuple[int, int, int], split: int | None
-) -> torch.Tensor:
-    return rows_mma(x, w, None, tiles, split)
-
-
-def rows_table(shapes: list[str], row_counts: list[int], copy_gbps: float) -> None:
-    device = torch.device("cuda")
-    for name in shapes:
-        n, k = SHAPES[name]
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
-        floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
-        for m in row_counts:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            want = F.linear(x.float(), weights[0].float())
-            row = [f"{name:16s} rows {m:3d} floor {floor_us:7.1f} us"]
-            methods: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-                "cublas": lambda w: F.linear(x, w)  # noqa: B023
-            }
-            plan = mma_plan(n, k, device, rows=m, element_bytes=2)
-            methods[f"mma plan {plan[1]}/split {plan[3]}"] = lambda w: rows_mma(x, w)  # noqa: B023
-            for tiles, split in ROWS_TILINGS:
-                label = "/".join(map(str, tiles)) + f" split {split or 'plan'}"
-                methods[label] = functools.partial(_rows_mma_tiled, x, tiles=tiles, split=split)
-            for label, fn in methods.items():
-                err = ((fn(weights[0]).float() - want).abs().max() / want.abs().max()).item()
-                us = replay_us(fn, weights, device)
-                row.append(f"{label} {us:6.1f} ({floor_us / us:4.0%}, err {err:.0e})")
-            print("  ".join(row), flush=True)
-        del weights
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--rows", type=int, nargs="+", help="rows a product (2-64)")
     args = parser.parse_args()
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s")
-    if args.rows:
-        rows_table(args.shapes, args.rows, copy_gbps)
-        return
     for name in args.shapes:
         n, k = SHAPES[name]
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]

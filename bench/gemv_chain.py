@@ -5,7 +5,7 @@ normally and launched dependent (engine/layers/dependent_launch.py), each in a C
 16 layers of distinct weights (so they come from HBM): us per layer beside the weights' bytes
 floor at the copy bandwidth measured in the same run. Then, launched dependent, the chain as
 the engine runs it now for bf16 and FP8: each add + norm made by the GEMV after it
-(`UnnormalizedRow`), and bf16's SiLU x mul by the down GEMV (`gemv(..., gated=...)`).
+(`UnnormalizedRow`).
 
     bench/device_env.sh python3 bench/gemv_chain.py
 """
@@ -50,20 +50,15 @@ def fused_chain(
     linear: Callable[..., Any],
     x: torch.Tensor,
     norm: torch.Tensor,
-    gated: bool,
 ) -> torch.Tensor:
-    """`chain` with the norms in the qkv and gate_up GEMVs (and SiLU x mul in down's if
-    `gated`)."""
+    """`chain` with the norms in the qkv and gate_up GEMVs."""
     hidden, residual = x, None
     for w in layers:
         row = UnnormalizedRow(hidden, residual, norm, 1e-5, False, torch.empty_like(hidden))
         o = linear(linear(row, w["qkv"])[:, :HIDDEN].contiguous(), w["o"])
         row = UnnormalizedRow(o, row.residual_out, norm, 1e-5, False, torch.empty_like(o))
         gate_up = linear(row, w["gate_up"])
-        if gated:
-            hidden = gemv(gate_up, w["down"].weight, gated="silu")
-        else:
-            hidden = linear(act_and_mul(gate_up), w["down"])
+        hidden = linear(act_and_mul(gate_up), w["down"])
         residual = row.residual_out
     return hidden
 
@@ -107,9 +102,8 @@ def main() -> None:
         def fused_step(
             layers: list[dict[str, Any]] = layers,
             linear: Callable[..., Any] = linear,
-            gated: bool = kind == "bf16",
         ) -> torch.Tensor:
-            return fused_chain(layers, linear, x, norm, gated)
+            return fused_chain(layers, linear, x, norm)
 
         floor = sum(nbytes(n, k) for n, k in SHAPES.values()) / copy * 1e6
         line = f"{kind:5s} floor {floor:6.1f}"

@@ -19,18 +19,10 @@ from kvfleet.engine.layers.dependent_launch import dependent_launch
 # at 70B's per-rank qkv, 33.7 against 32.9 us, and o, 27.0 against 25.4). The LM head (an
 # `nn.Linear`, ~1 GB at 128k words) is not a `Linear`: see LM_HEAD_GEMV.
 TRITON_GEMV_MAX_BYTES = 512 << 20
-# Row counts (2-64) whose product runs as the tensor-core GEMV over rows (`triton_gemv.rows_mma`:
-# the weight the product's 64-row side, K split over the SMs) where its plan splits K, instead
-# of cuBLAS: none until bench/gemv.py --rows says where it wins (e4m3's counterpart,
-# fp8.MMA_GEMV_ROWS, beat cuBLASLt by 30-45% at 2-16 rows).
-MMA_GEMV_ROWS = range(0)
 # One row's logits through the Triton GEMV (launched dependent, float32 out) instead of
 # cuBLAS's float32-out matmul (`float32_logits`; False: cuBLAS, for A/B runs).
 LM_HEAD_GEMV = True
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# One row's act(gate) x up made by the down projection's GEMV as it reads them (False: the
-# activation kernel before it, as before; for A/B runs).
-GATED_GEMV = True
 # One row's residual add and RMSNorm made by the next layer's GEMV as it reads the row
 # (`UnnormalizedRow`; False: the norm's kernel before it, as before; for A/B runs), for rows
 # of up to NORM_GEMV_MAX_INPUTS values (each program holds the whole row once).
@@ -67,52 +59,14 @@ class Linear(nn.Linear):
 
             out = gemv(x.reshape(1, self.in_features).contiguous(), self.weight, bias=self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
-        if x.is_cuda and self.uses_rows_mma(x):
-            from kvfleet.engine.layers.triton_gemv import rows_mma
-
-            out = rows_mma(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias)
-            return out.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
-    def uses_rows_mma(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` runs the tensor-core GEMV over rows: a row count in
-        MMA_GEMV_ROWS, a weight the Triton GEMV would take, which too few row blocks cover to
-        fill the SMs (`triton_gemv.mma_plan` splits K)."""
-        from kvfleet.engine.layers.triton_gemv import mma_plan
-
-        rows = x.numel() // self.in_features
-        if rows not in MMA_GEMV_ROWS or rows < 2 or not self.uses_triton_gemv(x, inputs=rows):
-            return False
-        n, k = self.out_features, self.in_features
-        return mma_plan(n, k, x.device, rows=rows, element_bytes=2)[3] > 1
-
-    def reserve_rows_mma(self, rows: int) -> None:
-        """Room in the device's split-K workspace for `uses_rows_mma`'s products of up to `rows`
-        rows (before CUDA graphs are captured)."""
-        if any(2 <= m <= rows for m in MMA_GEMV_ROWS) and self.weight.is_cuda:
-            from kvfleet.engine.layers.triton_gemv import reserve_rows_mma
-
-            reserve_rows_mma(self.out_features, self.in_features, self.weight.device, rows)
-
-    def gated_forward(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
-        """forward(act(gate) x up) of one gate_up row [..., 2 x in_features] in one kernel
-        (the Triton GEMV makes the products as it reads them), or None where forward would not
-        run the Triton GEMV: the caller applies the activation itself."""
-        if not (GATED_GEMV and gate_up.is_cuda and self.uses_triton_gemv(gate_up, inputs=2)):
-            return None
-        from kvfleet.engine.layers.triton_gemv import gemv
-
-        row = gate_up.reshape(1, 2 * self.in_features).contiguous()
-        out = gemv(row, self.weight, bias=self.bias, gated=activation)
-        return out.reshape(*gate_up.shape[:-1], self.out_features)
-
-    def uses_triton_gemv(self, x: torch.Tensor, inputs: int = 1) -> bool:
-        """Whether `forward(x)` runs the Triton GEMV: one row (of `inputs` x in_features
-        values), a bf16/fp16 weight of at most TRITON_GEMV_MAX_BYTES, contiguous, on a device
-        that launches dependent."""
+    def uses_triton_gemv(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` runs the Triton GEMV: one row, a bf16/fp16 weight of at most
+        TRITON_GEMV_MAX_BYTES, contiguous, on a device that launches dependent."""
         weight = self.weight
         return (
-            x.numel() == inputs * self.in_features
+            x.numel() == self.in_features
             and weight.dtype in _GEMV_DTYPES
             and x.dtype == weight.dtype
             and weight.numel() * weight.element_size() <= TRITON_GEMV_MAX_BYTES

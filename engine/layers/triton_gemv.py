@@ -9,10 +9,14 @@ before it finishes, then waits for x: at batch 1 the weights of consecutive laye
 with no gap between kernels, which cuBLAS's GEMVs (launched normally) cannot do.
 
 A one-row GEMV can also make its row from what the kernel before would have made: the residual
-add + RMSNorm (`UnnormalizedRow`), act(gate) x up (`gated`). The tensor-core GEMV
+add + RMSNorm (`UnnormalizedRow`). (It also made act(gate) x up from a gate_up row: 4.418
+against 4.280 ms a token at Llama-3-8B bf16 batch 1 on the H200, session 28; dropped.) The
+tensor-core GEMV
 (`_fp8_gemv_mma_kernel`) puts the weight on the product's 64-row side with one row (or up to
 MMA_MAX_ROWS rows) of x as its narrow side and K split over the SMs: e4m3 weights at one row
-and at a few rows already quantized, bf16/fp16 weights at a few rows (`rows_mma`).
+and at a few rows already quantized. (Its bf16 form lost to cuBLAS at every Llama-3-8B layer
+and 2-64 rows on the H200, session 28: o 14.1-26.1 us against 12.4-13.7, down 39.0 against
+32.2 at 2 rows; it was dropped.)
 """
 
 from __future__ import annotations
@@ -31,12 +35,7 @@ from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
-from kvfleet.engine.layers.triton_layers import (
-    gated_product,
-    inverse_rms,
-    rms_scaled,
-    summed_row,
-)
+from kvfleet.engine.layers.triton_layers import inverse_rms, rms_scaled, summed_row
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
@@ -56,15 +55,13 @@ def _gemv_kernel(
     N, K, fp8_max, min_scale, eps,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    GATED: tl.constexpr, GELU_TANH: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
     largest magnitude found first: x is small and stays in L2; or the static scale), times both
-    scales (products of e4m3 values are exact in float32). GATED: x [2K] is a gate_up row and
-    the row multiplied is act(gate) x up (`triton_layers.act_and_mul`'s values, made here).
-    NORM: the row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values,
-    made here; the first program writes x + residual)."""
+    scales (products of e4m3 values are exact in float32). NORM: the row multiplied is
+    RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here; the first program
+    writes x + residual)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,18 +71,16 @@ def _gemv_kernel(
     wait_for_previous(PDL)
     x_scale, inv_rms = _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
                                   pid_n == 0, K, fp8_max, min_scale, eps, ROW_BLOCK,
-                                  QUANTIZE and not STATIC, QUANTIZE and STATIC, GATED, GELU_TANH,
-                                  NORM, HAS_RESIDUAL, OFFSET)  # fmt: skip
+                                  QUANTIZE and not STATIC, QUANTIZE and STATIC, NORM,
+                                  HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
     acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
-                    norm_w_ptr, inv_rms, QUANTIZE, GATED, GELU_TANH, NORM, HAS_RESIDUAL,
-                    OFFSET)  # fmt: skip
+                    norm_w_ptr, inv_rms, QUANTIZE, NORM, HAS_RESIDUAL, OFFSET)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         ks = k + offsets
         w = _weight_tile(w_ptr, cols, col_ok, ks, K)
         acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, residual_ptr, norm_w_ptr,
-                         inv_rms, QUANTIZE, GATED, GELU_TANH, NORM, HAS_RESIDUAL,
-                         OFFSET)  # fmt: skip
+                         inv_rms, QUANTIZE, NORM, HAS_RESIDUAL, OFFSET)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -98,21 +93,19 @@ def _gemv_kernel(
 # with 4 warps; it takes e4m3 tiles from shared memory as they are, where the CUDA-core GEMV
 # spent ~4.6 instructions a weight on upcasts and products (bench/RESULTS.md "2026-11-28
 # (session 23)"). Where its row blocks alone are fewer than two an SM, K is cut for about
-# MMA_PROGRAMS_PER_SM programs an SM (`mma_plan`).
+# MMA_PROGRAMS_PER_SM programs an SM (`fp8_mma_plan`).
 MMA_ROWS, MMA_WARPS = 64, 4
 MMA_PROGRAMS_PER_SM = 4
-# Weights `rows_mma` takes (float32 has no such tensor-core product)
-_MMA_DTYPES = (torch.bfloat16, torch.float16)
-# The most rows of x `fp8_rows_mma` and `rows_mma` take (the product's columns: 16, 32 or 64).
+# The most rows of x `fp8_rows_mma` takes (the product's columns: 16, 32 or 64).
 MMA_MAX_ROWS = 64
 
 
 @triton.jit
 def _fp8_gemv_mma_kernel(
-    x_ptr,  # [K] in the model dtype, or [M, K] rows ready (QUANTIZED): e4m3, or w's dtype
-    x_scales_ptr,  # [M] float32 (QUANTIZED and SCALED: the rows' scales)
-    w_ptr,  # [N, K] e4m3 (SCALED) or bf16/fp16, contiguous
-    w_scale_ptr,  # [N] float32 (SCALED)
+    x_ptr,  # [K] in the model dtype, or [M, K] e4m3 (ROWS > 1: rows quantized already)
+    x_scales_ptr,  # [M] float32 (ROWS > 1: the rows' scales)
+    w_ptr,  # [N, K] e4m3, contiguous
+    w_scale_ptr,  # [N] float32
     x_scale_ptr,  # [1] float32 (STATIC)
     bias_ptr,  # [N] (HAS_BIAS)
     partial_ptr,  # [SPLIT, M, N] float32 (SPLIT > 1)
@@ -125,16 +118,15 @@ def _fp8_gemv_mma_kernel(
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
     QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x . w^T (+ bias) with the weight as the product's 64-row side: program
-    (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the
+    (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3
     weight tile with COLS (>= 16, the product's narrowest) columns of x: one row in the model
     dtype quantized here as `quantize_rows` does and broadcast (column 0 is kept), or up to
     COLS rows QUANTIZED already, with their scales. The SPLIT programs of a row block add their
     parts as the 4-bit GEMV's do. NORM (one row): the row is RMSNorm(x + residual), made here
-    as `_gemv_kernel` makes it. Not SCALED: a bf16/fp16 weight and rows of its dtype (always
-    QUANTIZED: ready as they are), no scales, float32 sums."""
+    as `_gemv_kernel` makes it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,7 +140,7 @@ def _fp8_gemv_mma_kernel(
     x_scale, inv_rms = _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
                                   (pid_n == 0) & (pid_k == 0), K, fp8_max, min_scale, eps,
                                   ROW_BLOCK, not QUANTIZED and not STATIC,
-                                  not QUANTIZED and STATIC, False, False, NORM, HAS_RESIDUAL,
+                                  not QUANTIZED and STATIC, NORM, HAS_RESIDUAL,
                                   OFFSET)  # fmt: skip
     tokens = tl.arange(0, COLS)
     acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
@@ -161,21 +153,18 @@ def _fp8_gemv_mma_kernel(
         acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
                         residual_ptr, norm_w_ptr, inv_rms, BLOCK_K, QUANTIZED, SPAN, NORM,
                         HAS_RESIDUAL, OFFSET)  # fmt: skip
+    w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if not QUANTIZED:
-        w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
         part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
         split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N,
                       pid_k, SPLIT)  # fmt: skip
     else:
         token_ok = tokens < M
-        part = acc
-        if SCALED:
-            w_scale = tl.load(w_scale_ptr + rows, mask=row_ok, other=0.0)
-            x_scales = tl.load(x_scales_ptr + tokens, mask=token_ok, other=0.0)
-            part = acc * w_scale[:, None] * x_scales[None, :]
+        x_scales = tl.load(x_scales_ptr + tokens, mask=token_ok, other=0.0)
+        part = acc * w_scale[:, None] * x_scales[None, :]
         at = tokens[None, :] * N + rows[:, None]  # (out [M, N] from the [rows, tokens] tile)
         ok = row_ok[:, None] & token_ok[None, :]
         split_k_store(part, bias[:, None], partial_ptr, count_ptr, out_ptr, at, ok, pid_n,
@@ -187,13 +176,13 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, resid
               norm_w_ptr, inv_rms, BLOCK_K: tl.constexpr, QUANTIZED: tl.constexpr,
               SPAN: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               OFFSET: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as columns: one row
-    (normalized here if NORM) quantized to e4m3 here and broadcast, else rows `tokens` of the
-    QUANTIZED x (past M: 0). e4m3: exact products, summed SPAN at a time in the tensor cores,
-    those sums in float32; bf16/fp16: float32 sums."""
+    """acc [BLOCK_N, COLS] += w [BLOCK_N, BLOCK_K] times x's inputs `ks` as e4m3 columns:
+    one row (normalized here if NORM) quantized here and broadcast, else rows `tokens` of the
+    QUANTIZED x (past M: 0); exact products, summed SPAN at a time in the tensor cores, those
+    sums in float32."""
     if not QUANTIZED:
-        x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, False, False, NORM,
-                        HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
+        x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
+                        OFFSET).to(tl.float32)  # fmt: skip
         xq = scaled_to_e4m3(x, x_scale, fp8_max).to(w.dtype)
         columns = tl.broadcast_to(xq[None, :], [tokens.shape[0], BLOCK_K])
     else:
@@ -202,31 +191,26 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, resid
             mask=(tokens < M)[:, None] & (ks < K)[None, :],
             other=0.0,
         )
-    if w.dtype == tl.float8e4nv:
-        return tl.dot(w, tl.trans(columns), acc, max_num_imprecise_acc=SPAN)
-    return tl.dot(w, tl.trans(columns), acc)
+    return tl.dot(w, tl.trans(columns), acc, max_num_imprecise_acc=SPAN)
 
 
-def mma_plan(
+def fp8_mma_plan(
     n: int,
     k: int,
     device: torch.device,
     tiles: tuple[int, int, int] | None = None,
     split: int | None = None,
     rows: int = 1,
-    element_bytes: int = 1,
 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core GEMV for N weight rows of K
-    against `rows` rows of x: K cut into SPLIT parts of STEPS tiles (about `split`, if given).
-    The fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200 (e4m3;
-    bench/RESULTS.md "2026-11-28 (session 24)"): row blocks at least two an SM take all of K
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the tensor-core e4m3 GEMV for N weight rows
+    of K against `rows` rows of x: K cut into SPLIT parts of STEPS tiles (about `split`, if
+    given). The fastest of bench/fp8_gemv.py's sweep at Llama-3-8B's shapes on the H200
+    (bench/RESULTS.md "2026-11-28 (session 24)"): row blocks at least two an SM take all of K
     (gate_up); fewer cut K for about MMA_PROGRAMS_PER_SM programs an SM (qkv 4 parts, o 8, down
     8), in 512-wide tiles, 256 where K is long (down's 14,336: 2x-longer parts of 512 were 20%
-    slower) or where more than 16 rows of x share the tile's shared memory (half again past 32
-    rows: 64 columns of x). Weights of `element_bytes` (2: bf16/fp16) take tiles as many bytes
-    wide (sm_90 ptxas: a bf16 tile of 128 against 64 columns spills 818 bytes, of 64 56)."""
+    slower) or where more than 16 rows of x share the tile's shared memory."""
     sms = num_sms(device)
-    block_k = (512 if k <= 4096 and rows <= 16 else 256) // element_bytes // (2 if rows > 32 else 1)
+    block_k = 512 if k <= 4096 and rows <= 16 else 256
     block_n, block_k, warps = tiles or (MMA_ROWS, block_k, MMA_WARPS)
     row_blocks = cdiv(n, block_n)
     if split is None:
@@ -245,14 +229,14 @@ def rows_mma_pays(n: int, k: int, device: torch.device, rows: int) -> bool:
     against 32.2-32.6)."""
     if rows > 16 and k <= 4096:
         return False
-    return mma_plan(n, k, device, rows=rows)[3] > 1
+    return fp8_mma_plan(n, k, device, rows=rows)[3] > 1
 
 
 def reserve_fp8_gemv(n: int, k: int, device: torch.device) -> None:
     """Grow the device's split-K workspace to what `fp8_gemv_mma` and `fp8_rows_mma` (up to
     MMA_MAX_ROWS rows) take for N x K."""
     for rows in (1, MMA_MAX_ROWS):
-        block_n, _, _, split, _ = mma_plan(n, k, device, rows=rows)
+        block_n, _, _, split, _ = fp8_mma_plan(n, k, device, rows=rows)
         shared_workspace(device, split * rows * n, cdiv(n, block_n))
 
 
@@ -297,41 +281,11 @@ def fp8_rows_mma(
     return out
 
 
-def rows_mma(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    tiles: tuple[int, int, int] | None = None,
-    split: int | None = None,
-) -> torch.Tensor:
-    """Up to MMA_MAX_ROWS rows x [M, K] times a bf16/fp16 weight [N, K] of their dtype (+
-    bias): [M, N] in that dtype, through the tensor-core GEMV over rows as `fp8_rows_mma` runs
-    it for e4m3 (the weight the product's 64-row side, K split over the SMs), float32 sums: at
-    a few sequences' decode the weight is what streams, and few output tiles of an M-wide GEMM
-    leave SMs idle."""
-    m = x.shape[0]
-    assert 0 < m <= MMA_MAX_ROWS, m
-    assert x.dtype == weight.dtype, "rows of the weight's dtype"
-    assert weight.dtype in _MMA_DTYPES, weight.dtype
-    assert x.stride(1) == 1, "K-contiguous rows"
-    out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch_mma(x, None, weight, None, bias, None, out, tiles, split)
-    return out
-
-
-def reserve_rows_mma(n: int, k: int, device: torch.device, rows: int) -> None:
-    """Grow the device's split-K workspace to what `rows_mma` takes for N x K at up to `rows`
-    rows (before CUDA graphs are captured)."""
-    for m in range(2, min(rows, MMA_MAX_ROWS) + 1):
-        block_n, _, _, split, _ = mma_plan(n, k, device, rows=m, element_bytes=2)
-        shared_workspace(device, split * m * n, cdiv(n, block_n))
-
-
 def _launch_mma(
-    x: torch.Tensor | UnnormalizedRow,  # one row to quantize (to normalize first), or rows ready
-    x_scales: torch.Tensor | None,  # e4m3 rows' scales [M, 1], or None: one row to quantize
-    weight: torch.Tensor,  # e4m3 (with its scales), or bf16/fp16 (x: rows of its dtype)
-    weight_scale: torch.Tensor | None,
+    x: torch.Tensor | UnnormalizedRow,  # one row to quantize (to normalize first), or e4m3 rows
+    x_scales: torch.Tensor | None,  # quantized rows' scales [M, 1], or None: one row to quantize
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     x_scale: torch.Tensor | None,
     out: torch.Tensor,
@@ -341,27 +295,22 @@ def _launch_mma(
     row, norm = _row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
-    scaled = weight.dtype == FP8
-    assert scaled == (weight_scale is not None), "e4m3 weights, and only they, take scales"
-    size = weight.element_size()
-    block_n, block_k, steps, split, warps = mma_plan(n, k, row.device, tiles, split, m, size)
+    block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
     space = shared_workspace(row.device, split * m * n, cdiv(n, block_n))
     pdl = dependent_launch_args(row.device)
-    ready = x_scales is not None or not scaled
-    assert norm is None or not ready, "a row normalized here is quantized here"
-    placeholder = weight_scale if weight_scale is not None else out
+    quantized = x_scales is not None
+    assert norm is None or not quantized, "a row normalized here is quantized here"
     _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
-        row, x_scales if x_scales is not None else placeholder, weight, placeholder,
-        x_scale if x_scale is not None else placeholder,
-        bias if bias is not None else placeholder, space.partials, space.counters, out,
+        row, x_scales if quantized else weight_scale, weight, weight_scale,
+        x_scale if x_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, space.partials, space.counters, out,
         *_norm_args(norm, row), m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
         norm.eps if norm is not None else 0.0, STATIC=x_scale is not None,
         HAS_BIAS=bias is not None, SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
-        ROW_BLOCK=1 if ready else next_power_of_2(k), QUANTIZED=ready,
+        ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
         COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, SCALED=scaled, **pdl, num_warps=warps,
-        num_stages=3,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=3,
     )  # fmt: skip
 
 
@@ -396,11 +345,10 @@ def _weight_tile(w_ptr, cols, col_ok, ks, K):
 
 
 @triton.jit
-def _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, GATED: tl.constexpr,
-                GELU_TANH: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                OFFSET: tl.constexpr):  # fmt: skip
-    """The multiplied row's inputs `ks` (0 past K): x[ks]; act(gate) x up when GATED; when
-    NORM, RMSNorm(x + residual)[ks] of the row whose `inverse_rms` is inv_rms."""
+def _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+    """The multiplied row's inputs `ks` (0 past K): x[ks], or when NORM RMSNorm(x +
+    residual)[ks] of the row whose `inverse_rms` is inv_rms."""
     ok = ks < K
     if NORM:
         weight = tl.load(norm_w_ptr + ks, mask=ok, other=0.0)
@@ -408,16 +356,14 @@ def _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, GATED: tl.const
                        OFFSET)  # fmt: skip
     else:
         x = tl.load(x_ptr + ks, mask=ok, other=0.0)
-        if GATED:
-            x = gated_product(x, tl.load(x_ptr + K + ks, mask=ok, other=0.0), GELU_TANH)
     return x
 
 
 @triton.jit
 def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, first, K,
                fp8_max, min_scale, eps, ROW_BLOCK: tl.constexpr, DYNAMIC: tl.constexpr,
-               STATIC: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr,
-               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+               STATIC: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               OFFSET: tl.constexpr):  # fmt: skip
     """(x_scale, inv_rms) of the multiplied row: its e4m3 scale (DYNAMIC: its largest magnitude
     over fp8_max, as `quantize_rows`; STATIC: the checkpoint's; else 1) and, when NORM, the
     `inverse_rms` of x + residual, which the `first` program writes out. The whole row in one
@@ -441,8 +387,7 @@ def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, f
                 amax = tl.max(tl.abs(x), axis=0).to(tl.float32)  # (exact in x's dtype)
                 x_scale = tl.maximum(amax, min_scale) / fp8_max
         else:
-            x = _row_values(x_ptr, row, K, residual_ptr, norm_w_ptr, inv_rms, GATED, GELU_TANH,
-                            False, False, False)  # fmt: skip
+            x = tl.load(x_ptr + row, mask=ok, other=0.0)
             amax = tl.max(tl.abs(x), axis=0).to(tl.float32)
             x_scale = tl.maximum(amax, min_scale) / fp8_max
     return x_scale, inv_rms
@@ -450,12 +395,12 @@ def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, f
 
 @triton.jit
 def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr, norm_w_ptr,
-              inv_rms, QUANTIZE: tl.constexpr, GATED: tl.constexpr, GELU_TANH: tl.constexpr,
-              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+              inv_rms, QUANTIZE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              OFFSET: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`_row_values`; quantized to e4m3 when
     QUANTIZE) times the weight tile w."""
-    x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, GATED, GELU_TANH, NORM,
-                    HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
+    x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
+                    OFFSET).to(tl.float32)  # fmt: skip
     if QUANTIZE:
         x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
@@ -477,15 +422,12 @@ def gemv(
     bias: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
-    gated: str | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype (or
     `out_dtype`: float32 for logits, out of the float32 sums as they are). An
     e4m3 weight takes its scales [N, 1] and the row is quantized inside (or with the static
-    per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). `gated` ("silu" or
-    "gelu_tanh"): x [1, 2K] is a gate_up row, and the row multiplied act(gate) x up, made
-    inside as `triton_layers.act_and_mul` makes it (one kernel fewer). An `UnnormalizedRow`:
+    per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). An `UnnormalizedRow`:
     the row multiplied is its RMSNorm, made inside as `triton_layers.add_rms_norm` makes it,
     x + residual written to its `residual_out` (one kernel fewer)."""
     row, norm = _row_and_norm(x)
@@ -496,12 +438,7 @@ def gemv(
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
-    if gated is not None:
-        assert gated in ("silu", "gelu_tanh"), gated
-        assert norm is None, "a gate_up row is no norm's output"
-        assert k == 2 * weight.shape[1], "a gate_up row: twice the weight's inputs"
-        k //= 2
-    elif weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
+    if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale)
     block_n, block_k = gemv_tiles(n, k, weight.element_size())
@@ -518,7 +455,7 @@ def gemv(
         _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
         STATIC=x_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
-        GATED=gated is not None, GELU_TANH=gated == "gelu_tanh", NORM=norm is not None,
+        NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
-from kvfleet.engine.layers.linear import Linear, UnnormalizedRow, float32_logits
+from kvfleet.engine.layers.linear import UnnormalizedRow, float32_logits
 from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
 from kvfleet.engine.layers.quantization.linear import (
@@ -171,11 +171,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows | UnnormalizedRow) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         inner: torch.Tensor | QuantizedRows
-        if self.fused and self.tp is None and isinstance(self.down_proj, Linear):
-            # (one row: the down GEMV makes act(gate) x up as it reads them)
-            out = self.down_proj.gated_forward(gate_up, self.activation)
-            if out is not None:
-                return out
         if self.fused and self.tp is None and takes_quantized_rows(self.down_proj, gate_up):
             from kvfleet.engine.layers import triton_layers
 

@@ -30,7 +30,6 @@ from kvfleet.engine.attention.triton_prompt import (
     splits_forced,
 )
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
-from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.lora.layers import LoRAContext
 from kvfleet.engine.lora.ops import LoRABatch
@@ -88,9 +87,6 @@ class DecodeGraphs:
         query_lens = sorted({1, self.max_query_len}, reverse=True)
         if self.kv_caches[0].is_cuda:  # (the decode kernel's split counters, outside any graph)
             split_counters(self.kv_caches[0].device, self.max_batch * self.kv_caches[0].shape[3])
-        for module in self.model.modules():  # (and the GEMVs' over rows)
-            if isinstance(module, Linear):
-                module.reserve_rows_mma(self.max_batch * self.max_query_len)
         for bucket in reversed(self.buckets):
             for q in query_lens:
                 for with_lora in (False, True) if self.lora else (False,):

@@ -133,7 +133,7 @@ def test_the_tensor_core_gemv_equals_the_reference_in_the_interpreter(
     (200) cut into tiles of 64 whose last is part-filled and split across programs whose
     parts the last to arrive adds (with the bias), the counters left at zero."""
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
-    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, mma_plan
+    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan
 
     generator = torch.Generator().manual_seed(2)
     grid = (torch.randn(1, 200, generator=generator) * 60).clamp(-440, 440)
@@ -143,7 +143,7 @@ def test_the_tensor_core_gemv_equals_the_reference_in_the_interpreter(
     bias = torch.randn(rows, generator=generator)
     x_scale = torch.tensor(0.25) if static else None
     tiles = (64, 64, 4)
-    assert mma_plan(rows, 200, torch.device("cpu"), tiles)[3] > 1  # (split)
+    assert fp8_mma_plan(rows, 200, torch.device("cpu"), tiles)[3] > 1  # (split)
     out = fp8_gemv_mma(grid * 0.25, weight, scale, bias, x_scale, tiles)
     want = grid * 0.25 @ (weight.float() * scale).t() + bias
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
@@ -160,7 +160,7 @@ def test_the_tensor_core_gemv_over_quantized_rows_equals_the_reference_in_the_in
     64-row block, K (200) in part-filled tiles split across programs whose parts the last to
     arrive adds (with the bias, one a weight row), the counters left at zero."""
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
-    from kvfleet.engine.layers.triton_gemv import fp8_rows_mma, mma_plan
+    from kvfleet.engine.layers.triton_gemv import fp8_mma_plan, fp8_rows_mma
 
     generator = torch.Generator().manual_seed(m)
     x_q, x_scale = quantize_rows(torch.randn(m, 200, generator=generator))
@@ -169,7 +169,7 @@ def test_the_tensor_core_gemv_over_quantized_rows_equals_the_reference_in_the_in
     weight, scale = quantize_rows(torch.randn(130, 200, generator=generator) * 0.1)
     bias = torch.randn(130, generator=generator) if with_bias else None
     tiles = (64, 64, 4)
-    assert mma_plan(130, 200, torch.device("cpu"), tiles, rows=m)[3] > 1  # (split)
+    assert fp8_mma_plan(130, 200, torch.device("cpu"), tiles, rows=m)[3] > 1  # (split)
     out = fp8_rows_mma(x_q, x_scale, weight, scale, bias, torch.float32, tiles)
     want = (x_q.float() * x_scale) @ (weight.float() * scale).t()
     if bias is not None:
@@ -252,7 +252,7 @@ def test_the_gemvs_normalize_their_row_as_the_norm_kernel_does(
     GEMV with K split across programs); the layer hands such a row to its GEMV."""
     from kvfleet.engine.layers import triton_layers
     from kvfleet.engine.layers.linear import UnnormalizedRow
-    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, gemv, mma_plan
+    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan, gemv
 
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(1, 200, generator=generator) * 3
@@ -267,7 +267,7 @@ def test_the_gemvs_normalize_their_row_as_the_norm_kernel_does(
     normed, summed = triton_layers.add_rms_norm(x, residual, norm_weight, 1e-5)
     if tensor_cores:
         tiles = (64, 64, 4)
-        assert mma_plan(130, 200, torch.device("cpu"), tiles)[3] > 1  # (split)
+        assert fp8_mma_plan(130, 200, torch.device("cpu"), tiles)[3] > 1  # (split)
         want = fp8_gemv_mma(normed, weight, scale, bias, x_scale, tiles)
         got = fp8_gemv_mma(row, weight, scale, bias, x_scale, tiles)
     else:

@@ -178,40 +178,27 @@ def dependent_launch():
                      "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES,
                      dict(QUANTIZE=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
-                          BLOCK_K=512, ROW_BLOCK=16384, GATED=False, GELU_TANH=False)
+                          BLOCK_K=512, ROW_BLOCK=16384)
                      | no_norm, 1),
         "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                    dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096,
-                                        QUANTIZED=False, COLS=16, SPAN=128, SCALED=True)
-                                   | no_norm, 1),
+                                        QUANTIZED=False, COLS=16, SPAN=128) | no_norm, 1),
         "fp8 gemv, tensor cores, norm": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                          dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                               BLOCK_N=64, BLOCK_K=512, ROW_BLOCK=4096,
-                                              QUANTIZED=False, COLS=16, SPAN=128, SCALED=True)
-                                         | norm, 1),
+                                              QUANTIZED=False, COLS=16, SPAN=128) | norm, 1),
         "fp8 rows, tensor cores": (triton_gemv._fp8_gemv_mma_kernel,
                                    mma_types | {"x_ptr": "*fp8e4nv", "bias_ptr": "*bf16"},
                                    dict(STATIC=False, HAS_BIAS=True, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=1,
-                                        QUANTIZED=True, COLS=32, SPAN=128, SCALED=True)
-                                   | no_norm, 1),
-        "bf16 rows, tensor cores": (triton_gemv._fp8_gemv_mma_kernel,
-                                    mma_types | {"x_ptr": "*bf16", "w_ptr": "*bf16",
-                                                 "bias_ptr": "*bf16"},
-                                    dict(STATIC=False, HAS_BIAS=True, SPLIT=4, STEPS=4,
-                                         BLOCK_N=64, BLOCK_K=128, ROW_BLOCK=1, QUANTIZED=True,
-                                         COLS=64, SPAN=128, SCALED=False) | no_norm, 1),
+                                        QUANTIZED=True, COLS=32, SPAN=128) | no_norm, 1),
         "bf16 gemv": (triton_gemv._gemv_kernel, bf16_gemv_types,
                       dict(QUANTIZE=False, STATIC=False, HAS_BIAS=True, BLOCK_N=8,
-                           BLOCK_K=512, ROW_BLOCK=1, GATED=False, GELU_TANH=False) | no_norm, 1),
-        "bf16 gemv, gated": (triton_gemv._gemv_kernel, bf16_gemv_types,
-                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8,
-                                  BLOCK_K=512, ROW_BLOCK=1, GATED=True, GELU_TANH=False)
-                             | no_norm, 1),
+                           BLOCK_K=512, ROW_BLOCK=1) | no_norm, 1),
         "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
-                                 BLOCK_K=256, ROW_BLOCK=4096, GATED=False, GELU_TANH=False)
+                                 BLOCK_K=256, ROW_BLOCK=4096)
                             | norm, 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, {"x_ptr": "*bf16", "perm_ptr": "*i32",
                         "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",

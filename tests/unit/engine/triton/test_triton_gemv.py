@@ -42,36 +42,6 @@ def test_the_linear_layer_keeps_cublas_off_hopper() -> None:
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_the_gated_gemv_multiplies_what_act_and_mul_makes(
-    dtype: torch.dtype, activation: str
-) -> None:
-    """A gate_up row [1, 2K] through `gemv(..., gated=...)` gives, bit for bit, the GEMV of
-    `triton_layers.act_and_mul`'s output (the products made in the kernel as that kernel makes
-    them, rounded to the row's dtype), K = 200 past the tiles, with a bias."""
-    from kvfleet.engine.layers import triton_layers
-
-    generator = torch.Generator().manual_seed(5)
-    weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
-    bias = torch.randn(40, generator=generator).to(dtype)
-    gate_up = (torch.randn(1, 400, generator=generator) * 2).to(dtype)
-    inner = triton_layers.act_and_mul(gate_up, activation)
-    want = gemv(inner, weight, bias=bias, tiles=(16, 64, 4, 3))
-    got = gemv(gate_up, weight, bias=bias, tiles=(16, 64, 4, 3), gated=activation)
-    assert torch.equal(got, want)
-    silu = F.silu(gate_up[:, :200].float()) * gate_up[:, 200:].float()
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    if activation == "silu":
-        torch.testing.assert_close(got.float(), F.linear(silu, weight.float(), bias.float()),
-                                   rtol=tolerance, atol=tolerance)  # fmt: skip
-
-
-def test_the_linear_layer_leaves_the_gate_to_its_caller_off_hopper() -> None:
-    layer = Linear(8, 4).to(torch.bfloat16)
-    assert layer.gated_forward(torch.randn(1, 16, dtype=torch.bfloat16), "silu") is None
-
-
 def _unnormalized_row(
     dtype: torch.dtype, with_residual: bool, offset: bool, seed: int
 ) -> UnnormalizedRow:
@@ -134,26 +104,3 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     rounded = gemv(x, weight, tiles=(16, 64, 4, 3))
     assert torch.equal(rounded, got.to(torch.float16))
-
-
-@pytest.mark.parametrize(("m", "with_bias"), [(2, True), (23, False), (40, True)])
-def test_the_tensor_core_gemv_over_fp16_rows_equals_linear(m: int, with_bias: bool) -> None:
-    """`rows_mma`: fp16 rows (bf16's path) as the product's 16/32/64 columns, the padding
-    columns past M never written; weight rows past a 64-row block, K (200) in part-filled tiles
-    split across programs whose parts the last to arrive adds (with the bias), the counters
-    left at zero."""
-    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
-    from kvfleet.engine.layers.triton_gemv import mma_plan, rows_mma
-
-    generator = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 200, generator=generator).to(torch.float16)
-    weight = (torch.randn(130, 200, generator=generator) * 0.1).to(torch.float16)
-    bias = torch.randn(130, generator=generator).to(torch.float16) if with_bias else None
-    tiles = (64, 64, 4)
-    assert mma_plan(130, 200, torch.device("cpu"), tiles, rows=m, element_bytes=2)[3] > 1
-    out = rows_mma(x, weight, bias, tiles)
-    assert out.shape == (m, 130)
-    assert out.dtype == torch.float16
-    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    torch.testing.assert_close(out.float(), want, rtol=2e-3, atol=2e-3)
-    assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
