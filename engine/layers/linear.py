@@ -62,17 +62,24 @@ class Linear(nn.Linear):
         return super().forward(x)
 
     def uses_triton_gemv(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` runs the Triton GEMV: one row, a bf16/fp16 weight of at most
-        TRITON_GEMV_MAX_BYTES, contiguous, on a device that launches dependent."""
+        """Whether `forward(x)` runs the Triton GEMV: one row it takes (`gemv_takes`), a weight
+        of at most TRITON_GEMV_MAX_BYTES."""
         weight = self.weight
-        return (
-            x.numel() == self.in_features
-            and weight.dtype in _GEMV_DTYPES
-            and x.dtype == weight.dtype
-            and weight.numel() * weight.element_size() <= TRITON_GEMV_MAX_BYTES
-            and weight.is_contiguous()
-            and dependent_launch(x.device)
+        return weight.numel() * weight.element_size() <= TRITON_GEMV_MAX_BYTES and gemv_takes(
+            x, weight
         )
+
+
+def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton GEMV takes x times weight [N, K]: one row of K values, bf16/fp16 of
+    the weight's dtype, the weight contiguous, on a device that launches dependent."""
+    return (
+        x.numel() == weight.shape[-1]
+        and weight.dtype in _GEMV_DTYPES
+        and x.dtype == weight.dtype
+        and weight.is_contiguous()
+        and dependent_launch(x.device)
+    )
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,12 +98,4 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def lm_head_takes_gemv(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether one row's logits go through the Triton GEMV (LM_HEAD_GEMV: launched dependent,
     float32 out of its float32 sums) rather than cuBLAS."""
-    return (
-        LM_HEAD_GEMV
-        and hidden.is_cuda
-        and hidden.shape[0] == 1
-        and hidden.dtype in _GEMV_DTYPES
-        and weight.dtype == hidden.dtype
-        and weight.is_contiguous()
-        and dependent_launch(hidden.device)
-    )
+    return LM_HEAD_GEMV and gemv_takes(hidden, weight)

@@ -102,8 +102,8 @@ MMA_MAX_ROWS = 64
 
 @triton.jit
 def _fp8_gemv_mma_kernel(
-    x_ptr,  # [K] in the model dtype, or [M, K] e4m3 (ROWS > 1: rows quantized already)
-    x_scales_ptr,  # [M] float32 (ROWS > 1: the rows' scales)
+    x_ptr,  # [K] in the model dtype, or [M, K] e4m3 (QUANTIZED: rows quantized already)
+    x_scales_ptr,  # [M] float32 (QUANTIZED: the rows' scales)
     w_ptr,  # [N, K] e4m3, contiguous
     w_scale_ptr,  # [N] float32
     x_scale_ptr,  # [1] float32 (STATIC)
