@@ -3,7 +3,7 @@ over a bf16 and an FP8 cache, a mixed step (decodes beside prompt chunks) before
 its decode rows went to the decode kernel, and the prompt kernel's tiles on prompts (TFLOP/s
 of the causal pairs it must compute, beside the bf16 matmul ceiling).
 
-    bench/device_env.sh python3 bench/attention_steps.py --part tiles [--cache fp8]
+    bench/device_env.sh python3 bench/attention_steps.py --part tiles [--cache fp8] [--splits 1 2]
     bench/device_env.sh python3 bench/attention_steps.py --part mixed
     bench/device_env.sh python3 bench/attention_steps.py --part prompt
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -50,8 +51,9 @@ TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
 }
 # Decode steps swept: (sequences, shortest, longest), lengths drawn between and sorted longest
 # first as the runner orders them: the 1,000 x 1,024 -> 1,024 run's steps, the 256-request
-# offline run's, and a few long sequences (split over the length).
-DECODE_STEPS = ((256, 1025, 2047), (256, 200, 1280), (64, 3000, 5000))
+# offline run's, a few long sequences (split over the length), and `bench latency
+# --batch-size 64`'s (128 in, 128 out: short, where the kernel is at ~46% of its floor).
+DECODE_STEPS = ((256, 1025, 2047), (256, 200, 1280), (64, 3000, 5000), (64, 129, 256))
 # The prompt kernel's tiles tried on long steps: (BLOCK_M, BLOCK_N, warps, stages).
 PROMPT_TILES = [
     (64, 32, 4, 3),
@@ -150,8 +152,11 @@ def compiled_kernels(found: list[Any]) -> Iterator[None]:
         launcher.kernel = real
 
 
-def sweep_tiles(copy_gbps: float, caches: tuple[bool, ...] = (False, True)) -> None:
-    """The decode kernel's TILES over DECODE_STEPS, for each cache (fp8 or not) in `caches`."""
+def sweep_tiles(
+    copy_gbps: float, caches: tuple[bool, ...] = (False, True), splits: tuple[int, ...] = ()
+) -> None:
+    """The decode kernel's TILES over DECODE_STEPS, for each cache (fp8 or not) in `caches`,
+    at the splits `num_splits_for` plans and at each of `splits`."""
     shipped = dict(triton_decode.DECODE_TILES)
     gen = torch.Generator().manual_seed(2)
     for num_seqs, shortest, longest in DECODE_STEPS:
@@ -171,20 +176,26 @@ def sweep_tiles(copy_gbps: float, caches: tuple[bool, ...] = (False, True)) -> N
 
             run()
             expected = out.float().clone()  # (the shipped tile's)
-            for tile in TILES[fp8]:
+            plan = triton_decode.num_splits_for(num_seqs, KV_HEADS, lens[0], out.device)
+            for tile, num_splits in itertools.product(TILES[fp8], (None, *splits)):
                 triton_decode.DECODE_TILES[fp8] = tile
+                timed = functools.partial(
+                    triton_decode.decode_attention, step["q"], step["cache"], step["metadata"],
+                    0.088, out=out, kv_scales=step["scales"], num_splits=num_splits,
+                )  # fmt: skip
                 found: list[Any] = []
                 try:
                     with compiled_kernels(found):
-                        run()
+                        timed()
                     error = (out.float() - expected).abs().max().item()
-                    us = graph_us(run)
+                    us = graph_us(timed)
                 except Exception as exc:  # (a tile that does not fit: say so, go on)
                     print(f"{name} fp8={fp8} {tile}: failed: {exc!r}"[:300])
                     continue
                 k = found[-1]
                 print(
-                    f"{name} {'fp8 ' if fp8 else 'bf16'} tile {tile}: "
+                    f"{name} {'fp8 ' if fp8 else 'bf16'} tile {tile} "
+                    f"splits {num_splits or f'{plan} (plan)'}: "
                     f"{us:7.1f} us ({floor_us / us:5.1%} of floor {floor_us:.1f} us) "
                     f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} "
                     f"max |diff| vs shipped {error:.2e}"
@@ -299,6 +310,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("tiles", "mixed", "prompt"), required=True)
     parser.add_argument("--cache", choices=("both", "bf16", "fp8"), default="both",
                         help="--part tiles: the caches swept")  # fmt: skip
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="--part tiles: splits of the KV tried beside the plan's")  # fmt: skip
     args = parser.parse_args()
     ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
     print(
@@ -307,7 +320,7 @@ def main() -> None:
     )
     if args.part == "tiles":
         caches = {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.cache]
-        sweep_tiles(ceilings.copy_gbps, caches)
+        sweep_tiles(ceilings.copy_gbps, caches, tuple(args.splits))
     elif args.part == "mixed":
         mixed_steps(ceilings.copy_gbps)
     else:
