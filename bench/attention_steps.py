@@ -38,7 +38,15 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
 # (BLOCK_N, warps, stages, register cap) tried for each cache.
 TILES: dict[bool, list[tuple[int, int, int, int | None]]] = {
-    False: [(64, 4, 3, None), (64, 4, 5, None), (32, 4, 6, None), (128, 8, 4, None)],
+    False: [
+        (64, 4, 3, None),
+        (64, 4, 5, None),
+        (32, 4, 6, None),
+        (128, 8, 4, None),
+        (64, 4, 2, None),
+        (32, 4, 3, None),
+        (32, 4, 2, None),
+    ],
     True: [
         (128, 4, 3, 128),
         (128, 4, 3, None),
