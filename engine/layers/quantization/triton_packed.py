@@ -7,11 +7,13 @@
   fixed order (the result does not depend on which program finishes last), adds the bias,
   writes the output and resets the counter for the next call. No extra launch, no atomics on
   the data.
-  Unpacking costs one logic operation and one add per value: value j of a word, masked where it
-  sits (bits 4 j), OR-ed into the mantissa of the float 2^23 reads as 2^23 + 16^j q; minus 2^23
-  that is 16^j q exactly, and the activation it meets is pre-divided by 16^j (exact: a power of
-  two). Values 5-7 come from the word shifted right by 20 (the mantissa has 23 bits). The scale
-  and zero apply once per word row: sum_k x w = s (sum_k x q) - s zero (sum_k x).
+  Unpacking costs one logic operation per value: value j of a word, masked where it sits
+  (bits 4 j), read as a float32 is the subnormal q 2^(4 j - 149), exactly; the activation it
+  meets is pre-multiplied by 2^(149 - 4 j - 64) (exact: a power of two), so one FMA adds
+  x q 2^-64 with the rounding of x q itself (the PTX has no .ftz: subnormals are kept, at full
+  rate). Values 5-7 come from the word shifted right by 20 (the subnormals take bits 0-22). The
+  scale, times 2^64, and the zero apply once per word row: sum_k x w = s (sum_k x q) - s zero
+  (sum_k x).
 - `_packed_gemm_kernel`, a few rows (batched decode): per step R rows of words (8 R inputs) as
   eight `tl.dot`s of K = R, slice j pairing value j of each word with inputs 8 w + j. The
   activations are regrouped once per call so that each slice is contiguous ([M, 8, K / 8]:
@@ -45,15 +47,30 @@ GEMV_TILES = (64, 128, 2, 4)
 # programs, many of them, measured fastest (fewer splits with more steps each: up to 2x slower)
 GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
-_MAGIC = 0x4B000000  # (2^23's bits: `_placed`)
+# x q 2^-SUBNORMAL_SHIFT is what the one-row kernel sums: activations to 2^43 (far past any
+# model's) stay finite when scaled by 2^(149 - SUBNORMAL_SHIFT), products from 2^-62 stay normal.
+SUBNORMAL_SHIFT = 64
+# An activation's factor for the value at bit b of a word: 2^(149 - SUBNORMAL_SHIFT - b)
+_AT_BIT_0 = tl.constexpr(2.0 ** (149 - SUBNORMAL_SHIFT))
+_AT_BIT_4 = tl.constexpr(2.0 ** (145 - SUBNORMAL_SHIFT))
+_AT_BIT_8 = tl.constexpr(2.0 ** (141 - SUBNORMAL_SHIFT))
+_AT_BIT_12 = tl.constexpr(2.0 ** (137 - SUBNORMAL_SHIFT))
+_AT_BIT_16 = tl.constexpr(2.0 ** (133 - SUBNORMAL_SHIFT))
+_SCALE_BACK = tl.constexpr(2.0**SUBNORMAL_SHIFT)
 
 
 @triton.jit
-def _placed(word, mask, magic=0x4B000000):
-    """(word & mask) as a float, exactly (below 2^23). `magic`: 2^23's bits, 0x4B000000, given
-    as a kernel argument where it should sit in a register: a 32-bit logic instruction takes
-    one immediate, so with both constants immediate the AND and the OR cost two."""
-    return ((word & mask) | magic).to(tl.float32, bitcast=True) - 8388608.0
+def _placed(word, mask):
+    """(word & mask) as a float, exactly (below 2^23): OR-ed into 2^23's mantissa, minus 2^23
+    (the weight dequantized whole, for the slice GEMM and the dequantizing pass)."""
+    return ((word & mask) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _subnormal(word, mask):
+    """(word & mask) as a float32 read from its bits: q 2^(b - 149) exactly for a value q at
+    bits b.. below bit 23 (a subnormal)."""
+    return (word & mask).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -74,11 +91,10 @@ def _x(x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _unpacked_products(
-    packed, x_ptr, perm_ptr, ks, ok, magic, HAS_PERM: tl.constexpr, BITS: tl.constexpr
-):
-    """(sum over each word's values q_j of x[ks + j] q_j [rows, BLOCK_N], sum_j x[ks + j]
-    [rows]) for words `packed` [rows, BLOCK_N] whose row r holds inputs ks[r] onwards."""
+def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, BITS: tl.constexpr):
+    """(sum over each word's values q_j of x[ks + j] q_j 2^-SUBNORMAL_SHIFT [rows, BLOCK_N],
+    sum_j x[ks + j] [rows]) for words `packed` [rows, BLOCK_N] whose row r holds inputs ks[r]
+    onwards."""
     x0 = _x(x_ptr, perm_ptr, ks, ok, HAS_PERM)
     x1 = _x(x_ptr, perm_ptr, ks + 1, ok, HAS_PERM)
     x2 = _x(x_ptr, perm_ptr, ks + 2, ok, HAS_PERM)
@@ -89,21 +105,21 @@ def _unpacked_products(
         x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
         x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
         x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
-        xq = x0[:, None] * _placed(packed, 0xF, magic)
-        xq += (x1 * 0.0625)[:, None] * _placed(packed, 0xF0, magic)
-        xq += (x2 * 0.00390625)[:, None] * _placed(packed, 0xF00, magic)
-        xq += (x3 * 0.000244140625)[:, None] * _placed(packed, 0xF000, magic)
-        xq += (x4 * 0.0000152587890625)[:, None] * _placed(packed, 0xF0000, magic)
-        xq += x5[:, None] * _placed(high, 0xF, magic)
-        xq += (x6 * 0.0625)[:, None] * _placed(high, 0xF0, magic)
-        xq += (x7 * 0.00390625)[:, None] * _placed(high, 0xF00, magic)
+        xq = (x0 * _AT_BIT_0)[:, None] * _subnormal(packed, 0xF)
+        xq += (x1 * _AT_BIT_4)[:, None] * _subnormal(packed, 0xF0)
+        xq += (x2 * _AT_BIT_8)[:, None] * _subnormal(packed, 0xF00)
+        xq += (x3 * _AT_BIT_12)[:, None] * _subnormal(packed, 0xF000)
+        xq += (x4 * _AT_BIT_16)[:, None] * _subnormal(packed, 0xF0000)
+        xq += (x5 * _AT_BIT_0)[:, None] * _subnormal(high, 0xF)
+        xq += (x6 * _AT_BIT_4)[:, None] * _subnormal(high, 0xF0)
+        xq += (x7 * _AT_BIT_8)[:, None] * _subnormal(high, 0xF00)
         x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
     else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
         high = packed >> 16
-        xq = x0[:, None] * _placed(packed, 0xFF, magic)
-        xq += (x1 * 0.00390625)[:, None] * _placed(packed, 0xFF00, magic)
-        xq += x2[:, None] * _placed(high, 0xFF, magic)
-        xq += (x3 * 0.00390625)[:, None] * _placed(high, 0xFF00, magic)
+        xq = (x0 * _AT_BIT_0)[:, None] * _subnormal(packed, 0xFF)
+        xq += (x1 * _AT_BIT_8)[:, None] * _subnormal(packed, 0xFF00)
+        xq += (x2 * _AT_BIT_0)[:, None] * _subnormal(high, 0xFF)
+        xq += (x3 * _AT_BIT_8)[:, None] * _subnormal(high, 0xFF00)
         x_sum = x0 + x1 + x2 + x3
     return xq, x_sum
 
@@ -134,7 +150,7 @@ def split_k_store(
 @triton.jit
 def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
-    out_ptr, N, K, group_size, magic,
+    out_ptr, N, K, group_size,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -162,10 +178,8 @@ def _packed_gemv_kernel(
         group = tl.minimum(k0 // group_size, K // group_size - 1)
         scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xq, x_sum = _unpacked_products(
-            packed, x_ptr, perm_ptr, k0 + firsts, ok, magic, HAS_PERM, BITS
-        )
-        acc += xq * scale[None, :] - x_sum[:, None] * (zero * scale)[None, :]
+        xq, x_sum = _unpacked_products(packed, x_ptr, perm_ptr, k0 + firsts, ok, HAS_PERM, BITS)
+        acc += xq * (scale * _SCALE_BACK)[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -332,7 +346,7 @@ def packed_gemv(
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
-        out, n, k, weights.group_size, _MAGIC, BITS=weights.bits,
+        out, n, k, weights.group_size, BITS=weights.bits,
         HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, **pdl, num_warps=warps,
     )  # fmt: skip

@@ -206,6 +206,30 @@ def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
     _kernels_equal_the_reference(weights, rows, split, tiles)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_one_row_kernel_keeps_activations_far_apart_in_size(bits: int) -> None:
+    """Its values are read as subnormals and the activations scaled by 2^(85 - b) (b: the
+    value's bit): inputs from 2^-40 to 2^40 in one row (neighbours 4x apart), finite and
+    against the float64 reference, relative to each output's sum of |x w|."""
+    from kvfleet.engine.layers.quantization.packed import PackedWeights, pack_rows
+    from kvfleet.engine.layers.quantization.triton_packed import packed_gemv
+
+    generator = torch.Generator().manual_seed(21)
+    q = torch.randint(0, 1 << bits, (K, N), generator=generator)
+    zeros = torch.randint(0, 1 << bits, (K // 32, N), generator=generator).float()
+    scales = torch.rand(K // 32, N, generator=generator) * 0.02 + 0.001
+    weights = PackedWeights(pack_rows(q, bits=bits), scales, zeros, 32, bits=bits)
+    exponents = (torch.arange(K) % 41 - 20) * 2.0  # (-40 .. 40, every input's own)
+    signs = torch.randint(0, 2, (K,), generator=generator) * 2 - 1
+    x = (signs * 2.0**exponents).float()[None, :]
+    w = weights.dequantize().double()
+    want = x.double() @ w
+    got = packed_gemv(x, weights, None, (32, 32, 8, 4)).double()
+    scale = x.double().abs() @ w.abs()
+    assert torch.isfinite(got).all()
+    assert ((got - want).abs() / scale).max() < 1e-6
+
+
 def test_round_to_nearest_keeps_each_weight_within_half_a_step() -> None:
     from kvfleet.engine.layers.quantization.packed import quantize_rtn
 
