@@ -150,12 +150,13 @@ def split_k_store(
 @triton.jit
 def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
-    out_ptr, N, K, group_size,
+    out_ptr, N, K,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [K] . W (+ bias), W of BITS (4 or 8) bit values, 32 / BITS to a word.
-    BLOCK_K divides the group size (a step is in one group). Launched dependent (PDL), it loads
+    BLOCK_K divides the GROUP size (a step is in one group). Launched dependent (PDL), it loads
     its first step's words while the kernel before it finishes, then waits for x (and for the
     workspace, which the kernel before may still be reading)."""
     pid_n = tl.program_id(0)
@@ -175,7 +176,7 @@ def _packed_gemv_kernel(
         else:
             packed = _words(qweight_ptr, k0 + firsts, cols, col_ok, N, K, BITS)
         # (a step past K, in the last program, has its words and inputs masked to 0)
-        group = tl.minimum(k0 // group_size, K // group_size - 1)
+        group = tl.minimum(k0 // GROUP, K // GROUP - 1)
         scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         xq, x_sum = _unpacked_products(packed, x_ptr, perm_ptr, k0 + firsts, ok, HAS_PERM, BITS)
@@ -346,9 +347,9 @@ def packed_gemv(
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
-        out, n, k, weights.group_size, BITS=weights.bits,
-        HAS_PERM=weights.perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps, **pdl, num_warps=warps,
+        out, n, k, BITS=weights.bits, HAS_PERM=weights.perm is not None,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps,
+        GROUP=weights.group_size, **pdl, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -204,7 +204,7 @@ def dependent_launch():
                         "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
                         "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",
                         "out_ptr": "*bf16"}, dict(BITS=4, HAS_PERM=False, HAS_BIAS=False,
-                        SPLIT=16, BLOCK_N=64, BLOCK_K=128, STEPS=2), 1),
+                        SPLIT=16, BLOCK_N=64, BLOCK_K=128, STEPS=2, GROUP=128), 1),
     }
     for name, (kernel, types, constants, loads_first) in kernels.items():
         ptx = compile_for_sm90(kernel, types, constants | {"PDL": True}, 4, 3)
