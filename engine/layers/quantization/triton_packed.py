@@ -84,27 +84,30 @@ def _words(qweight_ptr, ks, cols, col_ok, N, K, BITS: tl.constexpr):
 
 
 @triton.jit
-def _x(x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr):
+def _x(x_ptr, perm_ptr, ks, HAS_PERM: tl.constexpr):
+    """x[ks] (in the permuted order) as float32; every ks below K."""
     if HAS_PERM:
-        ks = tl.load(perm_ptr + ks, mask=ok, other=0)
-    return tl.load(x_ptr + ks, mask=ok, other=0.0).to(tl.float32)
+        ks = tl.load(perm_ptr + ks)
+    return tl.load(x_ptr + ks).to(tl.float32)
 
 
 @triton.jit
 def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, BITS: tl.constexpr):
     """(sum over each word's values q_j of x[ks + j] q_j 2^-SUBNORMAL_SHIFT [rows, BLOCK_N],
     sum_j x[ks + j] [rows]) for words `packed` [rows, BLOCK_N] whose row r holds inputs ks[r]
-    onwards."""
-    x0 = _x(x_ptr, perm_ptr, ks, ok, HAS_PERM)
-    x1 = _x(x_ptr, perm_ptr, ks + 1, ok, HAS_PERM)
-    x2 = _x(x_ptr, perm_ptr, ks + 2, ok, HAS_PERM)
-    x3 = _x(x_ptr, perm_ptr, ks + 3, ok, HAS_PERM)
+    onwards. Rows not `ok` (past K: their words masked to 0) read the first inputs instead, in
+    bounds and finite, unmasked (a masked load costs an instruction more), and add nothing."""
+    ks = tl.where(ok, ks, 0)
+    x0 = _x(x_ptr, perm_ptr, ks, HAS_PERM)
+    x1 = _x(x_ptr, perm_ptr, ks + 1, HAS_PERM)
+    x2 = _x(x_ptr, perm_ptr, ks + 2, HAS_PERM)
+    x3 = _x(x_ptr, perm_ptr, ks + 3, HAS_PERM)
     if BITS == 4:
         high = packed >> 20
-        x4 = _x(x_ptr, perm_ptr, ks + 4, ok, HAS_PERM)
-        x5 = _x(x_ptr, perm_ptr, ks + 5, ok, HAS_PERM)
-        x6 = _x(x_ptr, perm_ptr, ks + 6, ok, HAS_PERM)
-        x7 = _x(x_ptr, perm_ptr, ks + 7, ok, HAS_PERM)
+        x4 = _x(x_ptr, perm_ptr, ks + 4, HAS_PERM)
+        x5 = _x(x_ptr, perm_ptr, ks + 5, HAS_PERM)
+        x6 = _x(x_ptr, perm_ptr, ks + 6, HAS_PERM)
+        x7 = _x(x_ptr, perm_ptr, ks + 7, HAS_PERM)
         xq = (x0 * _AT_BIT_0)[:, None] * _subnormal(packed, 0xF)
         xq += (x1 * _AT_BIT_4)[:, None] * _subnormal(packed, 0xF0)
         xq += (x2 * _AT_BIT_8)[:, None] * _subnormal(packed, 0xF00)
@@ -113,14 +116,14 @@ def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, 
         xq += (x5 * _AT_BIT_0)[:, None] * _subnormal(high, 0xF)
         xq += (x6 * _AT_BIT_4)[:, None] * _subnormal(high, 0xF0)
         xq += (x7 * _AT_BIT_8)[:, None] * _subnormal(high, 0xF00)
-        x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        x_sum = tl.where(ok, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, 0.0)
     else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
         high = packed >> 16
         xq = (x0 * _AT_BIT_0)[:, None] * _subnormal(packed, 0xFF)
         xq += (x1 * _AT_BIT_8)[:, None] * _subnormal(packed, 0xFF00)
         xq += (x2 * _AT_BIT_0)[:, None] * _subnormal(high, 0xFF)
         xq += (x3 * _AT_BIT_8)[:, None] * _subnormal(high, 0xFF00)
-        x_sum = x0 + x1 + x2 + x3
+        x_sum = tl.where(ok, x0 + x1 + x2 + x3, 0.0)
     return xq, x_sum
 
 
