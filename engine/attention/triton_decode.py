@@ -31,6 +31,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
+# From this many (sequence, KV head) programs an SM the decode kernel is not split: at 64 x 8
+# programs on 132 SMs a second split cost 22.5 us against 17.3 at 64 x U[129, 256] tokens and
+# gained nothing at 64 x U[3,000, 5,000] (258.8 against 259.6; bench/RESULTS.md session 29).
+_UNSPLIT_PROGRAMS_PER_SM = 3
 # (BLOCK_N, warps, stages, register cap) of the partial kernel by cache: bf16/fp16/fp32 (at
 # 94-99% of the copy bandwidth), FP8 (twice the tokens per tile keep as many bytes in flight;
 # V token-minor loaded a block's run at a time takes 162 registers uncapped, three programs an
@@ -401,7 +405,10 @@ def num_splits_for(
     num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device
 ) -> int:
     """The decode kernel's splits: one program per sequence and KV head, times these."""
-    return splits_to_fill(num_seqs * num_kv_heads, max_seqlen_k, device)
+    programs = num_seqs * num_kv_heads
+    if programs >= _UNSPLIT_PROGRAMS_PER_SM * num_sms(device):
+        return 1
+    return splits_to_fill(programs, max_seqlen_k, device)
 
 
 _DECODE_MERGE = CachedKernel(_decode_merge_kernel)
