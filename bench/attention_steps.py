@@ -175,22 +175,16 @@ def sweep_tiles(
             step = make_step([1] * num_seqs, lens, fp8)
             floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
             out = torch.empty_like(step["q"])
-
-            def run(step: dict[str, Any] = step, out: torch.Tensor = out) -> None:
-                triton_decode.decode_attention(
-                    step["q"], step["cache"], step["metadata"], 0.088, out=out,
-                    kv_scales=step["scales"],
-                )  # fmt: skip
-
+            run = functools.partial(
+                triton_decode.decode_attention, step["q"], step["cache"], step["metadata"],
+                0.088, out=out, kv_scales=step["scales"],
+            )  # fmt: skip
             run()
-            expected = out.float().clone()  # (the shipped tile's)
+            expected = out.float().clone()  # (the shipped tile's, at the planned splits)
             plan = triton_decode.num_splits_for(num_seqs, KV_HEADS, lens[0], out.device)
             for tile, num_splits in itertools.product(TILES[fp8], (None, *splits)):
                 triton_decode.DECODE_TILES[fp8] = tile
-                timed = functools.partial(
-                    triton_decode.decode_attention, step["q"], step["cache"], step["metadata"],
-                    0.088, out=out, kv_scales=step["scales"], num_splits=num_splits,
-                )  # fmt: skip
+                timed = functools.partial(run, num_splits=num_splits)
                 found: list[Any] = []
                 try:
                     with compiled_kernels(found):

@@ -329,7 +329,7 @@ def test_soft_capped_scores_and_another_scale_match_torch(
 
 def test_the_decode_kernel_splits_only_what_leaves_the_multiprocessors_short() -> None:
     """Splits fill the device (4 programs an SM) for few (sequence, KV head) programs and long
-    KV; from 3 programs an SM, or under 2 x 128 KV tokens, one program each is the plan."""
+    KV; from 3 programs an SM, or at most 128 KV tokens, one program each is the plan."""
     cpu = torch.device("cpu")  # the interpreter's device: 4 SMs
     assert triton_decode.num_splits_for(1, 2, 4096, cpu) == 8
     assert triton_decode.num_splits_for(5, 2, 4096, cpu) == 2
