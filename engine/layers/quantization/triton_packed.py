@@ -42,6 +42,11 @@ from kvfleet.engine.layers.quantization.packed import PackedWeights
 # inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md):
 # with groups of 32 (GGUF's), 8 steps of 32 inputs, 4-bit and 8-bit alike
 GEMV_TILES = (64, 128, 2, 4)
+# ... and from this many weights (N x K) a layer's: narrower blocks of 4 steps on 2 warps (the
+# H200 sweep of session 29 at Llama-3-8B's shapes: gate_up 27.9 us against 29.6, down 16.7
+# against 17.4; at qkv and o the first tiles stay faster, 8.9 against 10.0 and 7.0 against 7.9)
+GEMV_TILES_LARGE = (32, 128, 4, 2)
+LARGE_GEMV_WEIGHTS = 1 << 25
 # (BLOCK_M, BLOCK_N, R, STEPS, warps) of the slice GEMM by row count (up to 16, up to 32), and
 # the most rows it takes (above: the dequantizing pass and cuBLAS, faster there). Short
 # programs, many of them, measured fastest (fewer splits with more steps each: up to 2x slower)
@@ -296,13 +301,14 @@ def shared_workspace(device: torch.device, partials: int, counters: int) -> Spli
 
 
 def gemv_plan(
-    k: int, group_size: int, tiles: tuple[int, int, int, int] | None = None
+    n: int, k: int, group_size: int, tiles: tuple[int, int, int, int] | None = None
 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the one-row kernel for K inputs (of either
-    width): BLOCK_K a power of two dividing the group size (where the group is smaller than the
-    tiles' BLOCK_K, more steps keep the inputs per program), SPLIT the programs sharing a
-    column block."""
-    block_n, block_k, steps, warps = tiles or GEMV_TILES
+    """(BLOCK_N, BLOCK_K, STEPS, SPLIT, warps) of the one-row kernel for N outputs of K inputs
+    (of either width): BLOCK_K a power of two dividing the group size (where the group is
+    smaller than the tiles' BLOCK_K, more steps keep the inputs per program), SPLIT the
+    programs sharing a column block."""
+    default = GEMV_TILES_LARGE if n * k >= LARGE_GEMV_WEIGHTS else GEMV_TILES
+    block_n, block_k, steps, warps = tiles or default
     inputs = block_k * steps
     while group_size % block_k:
         block_k //= 2
@@ -322,7 +328,7 @@ def gemm_plan(
 
 def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int, int]:
     """(partials, counters) a layer of N outputs and K inputs needs on either kernel."""
-    block_n, _, _, split, _ = gemv_plan(k, group_size)
+    block_n, _, _, split, _ = gemv_plan(n, k, group_size)
     partials, counters = split * n, cdiv(n, block_n)
     for m in range(2, FUSED_ROWS + 1):
         block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
@@ -342,7 +348,7 @@ def packed_gemv(
     dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
     k = x.shape[1]
     n = weights.qweight.shape[1]
-    block_n, block_k, steps, split, warps = gemv_plan(k, weights.group_size, tiles)
+    block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     space = shared_workspace(x.device, split * n, cdiv(n, block_n))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_args(x.device)

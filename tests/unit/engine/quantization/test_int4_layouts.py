@@ -132,7 +132,7 @@ def _kernels_equal_the_reference(
     for _ in range(2):
         if rows == 1:
             got = packed_gemv(x, weights, bias, gemv_tiles)
-            split_count = gemv_plan(K, weights.group_size, gemv_tiles)[3]
+            split_count = gemv_plan(N, K, weights.group_size, gemv_tiles)[3]
             assert split_count == {"one": 1, "uneven": 3, "fine": 16}[split]
         else:
             got = packed_gemm(x, weights, bias, gemm_tiles)
@@ -196,7 +196,7 @@ def test_the_triton_kernels_take_8_bit_words(rows: int, split: str) -> None:
     weights = PackedWeights(packed, scales, zeros, group, bits=8)
     per_input = (zeros.repeat_interleave(group, 0), scales.repeat_interleave(group, 0))
     assert torch.equal(weights.dequantize(), (q - per_input[0]) * per_input[1])
-    assert gemv_plan(K, group)[1:4] == (32, 8, 1)
+    assert gemv_plan(N, K, group)[1:4] == (32, 8, 1)
     # (K = 256: 64 words of four)
     tiles = {
         "one": ((32, 32, 8, 4), (16, 32, 32, 2, 4)),
@@ -239,3 +239,15 @@ def test_round_to_nearest_keeps_each_weight_within_half_a_step() -> None:
     assert ((weights.dequantize() - weight.t()).abs() <= step / 2 + 1e-6).all()
     assert weights.zeros.min() >= 0
     assert weights.zeros.max() <= 15
+
+
+def test_the_one_row_plan_takes_narrower_blocks_for_large_layers() -> None:
+    """Llama-3-8B's gate_up and down (from 2^25 weights) take 32-wide blocks of 4 steps on 2
+    warps, qkv and o the 64-wide blocks of 2 steps; groups of 32 keep the inputs a program."""
+    from kvfleet.engine.layers.quantization.triton_packed import gemv_plan
+
+    assert gemv_plan(28672, 4096, 128) == (32, 128, 4, 8, 2)
+    assert gemv_plan(4096, 14336, 128) == (32, 128, 4, 28, 2)
+    assert gemv_plan(6144, 4096, 128) == (64, 128, 2, 16, 4)
+    assert gemv_plan(4096, 4096, 128) == (64, 128, 2, 16, 4)
+    assert gemv_plan(28672, 4096, 32) == (32, 32, 16, 8, 2)
