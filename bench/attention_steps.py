@@ -83,7 +83,7 @@ PROMPT_STEPS = {
 
 
 def make_step(
-    query_lens: list[int], seq_lens: list[int], fp8: bool, seed: int = 0
+    query_lens: list[int], seq_lens: list[int], fp8: bool, seed: int = 0, kv_heads: int = KV_HEADS
 ) -> dict[str, Any]:
     """q, a KV cache holding every sequence (blocks shuffled across the pool) and the step's
     metadata, ordered as the runner orders a step (its decodes counted first)."""
@@ -109,7 +109,7 @@ def make_step(
         seq_lens_cpu=list(seq_lens),
         num_decodes=leading_decodes(query_lens),
     )
-    shape = (2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (2, num_blocks, BLOCK, kv_heads, HEAD_DIM)
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     cache = cache.to(FP8) if fp8 else cache
@@ -131,8 +131,8 @@ def graph_us(fn: Callable[[], object], replays: int = 8) -> float:
     return median_seconds(graph.replay, torch.device("cuda"), repeats=10) / replays * 1e6
 
 
-def kv_bytes(seq_lens: list[int], fp8: bool) -> int:
-    return sum(seq_lens) * 2 * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
+def kv_bytes(seq_lens: list[int], fp8: bool, kv_heads: int = KV_HEADS) -> int:
+    return sum(seq_lens) * 2 * kv_heads * HEAD_DIM * (1 if fp8 else 2)
 
 
 @contextmanager
@@ -161,19 +161,26 @@ def compiled_kernels(found: list[Any]) -> Iterator[None]:
 
 
 def sweep_tiles(
-    copy_gbps: float, caches: tuple[bool, ...] = (False, True), splits: tuple[int, ...] = ()
+    copy_gbps: float,
+    caches: tuple[bool, ...] = (False, True),
+    splits: tuple[int, ...] = (),
+    steps: tuple[tuple[int, int, int], ...] = DECODE_STEPS,
+    kv_heads: int = KV_HEADS,
+    min_splits: tuple[int, ...] = (),
 ) -> None:
-    """The decode kernel's TILES over DECODE_STEPS, for each cache (fp8 or not) in `caches`,
-    at the splits `num_splits_for` plans and at each of `splits`."""
+    """The decode kernel's TILES over `steps`, for each cache (fp8 or not) in `caches`, at the
+    splits `num_splits_for` plans and at each of `splits`; with `min_splits`, at each of these
+    least tokens a split (`triton_decode._MIN_SPLIT_TOKENS`) too, the plan's splits made anew."""
     shipped = dict(triton_decode.DECODE_TILES)
+    shipped_min = triton_decode._MIN_SPLIT_TOKENS
     gen = torch.Generator().manual_seed(2)
-    for num_seqs, shortest, longest in DECODE_STEPS:
+    for num_seqs, shortest, longest in steps:
         drawn = torch.randint(shortest, longest + 1, (num_seqs,), generator=gen)
         lens = sorted(drawn.tolist(), reverse=True)
         name = f"{num_seqs} x [{shortest}, {longest}]"
         for fp8 in caches:
-            step = make_step([1] * num_seqs, lens, fp8)
-            floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8) / (copy_gbps * 1e3)
+            step = make_step([1] * num_seqs, lens, fp8, kv_heads=kv_heads)
+            floor_us = kv_bytes(step["metadata"].seq_lens_cpu, fp8, kv_heads) / (copy_gbps * 1e3)
             out = torch.empty_like(step["q"])
             run = functools.partial(
                 triton_decode.decode_attention, step["q"], step["cache"], step["metadata"],
@@ -181,9 +188,11 @@ def sweep_tiles(
             )  # fmt: skip
             run()
             expected = out.float().clone()  # (the shipped tile's, at the planned splits)
-            plan = triton_decode.num_splits_for(num_seqs, KV_HEADS, lens[0], out.device)
-            for tile, num_splits in itertools.product(TILES[fp8], (None, *splits)):
+            variants = itertools.product(TILES[fp8], (None, *splits), (shipped_min, *min_splits))
+            for tile, num_splits, min_split in variants:
                 triton_decode.DECODE_TILES[fp8] = tile
+                triton_decode._MIN_SPLIT_TOKENS = min_split
+                plan = triton_decode.num_splits_for(num_seqs, kv_heads, lens[0], out.device)
                 timed = functools.partial(run, num_splits=num_splits)
                 found: list[Any] = []
                 try:
@@ -197,12 +206,13 @@ def sweep_tiles(
                 k = found[-1]
                 print(
                     f"{name} {'fp8 ' if fp8 else 'bf16'} tile {tile} "
-                    f"splits {num_splits or f'{plan} (plan)'}: "
+                    f"splits {num_splits or f'{plan} (plan)'} of >= {min_split} tokens: "
                     f"{us:7.1f} us ({floor_us / us:5.1%} of floor {floor_us:.1f} us) "
                     f"regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} "
                     f"max |diff| vs shipped {error:.2e}"
                 )
             triton_decode.DECODE_TILES.update(shipped)
+            triton_decode._MIN_SPLIT_TOKENS = shipped_min
 
 
 def time_mixed(step: dict[str, Any], fp8: bool) -> dict[str, float]:
@@ -307,6 +317,12 @@ def _with_tile(tile: tuple[int, int, int, int], *args: Any, **kwargs: Any) -> to
         triton_prompt.PROMPT_TILES.update(shipped)
 
 
+def _step(text: str) -> tuple[int, int, int]:
+    """SEQS:SHORTEST:LONGEST as a decode step of `sweep_tiles`."""
+    seqs, shortest, longest = (int(value) for value in text.split(":"))
+    return seqs, shortest, longest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--part", choices=("tiles", "mixed", "prompt"), required=True)
@@ -314,6 +330,13 @@ def main() -> None:
                         help="--part tiles: the caches swept")  # fmt: skip
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="--part tiles: splits of the KV tried beside the plan's")  # fmt: skip
+    parser.add_argument("--min-split", type=int, nargs="*", default=[],
+                        help="--part tiles: least tokens a split, tried beside 128")  # fmt: skip
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
+                        help="--part tiles: KV heads (query heads: 32)")  # fmt: skip
+    parser.add_argument("--steps", nargs="*", default=[],
+                        help="--part tiles: decode steps SEQS:SHORTEST:LONGEST (default: "
+                             "Llama-3-8B's serving steps)")  # fmt: skip
     args = parser.parse_args()
     ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
     print(
@@ -322,7 +345,11 @@ def main() -> None:
     )
     if args.part == "tiles":
         caches = {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.cache]
-        sweep_tiles(ceilings.copy_gbps, caches, tuple(args.splits))
+        steps = tuple(_step(text) for text in args.steps)
+        sweep_tiles(
+            ceilings.copy_gbps, caches, tuple(args.splits), steps or DECODE_STEPS, args.kv_heads,
+            tuple(args.min_split),
+        )  # fmt: skip
     elif args.part == "mixed":
         mixed_steps(ceilings.copy_gbps)
     else:
