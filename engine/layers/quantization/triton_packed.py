@@ -44,7 +44,8 @@ from kvfleet.engine.layers.quantization.packed import PackedWeights
 GEMV_TILES = (64, 128, 2, 4)
 # ... and from this many weights (N x K) a layer's: narrower blocks of 4 steps on 2 warps (the
 # H200 sweep of session 29 at Llama-3-8B's shapes: gate_up 27.9 us against 29.6, down 16.7
-# against 17.4; at qkv and o the first tiles stay faster, 8.9 against 10.0 and 7.0 against 7.9)
+# against 17.4; at qkv and o the first tiles stay faster, 8.9 against 10.0 and 7.0 against 7.9);
+# INT4 batch 1 at Llama-3-8B's shape 2.755 -> 2.675 ms (bench/RESULTS.md session 30)
 GEMV_TILES_LARGE = (32, 128, 4, 2)
 LARGE_GEMV_WEIGHTS = 1 << 25
 # (BLOCK_M, BLOCK_N, R, STEPS, warps) of the slice GEMM by row count (up to 16, up to 32), and
