@@ -1,5 +1,6 @@
 """One mixture-of-experts layer at real shapes on the GPU, for decode steps of a few tokens:
-the fused path's time beside the bytes its experts stream, and the router GEMV's share.
+the fused path's time beside the bytes its experts stream, and the router GEMV's share; at one
+token, also the two-GEMV path (`triton_moe_gemv`).
 
     bench/device_env.sh python3 bench/moe_layer.py
 
@@ -18,12 +19,22 @@ import torch
 from torch.nn import functional as F
 
 from kvfleet.bench.ceilings import measure_ceilings, median_seconds
-from kvfleet.engine.layers import triton_moe
+from kvfleet.engine.layers import triton_moe, triton_moe_gemv
 from kvfleet.engine.layers.moe import experts_reference, route
 
 # (experts, top k, hidden, inner) of one layer
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 COPIES = 4
+# (gate_up, down) tiles of the two-GEMV path swept beside its shipped ones: (BLOCK_N, BLOCK_K,
+# warps) each
+_Tiles = tuple[tuple[int, int, int], tuple[int, int, int]]
+GEMV_SWEEP: list[_Tiles] = [
+    ((4, 512, 4), (4, 512, 4)),
+    ((8, 512, 4), (8, 512, 4)),
+    ((16, 256, 8), (4, 256, 4)),
+    ((8, 256, 4), (2, 512, 2)),
+    ((4, 256, 2), (16, 256, 4)),
+]
 
 
 @dataclass
@@ -42,6 +53,12 @@ class _Layer:
     def fused(self, c: int) -> torch.Tensor:
         weights, ids = triton_moe.route_fused(self.router(c), self.top_k, True)
         return triton_moe.fused_experts(self.x, self.w13[c], self.w2[c], weights, ids)
+
+    def gemvs(self, c: int, tiles: _Tiles | None = None) -> torch.Tensor:
+        """One token's layer as two GEMVs (`triton_moe_gemv`), at its shipped tiles or these."""
+        return triton_moe_gemv.one_token_moe(
+            self.x, self.router(c), self.w13[c], self.w2[c], self.top_k, True, tiles
+        )
 
     def reference(self, c: int) -> torch.Tensor:
         weights, ids = route(self.router(c), self.top_k, True)
@@ -98,6 +115,19 @@ def main() -> None:
                 f"{router_us:.1f} us of it); experts {expert_bytes / 1e6:.1f} MB, floor "
                 f"{floor_us:.1f} us ({floor_us / fused_us:.0%}); relative error {error:.1e}"
             )
+            for tiles in [None, *GEMV_SWEEP] if tokens == 1 else []:
+
+                def gemvs(
+                    c: int, layer: _Layer = layer, tiles: _Tiles | None = tiles
+                ) -> torch.Tensor:
+                    return layer.gemvs(c, tiles)
+
+                error = float((gemvs(0).float() - reference).norm() / reference.norm())
+                gemvs_us = median_seconds(_layer_graph(gemvs), device, repeats=50) / COPIES * 1e6
+                print(
+                    f"{shape} tokens 1, two GEMVs {tiles or 'shipped'}: {gemvs_us:.1f} us a "
+                    f"layer ({floor_us / gemvs_us:.0%} of floor); relative error {error:.1e}"
+                )
         del gates, w13, w2
         torch.cuda.empty_cache()
 

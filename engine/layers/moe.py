@@ -22,6 +22,9 @@ from torch.nn import functional as F
 from kvfleet.engine.layers.linear import Linear
 from kvfleet.engine.layers.quantization.linear import expect_shape
 
+# One token's experts through `triton_moe_gemv` (two GEMVs; False: the grouped kernels, as
+# before, for A/B runs)
+ONE_TOKEN_GEMVS = True
 # A checkpoint's names for each expert's three projections (Mixtral's, then the rest's)
 EXPERT_PARTS = {
     "w1": "gate",
@@ -136,8 +139,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.is_cuda:
             from kvfleet.engine.layers.triton_moe import fused_moe
+            from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
 
             logits = self.gate(x)
+            if x.shape[0] == 1 and ONE_TOKEN_GEMVS:
+                return one_token_moe(x, logits, self.w13, self.w2, self.top_k, self.renormalize)
             return fused_moe(
                 x, logits, self.w13, self.w2, self.top_k, self.renormalize, self.real_tokens
             )

@@ -31,8 +31,24 @@ def _route_rows(
     logits_ptr, weights_ptr, ids_ptr, tokens, token_ok, num_experts, stride_l,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):  # fmt: skip
-    """`moe.route` for the tokens [T] (each row one token): softmax in float32, the top k
-    (highest first), rescaled; the weights and ids stored."""
+    """`moe.route` for the tokens [T] (each row one token), the weights and ids stored."""
+    weights, ids = top_k_rows(
+        logits_ptr, tokens, token_ok, num_experts, stride_l, TOP_K, K_PAD, E_PAD, RENORMALIZE
+    )
+    slots = tl.arange(0, K_PAD)[None, :]
+    at = tokens[:, None] * TOP_K + slots
+    ok = token_ok[:, None] & (slots < TOP_K)
+    tl.store(weights_ptr + at, weights, mask=ok)
+    tl.store(ids_ptr + at, ids, mask=ok)
+
+
+@triton.jit
+def top_k_rows(
+    logits_ptr, tokens, token_ok, num_experts, stride_l,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """`moe.route` for the tokens [T]: softmax in float32, the top k (highest first), rescaled:
+    (weights [T, K_PAD] float32, ids [T, K_PAD] int64; slots past TOP_K 0)."""
     offs = tl.arange(0, E_PAD)[None, :]
     logits = tl.load(
         logits_ptr + tokens[:, None] * stride_l + offs,
@@ -53,10 +69,7 @@ def _route_rows(
         probs = tl.where(offs == chosen, -1.0, probs)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 1)[:, None]
-    at = tokens[:, None] * TOP_K + slots
-    ok = token_ok[:, None] & (slots < TOP_K)
-    tl.store(weights_ptr + at, weights, mask=ok)
-    tl.store(ids_ptr + at, ids, mask=ok)
+    return weights, ids
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from kvfleet.engine.layers.triton_moe import (  # noqa: E402
     route_and_align_fused,
     route_fused,
 )
+from kvfleet.engine.layers.triton_moe_gemv import one_token_moe  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.unit.engine.triton.test_moe_kernels import by_run  # noqa: E402
@@ -63,6 +64,28 @@ def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: in
     assert relative < 1e-2, relative
 
 
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_token_gemvs_match_reference_at_real_shapes(shape: str, seed: int) -> None:
+    """A batch-1 step's layer as two GEMVs (the router's top k found in each gate_up program),
+    bf16, from the router's logits on."""
+    experts, top_k, hidden, inner = MOE_SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device="cuda") * scale).bfloat16()
+
+    x = randn(1, hidden)
+    w13 = randn(experts, 2 * inner, hidden, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inner, scale=inner**-0.5)
+    logits = randn(1, experts)
+    weights, ids = route(logits, top_k, renormalize=True)
+    expected = experts_reference(x, w13, w2, weights, ids).float()
+    out = one_token_moe(x, logits, w13, w2, top_k, renormalize=True).float()
+    relative = float((out - expected).norm() / expected.norm())
+    assert relative < 1e-2, relative
+
+
 @pytest.mark.parametrize("num_tokens", [1, 16, 64, 256, 2048])
 def test_one_program_routes_and_groups_as_the_torch_ops_do(num_tokens: int) -> None:
     """The router kernel and the one-program grouping (relaxed atomics, barriers) on the GPU,
@@ -85,6 +108,7 @@ def test_one_program_routes_and_groups_as_the_torch_ops_do(num_tokens: int) -> N
         assert torch.equal(by_run(routed[2], routed[3]), by_run(*expected))
 
 
+FAMILIES = ["qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "phi-3-mini", "gemma-3-12b", "gemma-2-9b"]
 # Gemma 2 9B's shape (not shipped): soft-capped attention and logits, a window every other layer
 GEMMA2_9B = {
     "model_type": "gemma2",
@@ -104,13 +128,20 @@ GEMMA2_9B = {
 
 
 @pytest.mark.parametrize(
-    "family",
-    ["qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "phi-3-mini", "gemma-3-12b", "gemma-2-9b"],
+    ("family", "num_prompts"),
+    [
+        *((family, 5) for family in FAMILIES),
+        ("qwen3-30b-a3b", 1),
+        ("mixtral-8x7b", 1),
+    ],
 )
-def test_triton_path_with_graphs_equals_torch_path(family: str, tmp_path: Path) -> None:
+def test_triton_path_with_graphs_equals_torch_path(
+    family: str, num_prompts: int, tmp_path: Path
+) -> None:
     """(Gemma: a 64-token window on the first layer, full attention on the second, so the
     prompts pass the window. Five prompts: decode steps of 5 replay the graph of 8, whose
-    padding tokens an MoE layer must route to no expert.)"""
+    padding tokens an MoE layer must route to no expert; one prompt (the 300 tokens): decode
+    steps of one token, an MoE layer's two GEMVs.)"""
     if family == "gemma-2-9b":
         config = dict(GEMMA2_9B)
     else:
@@ -122,6 +153,7 @@ def test_triton_path_with_graphs_equals_torch_path(family: str, tmp_path: Path) 
     gen = torch.Generator().manual_seed(3)
     vocab = int(config["vocab_size"])
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 300, 64, 129, 33)]
+    prompts = prompts if num_prompts == 5 else prompts[1:2]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     results = {}
     for backend in ("triton", "torch"):

@@ -21,6 +21,7 @@ from kvfleet.engine.layers.triton_moe import (
     route_and_align_fused,
     route_fused,
 )
+from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
 
 
 def by_run(sorted_rows: torch.Tensor, run_ends: torch.Tensor) -> torch.Tensor:
@@ -172,3 +173,32 @@ def test_a_graphs_padding_tokens_meet_no_expert_and_come_out_zero(num_tokens: in
     expected = experts_reference(x[:real], w13, w2, weights, ids)
     assert (out[:real] - expected).abs().max() < 1e-5
     assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "hidden", "inner"),
+    [
+        (8, 2, 272, 84),  # inner not a multiple of the 8-row blocks; hidden: several steps
+        (4, 2, 40, 136),  # float32: down's inputs in several steps
+        (128, 8, 64, 24),  # Qwen3-MoE's routing
+        (6, 6, 40, 16),  # every expert chosen
+    ],
+)
+def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
+    dtype: torch.dtype, tolerance: float, num_experts: int, top_k: int, hidden: int, inner: int
+) -> None:
+    """A batch-1 step: the top k found by each gate_up program from the router's logits, the
+    experts' SiLU(gate) * up, then down over the k experts' rows weighted and summed in one
+    GEMV: the reference's output, renormalized or not."""
+    gen = torch.Generator().manual_seed(hidden + top_k)
+    x = torch.randn(1, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5).to(dtype)
+    logits = torch.randn(1, num_experts, generator=gen).to(dtype)
+    for renormalize in (False, True):
+        weights, ids = route(logits, top_k, renormalize)
+        expected = experts_reference(x, w13, w2, weights, ids)
+        out = one_token_moe(x, logits, w13, w2, top_k, renormalize)
+        assert out.dtype == dtype
+        assert (out.float() - expected.float()).abs().max() < tolerance

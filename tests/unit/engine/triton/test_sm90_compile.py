@@ -91,7 +91,7 @@ def prompt(q_type, cache_type, kind, split):
 def dependent_launch():
     # Each kernel launched dependent (PDL=True) waits (griddepcontrol.wait) and lets its
     # successor start; the GEMVs load weights before the wait, the others nothing.
-    from kvfleet.engine.layers import triton_gemv, triton_layers, triton_moe
+    from kvfleet.engine.layers import triton_gemv, triton_layers, triton_moe, triton_moe_gemv
     from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
     cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     mma_types = {"x_ptr": "*bf16", "x_scales_ptr": "*fp32", "w_ptr": "*fp8e4nv",
@@ -164,6 +164,14 @@ def dependent_launch():
                          "weights_ptr": "*fp32", "out_ptr": "*bf16", "sorted_rows_ptr": "*i32",
                          "run_ends_ptr": "*i32"}, dict(E_PAD=128, BLOCK_M=16, BLOCK_N=32,
                          BLOCK_K=128, DOT_PRECISION="tf32"), 0),
+        "one token's gate_up": (triton_moe_gemv._gate_up_gemv_kernel, {"x_ptr": "*bf16",
+                                "logits_ptr": "*bf16", "w13_ptr": "*bf16", "h_ptr": "*bf16",
+                                "weights_ptr": "*fp32", "ids_ptr": "*i64"},
+                                dict(TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True, BLOCK_N=8,
+                                BLOCK_K=256), 0),
+        "one token's down": (triton_moe_gemv._down_gemv_kernel, {"h_ptr": "*bf16",
+                             "w2_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                             "out_ptr": "*bf16"}, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=256), 0),
         "act": (triton_layers._act_and_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16",
                 "scale_ptr": "*fp32", "fp8_max": "fp32", "min_scale": "fp32"},
                 dict(GELU_TANH=False, QUANTIZE=False, BLOCK=1024), 0),

@@ -1,0 +1,154 @@
+"""A one-token mixture-of-experts layer as two GEMVs in Triton (a batch-1 decode step).
+
+With one token there is nothing to group: `triton_moe`'s grouping kernel and the sum of each
+token's rows after down are fixed costs (on the H200 at Qwen3-30B-A3B's shape, 4.0 and 2.0 us a
+layer against gate_up's 15.3 and down's 9.2; bench/RESULTS.md "2026-11-29 (session 29)"), and
+its grouped GEMMs pad each expert's one row to a block of 16. Here, after the router's GEMV:
+
+- gate_up: program (choice, block of inner rows) finds the token's top k from the router's
+  logits itself (a softmax over E values, as every program of the layer can afford), then
+  streams that expert's gate and up rows as `triton_gemv`'s GEMV does (a [BLOCK_N, BLOCK_K]
+  float32 sum of products a step, reduced once) and writes SiLU(gate) * up [TOP_K, inner];
+  the first block of each choice stores its router weight and expert.
+- down: program (block of hidden rows) takes the k experts' rows one after another, each
+  expert's h scaled by its router weight: a GEMV over k x inner inputs whose sum is the
+  layer's output, so no partial rows and no combine.
+
+Two launches instead of four (route + group, gate_up, down, combine). The reference is the
+same as `triton_moe`'s: `moe.route` then `moe.experts_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.engine.layers.dependent_launch import (
+    dependent_launch_args,
+    let_next_start,
+    wait_for_previous,
+)
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.triton_moe import top_k_rows
+
+# (BLOCK_N, BLOCK_K, warps) of the gate_up and the down GEMV, bf16/fp16 weights (a float32
+# weight halves BLOCK_K: a tile holds the same bytes).
+GATE_UP_TILES = (8, 256, 4)
+DOWN_TILES = (8, 256, 4)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr,  # [hidden]
+    logits_ptr,  # [E] the router's
+    w13_ptr,  # [E, 2 * inner, hidden]
+    h_ptr,  # [TOP_K, inner] out: SiLU(gate) * up of each choice
+    weights_ptr,  # [TOP_K] float32 out: the router weights
+    ids_ptr,  # [TOP_K] int64 out: the experts
+    num_experts, inner, hidden, stride_we,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    choice = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    let_next_start(PDL)
+    wait_for_previous(PDL)  # (the logits: which expert, hence which weights)
+    token = tl.arange(0, 1)
+    weights, ids = top_k_rows(
+        logits_ptr, token, token >= 0, num_experts, 0, TOP_K, K_PAD, E_PAD, RENORMALIZE
+    )
+    slots = tl.arange(0, K_PAD)[None, :]
+    mine = slots == choice
+    expert = tl.sum(tl.sum(tl.where(mine, ids, 0), 1), 0)
+    if pid_n == 0:
+        tl.store(weights_ptr + slots, weights, mask=mine)
+        tl.store(ids_ptr + slots, ids, mask=mine)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < inner
+    offsets = tl.arange(0, BLOCK_K)
+    gate_ptrs = w13_ptr + expert * stride_we + rows[:, None] * hidden
+    up_ptrs = gate_ptrs + inner * hidden
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        ks = k + offsets
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_ok = row_ok[:, None] & k_ok[None, :]
+        gate += tl.load(gate_ptrs + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * x
+        up += tl.load(up_ptrs + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * x
+    g = tl.sum(gate, 1)
+    h = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
+    tl.store(h_ptr + choice * inner + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr,  # [TOP_K, inner]
+    w2_ptr,  # [E, hidden, inner]
+    weights_ptr,  # [TOP_K] float32
+    ids_ptr,  # [TOP_K] int64
+    out_ptr,  # [hidden]
+    hidden, inner, stride_we,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < hidden
+    offsets = tl.arange(0, BLOCK_K)
+    let_next_start(PDL)
+    wait_for_previous(PDL)  # (the experts and h, from the gate_up GEMV)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for choice in range(TOP_K):
+        expert = tl.load(ids_ptr + choice)
+        weight = tl.load(weights_ptr + choice)
+        w_ptrs = w2_ptr + expert * stride_we + rows[:, None] * inner
+        for k in range(0, inner, BLOCK_K):
+            ks = k + offsets
+            k_ok = ks < inner
+            h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * (h * weight)[None, :]
+    out = tl.sum(acc, 1)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def one_token_moe(
+    x: torch.Tensor,  # [1, hidden]
+    router_logits: torch.Tensor,  # [1, E]
+    w13: torch.Tensor,  # [E, 2 * inner, hidden]
+    w2: torch.Tensor,  # [E, hidden, inner]
+    top_k: int,
+    renormalize: bool,
+    tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+) -> torch.Tensor:  # [1, hidden]
+    """`moe.route` then `moe.experts_reference` for one token, in two kernels; `tiles`:
+    (GATE_UP_TILES, DOWN_TILES) other than the shipped ones (bench/moe_layer.py)."""
+    num_experts, hidden, inner = w2.shape
+    assert x.shape == (1, hidden)
+    assert router_logits.shape == (1, num_experts)
+    assert x.is_contiguous()
+    assert router_logits.is_contiguous()
+    assert w13.stride()[1:] == (hidden, 1), "each expert's rows contiguous"
+    assert w2.stride()[1:] == (inner, 1), "each expert's rows contiguous"
+    device = x.device
+    h = x.new_empty(top_k, inner)
+    weights = torch.empty(top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(top_k, dtype=torch.int64, device=device)
+    pdl = dependent_launch_args(device)
+    wide = 2 if x.element_size() > 2 else 1  # (float32: half the inputs a tile)
+    gate_up_tiles, down_tiles = tiles or (GATE_UP_TILES, DOWN_TILES)
+    block_n, block_k, warps = gate_up_tiles
+    _gate_up_gemv_kernel[(top_k, cdiv(inner, block_n))](
+        x, router_logits, w13, h, weights, ids, num_experts, inner, hidden, w13.stride(0),
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k // wide, **pdl,
+        num_warps=warps,
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    block_n, block_k, warps = down_tiles
+    _down_gemv_kernel[(cdiv(hidden, block_n),)](
+        h, w2, weights, ids, out, hidden, inner, w2.stride(0), TOP_K=top_k, BLOCK_N=block_n,
+        BLOCK_K=block_k // wide, **pdl, num_warps=warps,
+    )  # fmt: skip
+    return out
