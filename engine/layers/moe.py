@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvfleet.engine.layers.linear import Linear
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.quantization.linear import expect_shape
 
 # One token's experts through `triton_moe_gemv` (two GEMVs; False: the grouped kernels, as
@@ -136,7 +136,23 @@ class SparseMoeBlock(nn.Module):
     def num_experts(self) -> int:
         return int(self.w13.shape[0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_unnormalized(self, x: torch.Tensor) -> bool:
+        """Whether this layer's input row is better left to its GEMVs to normalize
+        (`UnnormalizedRow`, `torch_layers.takes_norm`): one token on the GEMV path, whose
+        router runs the Triton GEMV."""
+        return (
+            self.fused
+            and ONE_TOKEN_GEMVS
+            and type(self.gate) is Linear
+            and self.gate.uses_triton_gemv(x)
+        )
+
+    def forward(self, x: torch.Tensor | UnnormalizedRow) -> torch.Tensor:
+        if isinstance(x, UnnormalizedRow):  # (`takes_unnormalized` said so)
+            from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
+
+            logits = self.gate(x)  # (its GEMV writes x + residual)
+            return one_token_moe(x, logits, self.w13, self.w2, self.top_k, self.renormalize)
         if self.fused and x.is_cuda:
             from kvfleet.engine.layers.triton_moe import fused_moe
             from kvfleet.engine.layers.triton_moe_gemv import one_token_moe

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvfleet.engine.layers import linear
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
+from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.fp8 import (
     Fp8Linear,
     QuantizedRows,
@@ -91,6 +92,8 @@ def takes_norm(layer: nn.Module | None, x: torch.Tensor) -> bool:
         return False
     if type(layer) is Linear:
         return layer.uses_triton_gemv(x)
+    if isinstance(layer, SparseMoeBlock):
+        return layer.takes_unnormalized(x)
     return type(layer) is Fp8Linear
 
 

@@ -181,7 +181,7 @@ def _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max, resid
     QUANTIZED x (past M: 0); exact products, summed SPAN at a time in the tensor cores, those
     sums in float32."""
     if not QUANTIZED:
-        x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
+        x = row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
                         OFFSET).to(tl.float32)  # fmt: skip
         xq = scaled_to_e4m3(x, x_scale, fp8_max).to(w.dtype)
         columns = tl.broadcast_to(xq[None, :], [tokens.shape[0], BLOCK_K])
@@ -251,7 +251,7 @@ def fp8_gemv_mma(
 ) -> torch.Tensor:
     """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
     `split`: about how many parts K is cut into (default: enough programs an SM)."""
-    row, _ = _row_and_norm(x)
+    row, _ = row_and_norm(x)
     out = torch.empty((1, weight.shape[0]), dtype=row.dtype, device=row.device)
     _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split)
     return out
@@ -292,7 +292,7 @@ def _launch_mma(
     tiles: tuple[int, int, int] | None,
     split: int | None,
 ) -> None:
-    row, norm = _row_and_norm(x)
+    row, norm = row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
     block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
@@ -304,7 +304,7 @@ def _launch_mma(
         row, x_scales if quantized else weight_scale, weight, weight_scale,
         x_scale if x_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, space.partials, space.counters, out,
-        *_norm_args(norm, row), m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
+        *norm_args(norm, row), m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
         norm.eps if norm is not None else 0.0, STATIC=x_scale is not None,
         HAS_BIAS=bias is not None, SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
@@ -314,7 +314,7 @@ def _launch_mma(
     )  # fmt: skip
 
 
-def _row_and_norm(
+def row_and_norm(
     x: torch.Tensor | UnnormalizedRow,
 ) -> tuple[torch.Tensor, UnnormalizedRow | None]:
     """(the row a GEMV reads, the norm it applies to it or None)."""
@@ -323,7 +323,7 @@ def _row_and_norm(
     return x, None
 
 
-def _norm_args(
+def norm_args(
     norm: UnnormalizedRow | None, row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(residual, the norm's weight, residual out) for a GEMV kernel (the row in their place
@@ -345,7 +345,7 @@ def _weight_tile(w_ptr, cols, col_ok, ks, K):
 
 
 @triton.jit
-def _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM: tl.constexpr,
+def row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
     """The multiplied row's inputs `ks` (0 past K): x[ks], or when NORM RMSNorm(x +
     residual)[ks] of the row whose `inverse_rms` is inv_rms."""
@@ -397,9 +397,9 @@ def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, f
 def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr, norm_w_ptr,
               inv_rms, QUANTIZE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
               OFFSET: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`_row_values`; quantized to e4m3 when
+    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`row_values`; quantized to e4m3 when
     QUANTIZE) times the weight tile w."""
-    x = _row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
+    x = row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
                     OFFSET).to(tl.float32)  # fmt: skip
     if QUANTIZE:
         x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
@@ -430,7 +430,7 @@ def gemv(
     per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). An `UnnormalizedRow`:
     the row multiplied is its RMSNorm, made inside as `triton_layers.add_rms_norm` makes it,
     x + residual written to its `residual_out` (one kernel fewer)."""
-    row, norm = _row_and_norm(x)
+    row, norm = row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
     assert m == 1
@@ -451,7 +451,7 @@ def gemv(
     whole_row = norm is not None or (quantize and x_scale is None)
     _gemv_kernel[(cdiv(n, block_n),)](
         row, weight, placeholder, x_scale if x_scale is not None else placeholder,
-        bias if bias is not None else placeholder, out, *_norm_args(norm, row), n, k, FP8_MAX,
+        bias if bias is not None else placeholder, out, *norm_args(norm, row), n, k, FP8_MAX,
         _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
         STATIC=x_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,

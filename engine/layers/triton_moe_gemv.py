@@ -30,6 +30,9 @@ from kvfleet.engine.layers.dependent_launch import (
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.linear import UnnormalizedRow
+from kvfleet.engine.layers.triton_gemv import norm_args, row_and_norm, row_values
+from kvfleet.engine.layers.triton_layers import inverse_rms, summed_row
 from kvfleet.engine.layers.triton_moe import top_k_rows
 
 # (BLOCK_N, BLOCK_K, warps) of the gate_up and the down GEMV, bf16/fp16 weights (a float32
@@ -46,14 +49,24 @@ def _gate_up_gemv_kernel(
     h_ptr,  # [TOP_K, inner] out: SiLU(gate) * up of each choice
     weights_ptr,  # [TOP_K] float32 out: the router weights
     ids_ptr,  # [TOP_K] int64 out: the experts
-    num_experts, inner, hidden, stride_we,
+    residual_ptr,  # [hidden] (NORM and HAS_RESIDUAL)
+    norm_w_ptr,  # [hidden] the norm's weight (NORM)
+    num_experts, inner, hidden, stride_we, eps,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """NORM: the token's row is RMSNorm(x + residual), made here as the router's GEMV made it
+    (`triton_gemv.row_values`)."""
     choice = tl.program_id(0)
     pid_n = tl.program_id(1)
     let_next_start(PDL)
     wait_for_previous(PDL)  # (the logits: which expert, hence which weights)
+    inv_rms = 1.0
+    if NORM:
+        row = tl.arange(0, ROW_BLOCK)
+        inv_rms = inverse_rms(summed_row(x_ptr, residual_ptr, row, row < hidden, HAS_RESIDUAL),
+                              hidden, eps)  # fmt: skip
     token = tl.arange(0, 1)
     weights, ids = top_k_rows(
         logits_ptr, token, token >= 0, num_experts, 0, TOP_K, K_PAD, E_PAD, RENORMALIZE
@@ -74,7 +87,8 @@ def _gate_up_gemv_kernel(
     for k in range(0, hidden, BLOCK_K):
         ks = k + offsets
         k_ok = ks < hidden
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x = row_values(x_ptr, ks, hidden, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
+                       OFFSET).to(tl.float32)[None, :]  # fmt: skip
         w_ok = row_ok[:, None] & k_ok[None, :]
         gate += tl.load(gate_ptrs + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * x
         up += tl.load(up_ptrs + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * x
@@ -114,7 +128,7 @@ def _down_gemv_kernel(
 
 
 def one_token_moe(
-    x: torch.Tensor,  # [1, hidden]
+    x: torch.Tensor | UnnormalizedRow,  # [1, hidden]
     router_logits: torch.Tensor,  # [1, E]
     w13: torch.Tensor,  # [E, 2 * inner, hidden]
     w2: torch.Tensor,  # [E, hidden, inner]
@@ -123,7 +137,10 @@ def one_token_moe(
     tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:  # [1, hidden]
     """`moe.route` then `moe.experts_reference` for one token, in two kernels; `tiles`:
-    (GATE_UP_TILES, DOWN_TILES) other than the shipped ones (bench/moe_layer.py)."""
+    (GATE_UP_TILES, DOWN_TILES) other than the shipped ones (bench/moe_layer.py). An
+    `UnnormalizedRow`: the token is its RMSNorm, made by the gate_up GEMV as by the router's
+    (which wrote x + residual: `router_logits` must come from it)."""
+    x, norm = row_and_norm(x)
     num_experts, hidden, inner = w2.shape
     assert x.shape == (1, hidden)
     assert router_logits.shape == (1, num_experts)
@@ -139,11 +156,15 @@ def one_token_moe(
     wide = 2 if x.element_size() > 2 else 1  # (float32: half the inputs a tile)
     gate_up_tiles, down_tiles = tiles or (GATE_UP_TILES, DOWN_TILES)
     block_n, block_k, warps = gate_up_tiles
+    residual, norm_weight, _ = norm_args(norm, x)
     _gate_up_gemv_kernel[(top_k, cdiv(inner, block_n))](
-        x, router_logits, w13, h, weights, ids, num_experts, inner, hidden, w13.stride(0),
-        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k // wide, **pdl,
-        num_warps=warps,
+        x, router_logits, w13, h, weights, ids, residual, norm_weight, num_experts, inner, hidden,
+        w13.stride(0), norm.eps if norm is not None else 0.0, TOP_K=top_k,
+        K_PAD=next_power_of_2(top_k), E_PAD=next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k // wide,
+        ROW_BLOCK=next_power_of_2(hidden) if norm is not None else 1, NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, warps = down_tiles

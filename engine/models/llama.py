@@ -241,9 +241,10 @@ class LlamaDecoderLayer(nn.Module):
             qkv = self.self_attn.qkv_proj
             normed, residual = norm_for(self.input_layernorm, qkv, hidden, residual, self.tp)
             hidden = self.self_attn(positions, normed, kv_cache, metadata)
-            gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
+            # (the MLP's gate_up or the experts' block takes the normalized row)
+            after = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
             normed, residual = norm_for(
-                self.post_attention_layernorm, gate_up, hidden, residual, self.tp
+                self.post_attention_layernorm, after, hidden, residual, self.tp
             )
             return self.mlp(normed), residual
         hidden, residual = self.input_layernorm(hidden, residual)

@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvfleet.engine.layers.linear import UnnormalizedRow  # noqa: E402
 from kvfleet.engine.layers.moe import (  # noqa: E402
     align_rows,
     experts_reference,
@@ -83,6 +84,35 @@ def test_one_token_gemvs_match_reference_at_real_shapes(shape: str, seed: int) -
     expected = experts_reference(x, w13, w2, weights, ids).float()
     out = one_token_moe(x, logits, w13, w2, top_k, renormalize=True).float()
     relative = float((out - expected).norm() / expected.norm())
+    assert relative < 1e-2, relative
+
+
+def test_one_tokens_experts_take_the_row_unnormalized() -> None:
+    """At Qwen3-30B-A3B's shape, bf16, launched dependent: the norm before the experts is left
+    to the router's and the gate_up GEMV (`takes_norm`), and the layer's output is the one of
+    the norm kernel's row within rounding (each kernel sums the row's squares in its order)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the Triton GEMVs launch dependent: compute capability 9.0")
+    from kvfleet.engine.layers.moe import SparseMoeBlock
+    from kvfleet.engine.layers.torch_layers import RMSNorm
+
+    experts, top_k, hidden, inner = MOE_SHAPES["qwen3-30b-a3b"]
+    block = SparseMoeBlock(experts, hidden, inner, top_k, True, fused=True)
+    norm = RMSNorm(hidden, 1e-6, fused=True)
+    block, norm = block.cuda().bfloat16(), norm.cuda().bfloat16()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for param in (block.gate.weight, block.w13, block.w2):
+            param.copy_(torch.randn(param.shape, generator=gen, device="cuda") / hidden**0.5)
+        norm.weight.copy_(torch.rand(hidden, generator=gen, device="cuda") + 0.5)
+    x, residual = torch.randn(2, 1, hidden, generator=gen, device="cuda").bfloat16()
+    row, residual_out = norm.forward_for(block, x, residual)
+    assert isinstance(row, UnnormalizedRow)
+    got = block(row).float()
+    normed, want_residual = norm(x, residual)
+    assert torch.equal(residual_out, want_residual)
+    want = block(normed).float()
+    relative = float((got - want).norm() / want.norm())
     assert relative < 1e-2, relative
 
 

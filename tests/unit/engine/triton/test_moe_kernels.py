@@ -202,3 +202,28 @@ def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
         out = one_token_moe(x, logits, w13, w2, top_k, renormalize)
         assert out.dtype == dtype
         assert (out.float() - expected.float()).abs().max() < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("with_residual", "offset"), [(True, False), (False, False), (True, True)])
+def test_one_tokens_gemvs_normalize_the_row_as_the_norm_kernel_does(
+    dtype: torch.dtype, with_residual: bool, offset: bool
+) -> None:
+    """An `UnnormalizedRow` through the router's GEMV and the two expert GEMVs gives, bit for
+    bit, the layer of `triton_layers.add_rms_norm`'s output, and x + residual is written."""
+    from kvfleet.engine.layers import triton_layers
+    from kvfleet.engine.layers.triton_gemv import gemv
+    from tests.unit.engine.triton.test_triton_gemv import _unnormalized_row
+
+    row = _unnormalized_row(dtype, with_residual, offset, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    num_experts, top_k, inner = 16, 4, 24
+    gate = (torch.randn(num_experts, 200, generator=gen) * 0.1).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inner, 200, generator=gen) / 200**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, 200, inner, generator=gen) / inner**0.5).to(dtype)
+    normed, residual = triton_layers.add_rms_norm(row.x, row.residual, row.weight, row.eps, offset)
+    want = one_token_moe(normed, gemv(normed, gate), w13, w2, top_k, True)
+    logits = gemv(row, gate)
+    assert torch.equal(logits, gemv(normed, gate))
+    assert torch.equal(one_token_moe(row, logits, w13, w2, top_k, True), want)
+    assert torch.equal(row.residual_out, residual)
