@@ -103,6 +103,9 @@ def dependent_launch():
                        "x_scale_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                        "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
+    moe_gemv_types = {"x_ptr": "*bf16", "logits_ptr": "*bf16", "w13_ptr": "*bf16",
+                      "h_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                      "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32"}
     kernels = {
         "norm": (triton_layers._add_rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
                  "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
@@ -164,11 +167,12 @@ def dependent_launch():
                          "weights_ptr": "*fp32", "out_ptr": "*bf16", "sorted_rows_ptr": "*i32",
                          "run_ends_ptr": "*i32"}, dict(E_PAD=128, BLOCK_M=16, BLOCK_N=32,
                          BLOCK_K=128, DOT_PRECISION="tf32"), 0),
-        "one token's gate_up": (triton_moe_gemv._gate_up_gemv_kernel, {"x_ptr": "*bf16",
-                                "logits_ptr": "*bf16", "w13_ptr": "*bf16", "h_ptr": "*bf16",
-                                "weights_ptr": "*fp32", "ids_ptr": "*i64"},
+        "one token's gate_up": (triton_moe_gemv._gate_up_gemv_kernel, moe_gemv_types,
                                 dict(TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True, BLOCK_N=8,
-                                BLOCK_K=256), 0),
+                                BLOCK_K=256, ROW_BLOCK=1) | no_norm, 0),
+        "one token's gate_up, norm": (triton_moe_gemv._gate_up_gemv_kernel, moe_gemv_types,
+                                      dict(TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True,
+                                      BLOCK_N=8, BLOCK_K=256, ROW_BLOCK=2048) | norm, 0),
         "one token's down": (triton_moe_gemv._down_gemv_kernel, {"h_ptr": "*bf16",
                              "w2_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                              "out_ptr": "*bf16"}, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=256), 0),
