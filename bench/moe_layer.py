@@ -34,6 +34,8 @@ GEMV_SWEEP: list[_Tiles] = [
     ((16, 256, 8), (4, 256, 4)),
     ((8, 256, 4), (2, 512, 2)),
     ((4, 256, 2), (16, 256, 4)),
+    ((8, 128, 4), (4, 256, 2)),  # (fewer registers: all of gate_up's programs resident at once)
+    ((4, 128, 2), (2, 256, 2)),
 ]
 
 
