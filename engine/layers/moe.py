@@ -148,20 +148,17 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor | UnnormalizedRow) -> torch.Tensor:
-        if isinstance(x, UnnormalizedRow):  # (`takes_unnormalized` said so)
+        one_token = self.fused and x.shape[0] == 1 and ONE_TOKEN_GEMVS
+        if isinstance(x, UnnormalizedRow) or (one_token and x.is_cuda):
             from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
 
-            logits = self.gate(x)  # (its GEMV writes x + residual)
+            logits = self.gate(x)  # (an `UnnormalizedRow`'s GEMV writes x + residual)
             return one_token_moe(x, logits, self.w13, self.w2, self.top_k, self.renormalize)
         if self.fused and x.is_cuda:
             from kvfleet.engine.layers.triton_moe import fused_moe
-            from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
 
-            logits = self.gate(x)
-            if x.shape[0] == 1 and ONE_TOKEN_GEMVS:
-                return one_token_moe(x, logits, self.w13, self.w2, self.top_k, self.renormalize)
             return fused_moe(
-                x, logits, self.w13, self.w2, self.top_k, self.renormalize, self.real_tokens
+                x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize, self.real_tokens
             )
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return experts_reference(x, self.w13, self.w2, weights, ids)
