@@ -318,8 +318,10 @@ def _with_tile(tile: tuple[int, int, int, int], *args: Any, **kwargs: Any) -> to
 
 
 def _step(text: str) -> tuple[int, int, int]:
-    """SEQS:SHORTEST:LONGEST as a decode step of `sweep_tiles`."""
+    """SEQS:SHORTEST:LONGEST as a decode step of `sweep_tiles` (argparse reports a bad one)."""
     seqs, shortest, longest = (int(value) for value in text.split(":"))
+    if not (seqs > 0 and 0 < shortest <= longest):
+        raise ValueError(text)
     return seqs, shortest, longest
 
 
@@ -334,7 +336,7 @@ def main() -> None:
                         help="--part tiles: least tokens a split, tried beside 128")  # fmt: skip
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
                         help="--part tiles: KV heads (query heads: 32)")  # fmt: skip
-    parser.add_argument("--steps", nargs="*", default=[],
+    parser.add_argument("--steps", nargs="*", default=[], type=_step,
                         help="--part tiles: decode steps SEQS:SHORTEST:LONGEST (default: "
                              "Llama-3-8B's serving steps)")  # fmt: skip
     args = parser.parse_args()
@@ -345,7 +347,7 @@ def main() -> None:
     )
     if args.part == "tiles":
         caches = {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.cache]
-        steps = tuple(_step(text) for text in args.steps)
+        steps = tuple(args.steps)
         sweep_tiles(
             ceilings.copy_gbps, caches, tuple(args.splits), steps or DECODE_STEPS, args.kv_heads,
             tuple(args.min_split),

@@ -12,6 +12,7 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,6 +75,10 @@ class _Layer:
         return sum(chosen) / COPIES
 
 
+def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((got.float() - reference).norm() / reference.norm())
+
+
 def _layer_graph(fn: Callable[[int], object]) -> Callable[[], None]:
     """A CUDA graph of `fn(copy)` for every weight copy in turn; replaying it runs them all."""
     stream = torch.cuda.Stream()
@@ -107,7 +112,7 @@ def main() -> None:
             expert_bytes = layer.distinct_experts() * 3 * hidden * inner * 2
             floor_us = expert_bytes / (ceilings.copy_gbps * 1e9) * 1e6
             reference = layer.reference(0).float()
-            error = float((layer.fused(0).float() - reference).norm() / reference.norm())
+            error = _relative_error(layer.fused(0), reference)
             fused_us, router_us = (
                 median_seconds(_layer_graph(fn), device, repeats=50) / COPIES * 1e6
                 for fn in (layer.fused, layer.router)
@@ -118,13 +123,8 @@ def main() -> None:
                 f"{floor_us:.1f} us ({floor_us / fused_us:.0%}); relative error {error:.1e}"
             )
             for tiles in [None, *GEMV_SWEEP] if tokens == 1 else []:
-
-                def gemvs(
-                    c: int, layer: _Layer = layer, tiles: _Tiles | None = tiles
-                ) -> torch.Tensor:
-                    return layer.gemvs(c, tiles)
-
-                error = float((gemvs(0).float() - reference).norm() / reference.norm())
+                gemvs = functools.partial(layer.gemvs, tiles=tiles)
+                error = _relative_error(gemvs(0), reference)
                 gemvs_us = median_seconds(_layer_graph(gemvs), device, repeats=50) / COPIES * 1e6
                 print(
                     f"{shape} tokens 1, two GEMVs {tiles or 'shipped'}: {gemvs_us:.1f} us a "

@@ -46,11 +46,12 @@ def _no_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512, 2048])
-def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: int) -> None:
-    experts, top_k, hidden, inner = MOE_SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+def _moe_layer(
+    shape: str, num_tokens: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, w13, w2, router logits) of one MoE layer at `shape`, bf16, drawn from `seed`."""
+    experts, _, hidden, inner = MOE_SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*size, generator=gen, device="cuda") * scale).bfloat16()
@@ -58,7 +59,15 @@ def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: in
     x = randn(num_tokens, hidden)
     w13 = randn(experts, 2 * inner, hidden, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inner, scale=inner**-0.5)
-    weights, ids = route(randn(num_tokens, experts).float(), top_k, renormalize=True)
+    return x, w13, w2, randn(num_tokens, experts)
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512, 2048])
+def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: int) -> None:
+    top_k = MOE_SHAPES[shape][1]
+    x, w13, w2, logits = _moe_layer(shape, num_tokens, seed=num_tokens)
+    weights, ids = route(logits.float(), top_k, renormalize=True)
     expected = experts_reference(x, w13, w2, weights, ids).float()
     out = fused_experts(x, w13, w2, weights, ids).float()
     relative = float((out - expected).norm() / expected.norm())
@@ -70,16 +79,8 @@ def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: in
 def test_one_token_gemvs_match_reference_at_real_shapes(shape: str, seed: int) -> None:
     """A batch-1 step's layer as two GEMVs (the router's top k found in each gate_up program),
     bf16, from the router's logits on."""
-    experts, top_k, hidden, inner = MOE_SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen, device="cuda") * scale).bfloat16()
-
-    x = randn(1, hidden)
-    w13 = randn(experts, 2 * inner, hidden, scale=hidden**-0.5)
-    w2 = randn(experts, hidden, inner, scale=inner**-0.5)
-    logits = randn(1, experts)
+    top_k = MOE_SHAPES[shape][1]
+    x, w13, w2, logits = _moe_layer(shape, 1, seed)
     weights, ids = route(logits, top_k, renormalize=True)
     expected = experts_reference(x, w13, w2, weights, ids).float()
     out = one_token_moe(x, logits, w13, w2, top_k, renormalize=True).float()

@@ -189,8 +189,11 @@ def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
     dtype: torch.dtype, tolerance: float, num_experts: int, top_k: int, hidden: int, inner: int
 ) -> None:
     """A batch-1 step: the top k found by each gate_up program from the router's logits, the
-    experts' SiLU(gate) * up, then down over the k experts' rows weighted and summed in one
-    GEMV: the reference's output, renormalized or not."""
+    experts' SiLU(gate) * up, then down split over the k experts, the last of each row block's
+    programs adding their weighted parts: the reference's output, renormalized or not, the
+    split counters back at zero."""
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
+
     gen = torch.Generator().manual_seed(hidden + top_k)
     x = torch.randn(1, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5).to(dtype)
@@ -202,6 +205,7 @@ def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
         out = one_token_moe(x, logits, w13, w2, top_k, renormalize)
         assert out.dtype == dtype
         assert (out.float() - expected.float()).abs().max() < tolerance
+        assert not shared_workspace(out.device, 0, 0).counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
