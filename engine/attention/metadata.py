@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from kvfleet.engine.layers.linear import UnnormalizedRow
+    from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
     from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
 
 
@@ -139,6 +143,21 @@ class AttentionLayer(abc.ABC):
         if self.graph_break is not None:
             return self.graph_break(self, q, kv_cache, metadata, kv_scales)
         return self.attend(q, kv_cache, metadata, kv_scales)
+
+    def attend_projected(
+        self,
+        qkv_proj: nn.Module,
+        hidden: torch.Tensor | QuantizedRows | UnnormalizedRow,  # [num_tokens, hidden_size]
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The attention of one token whose q, k and v `qkv_proj` makes, rotates and writes
+        into the cache in one kernel (a layer without q/k norms); None where this backend or
+        this step cannot: the caller projects, then `forward_rotary`."""
+        return None
 
     def forward_rotary(
         self,

@@ -23,9 +23,22 @@ from kvfleet.engine.attention.metadata import (
 from kvfleet.engine.attention.triton_decode import decode_attention
 from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
-from kvfleet.engine.layers.triton_layers import QKNorm, kv_cache_value, rotary_and_write_kv
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
+from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
+from kvfleet.engine.layers.triton_layers import (
+    QKNorm,
+    RotaryWrite,
+    kv_cache_value,
+    rotary_and_write_kv,
+)
+
+# One token's RoPE and cache write made by its qkv projection's one-row GEMV (`attend_projected`;
+# False: the GEMV, then the RoPE + cache write kernel, as before; for A/B runs)
+ROTARY_IN_QKV = True
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
 
 
@@ -113,6 +126,43 @@ class TritonAttention(AttentionLayer):
         kv_scales: torch.Tensor | None = None,
     ) -> None:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+
+    def attend_projected(
+        self,
+        qkv_proj: nn.Module,
+        hidden: torch.Tensor | QuantizedRows | UnnormalizedRow,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """One token through the one-row Triton GEMV of a plain `Linear` qkv projection, which
+        rotates q and writes k and v into the cache as `rotary_and_write_kv` would (one kernel
+        fewer a layer at batch 1)."""
+        if isinstance(hidden, QuantizedRows):
+            return None
+        row = hidden.x if isinstance(hidden, UnnormalizedRow) else hidden
+        half = self.head_dim // 2
+        if not (
+            ROTARY_IN_QKV
+            and rotary.fused
+            and row.is_cuda
+            and row.shape[0] == 1
+            and type(qkv_proj) is Linear
+            and (isinstance(hidden, UnnormalizedRow) or qkv_proj.uses_triton_gemv(row))
+            and half % 8 == 0  # (a GEMV program's 4 or 8 pairs of rows in one head)
+        ):
+            return None
+        cos, sin = rotary.caches(row.device)
+        if cos.shape[1] != half:  # (a partial rotation)
+            return None
+        target = RotaryWrite(positions, cos, sin, *cache_views(kv_cache), metadata.slot_mapping,
+                             kv_scales, self.num_heads, self.num_kv_heads)  # fmt: skip
+        q = qkv_proj.forward_rotated(hidden, target)[:, : self.num_heads * self.head_dim]
+        return self.attend_or_break(
+            q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, kv_scales
+        )
 
     def forward_rotary(
         self,

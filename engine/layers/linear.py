@@ -8,11 +8,15 @@ kernel before it finishes, and it streams the large weights as fast as cuBLAS's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvfleet.engine.layers.dependent_launch import dependent_launch
+
+if TYPE_CHECKING:
+    from kvfleet.engine.layers.triton_layers import RotaryWrite
 
 # Weights up to this size take the Triton GEMV for one row: every projection of Llama-3-8B and
 # of Llama-3-70B over two GPUs (bench/gemv.py, H100: faster than cuBLAS at 9 of 11 shapes; slower
@@ -60,6 +64,17 @@ class Linear(nn.Linear):
             out = gemv(x.reshape(1, self.in_features).contiguous(), self.weight, bias=self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
+
+    def forward_rotated(
+        self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite
+    ) -> torch.Tensor:
+        """A qkv projection's one row through the Triton GEMV that also rotates q and writes k
+        and v into the cache (`triton_gemv.gemv(rotary=...)`): [1, out_features], its q
+        columns valid."""
+        from kvfleet.engine.layers.triton_gemv import gemv
+
+        row = x if isinstance(x, UnnormalizedRow) else x.reshape(1, self.in_features).contiguous()
+        return gemv(row, self.weight, bias=self.bias, rotary=rotary)
 
     def uses_triton_gemv(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` runs the Triton GEMV: one row it takes (`gemv_takes`), a weight

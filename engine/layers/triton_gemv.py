@@ -35,7 +35,14 @@ from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
-from kvfleet.engine.layers.triton_layers import inverse_rms, rms_scaled, summed_row
+from kvfleet.engine.layers.triton_layers import (
+    RotaryWrite,
+    inverse_rms,
+    pair_rows,
+    rms_scaled,
+    rotary_write_pairs,
+    summed_row,
+)
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
@@ -52,19 +59,27 @@ def _gemv_kernel(
     residual_ptr,  # [K] (NORM and HAS_RESIDUAL)
     norm_w_ptr,  # [K] the norm's weight (NORM)
     residual_out_ptr,  # [K] x + residual (NORM)
+    cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
+    kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    stride_vcd, num_heads, num_kv_heads,  # (ROTARY: `triton_layers.RotaryWrite`)
     N, K, fp8_max, min_scale, eps,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
+    ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
     largest magnitude found first: x is small and stays in L2; or the static scale), times both
     scales (products of e4m3 values are exact in float32). NORM: the row multiplied is
     RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here; the first program
-    writes x + residual)."""
+    writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x HALF): q rotated
+    into out, k rotated and v written into the KV cache (`triton_layers.rotary_write_pairs`),
+    k and v left out of out."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pair_rows(pid_n, BLOCK_N, HALF) if ROTARY else rows
     col_ok = cols < N
     let_next_start(PDL)
     w_first = _weight_tile(w_ptr, cols, col_ok, offsets, K)
@@ -86,7 +101,14 @@ def _gemv_kernel(
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if ROTARY:
+        rotary_write_pairs(out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr,
+                           slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
+                           stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                           num_heads, num_kv_heads, BLOCK_N, HALF, CACHE_BLOCK,
+                           FP8_CACHE)  # fmt: skip
+    else:
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 # The e4m3 GEMV on the tensor cores takes 64 weight rows a program (one warpgroup's wgmma M)
@@ -423,13 +445,16 @@ def gemv(
     x_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     out_dtype: torch.dtype | None = None,
+    rotary: RotaryWrite | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype (or
     `out_dtype`: float32 for logits, out of the float32 sums as they are). An
     e4m3 weight takes its scales [N, 1] and the row is quantized inside (or with the static
     per-tensor `x_scale`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages). An `UnnormalizedRow`:
     the row multiplied is its RMSNorm, made inside as `triton_layers.add_rms_norm` makes it,
-    x + residual written to its `residual_out` (one kernel fewer)."""
+    x + residual written to its `residual_out` (one kernel fewer). `rotary`: the weight is a
+    qkv projection's, [q | k | v] heads; q comes out rotated and k, v go into the cache as
+    `rotary_and_write_kv` would put them (its columns of the output are left unwritten)."""
     row, norm = row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
@@ -438,6 +463,7 @@ def gemv(
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
+    assert rotary is None or not quantize, "the rotary write takes bf16/fp16 weights"
     if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale)
@@ -449,14 +475,24 @@ def gemv(
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)
+    half = cache_block = 1
+    if rotary is not None:
+        half = rotary.cos.shape[1]
+        cache_block = rotary.k_cache.shape[1]
+        assert n == (rotary.num_heads + 2 * rotary.num_kv_heads) * 2 * half, "q | k | v heads"
+        assert half % (block_n // 2) == 0, "a program's pairs in one head"
     _gemv_kernel[(cdiv(n, block_n),)](
         row, weight, placeholder, x_scale if x_scale is not None else placeholder,
-        bias if bias is not None else placeholder, out, *norm_args(norm, row), n, k, FP8_MAX,
+        bias if bias is not None else placeholder, out, *norm_args(norm, row),
+        *(rotary.args() if rotary is not None else (out,) * 7 + (0,) * 9), n, k, FP8_MAX,
         _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
         STATIC=x_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
         NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=stages,
+        OFFSET=norm is not None and norm.offset, ROTARY=rotary is not None, HALF=half,
+        CACHE_BLOCK=cache_block,
+        FP8_CACHE=rotary is not None and rotary.k_cache.dtype == torch.float8_e4m3fn, **pdl,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -423,6 +423,80 @@ def _rotary_write_kv_kernel(
     tl.store(v_cache_ptr + v_dest + HALF * stride_vcd, v2, mask=kv_mask)
 
 
+@dataclass
+class RotaryWrite:
+    """What a one-row qkv GEMV needs to rotate its q rows and write its k and v rows into the
+    cache itself, as `rotary_and_write_kv` would after it (`triton_gemv.gemv(rotary=...)`)."""
+
+    positions: torch.Tensor  # [1] int64
+    cos: torch.Tensor  # [max_position, head_dim / 2] float32
+    sin: torch.Tensor
+    k_cache: torch.Tensor  # `cache_views`: [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [1] int64
+    kv_scales: torch.Tensor | None  # an FP8 cache's K and V scales
+    num_heads: int
+    num_kv_heads: int
+
+    def args(self) -> tuple[object, ...]:
+        """The kernel's arguments for it (`_gemv_kernel`'s rotary ones)."""
+        return (self.cos, self.sin, self.positions, self.slot_mapping, self.k_cache,
+                self.v_cache, self.kv_scales if self.kv_scales is not None else self.cos,
+                *self.k_cache.stride()[:3], *self.v_cache.stride(), self.num_heads,
+                self.num_kv_heads)  # fmt: skip
+
+
+@triton.jit
+def pair_rows(pid_n, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The BLOCK_N rows of a qkv projection program `pid_n` takes when it rotates them
+    (`rotary_write_pairs`): BLOCK_N / 2 pairs (d, d + HALF) of one head, interleaved."""
+    i = tl.arange(0, BLOCK_N)
+    pair = pid_n * (BLOCK_N // 2) + i // 2
+    return (pair // HALF) * (2 * HALF) + pair % HALF + (i % 2) * HALF
+
+
+@triton.jit
+def rotary_write_pairs(
+    out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr,
+    v_cache_ptr, kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs,
+    stride_vch, stride_vcd, num_heads, num_kv_heads,
+    BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """One token's qkv rows `out` (float32, `pair_rows`' order) as `rotary_and_write_kv`
+    leaves them after the GEMV wrote them: q rows rotated into out, k rows rotated into the
+    K cache, v rows into the V cache, each at the token's slot (the same bits: rounded to
+    out's dtype first)."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    dtype = out_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.reshape(_rounded(out, dtype), (PAIRS, 2)))
+    first = pid_n * PAIRS
+    head = first // HALF
+    d = first % HALF + tl.arange(0, PAIRS)
+    slot = tl.load(slot_mapping_ptr)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    if head < num_heads + num_kv_heads:
+        position = tl.load(positions_ptr)
+        cos = _rounded(tl.load(cos_ptr + position * HALF + d), dtype)
+        sin = _rounded(tl.load(sin_ptr + position * HALF + d), dtype)
+        out1, out2 = _rotate(x1, x2, cos, sin, dtype)
+        if head < num_heads:
+            tl.store(out_ptr + head * 2 * HALF + d, out1.to(dtype))
+            tl.store(out_ptr + head * 2 * HALF + HALF + d, out2.to(dtype))
+        else:
+            dest = block * stride_cb + offset * stride_cs + (head - num_heads) * stride_ch + d
+            k1 = kv_cache_value(out1.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
+            k2 = kv_cache_value(out2.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
+            tl.store(k_cache_ptr + dest, k1)
+            tl.store(k_cache_ptr + dest + HALF, k2)
+    else:
+        v_head = head - num_heads - num_kv_heads
+        dest = block * stride_vcb + offset * stride_vcs + v_head * stride_vch + d * stride_vcd
+        v1 = kv_cache_value(x1.to(dtype), kv_scales_ptr, 1, v_cache_ptr, FP8)
+        v2 = kv_cache_value(x2.to(dtype), kv_scales_ptr, 1, v_cache_ptr, FP8)
+        tl.store(v_cache_ptr + dest, v1)
+        tl.store(v_cache_ptr + dest + HALF * stride_vcd, v2)
+
+
 def rotary_and_write_kv(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -128,6 +128,11 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        if self.q_norm is None:  # (q/k norms take whole heads: not the GEMV's pairs of rows)
+            args = (self.qkv_proj, hidden, self.rotary, positions, kv_cache, metadata)
+            out = self.backend.attend_projected(*args, self.kv_scales)
+            if out is not None:
+                return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
