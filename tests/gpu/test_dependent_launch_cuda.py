@@ -246,34 +246,3 @@ def test_one_rows_logits_through_the_gemv_match_cublas_float32(vocab: int, hidde
         assert got.dtype == torch.float32
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-5
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_rope_and_the_cache_write_in_the_qkv_gemv_keep_the_tokens(
-    monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
-) -> None:
-    """Batch-1 decode of Llama-3.2-1B's shape (random bf16 weights) with each layer's RoPE and
-    cache write made by its qkv GEMV (`triton_attention.ROTARY_IN_QKV`) and with the kernel
-    after the GEMV: the same tokens and logprobs, bf16 and FP8 caches, graphs and eager."""
-    from kvfleet.engine.attention import triton_attention
-    from kvfleet.engine.llm import LLM
-    from kvfleet.engine.sampling_params import SamplingParams
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("dependent launch needs compute capability 9.0")
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    prompts = [[(7 * i + 3 * j) % 5000 + 10 for j in range(40 + 30 * i)] for i in range(3)]
-    runs = []
-    for fused in (True, False):
-        monkeypatch.setattr(triton_attention, "ROTARY_IN_QKV", fused)
-        for eager in (False, True):
-            llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
-                      kv_cache_dtype=kv_cache_dtype, max_model_len=512, num_blocks=256,
-                      enforce_eager=eager, max_num_seqs=1)  # fmt: skip
-            outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
-            runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs])
-            llm.engine.close()
-            del llm
-            torch.cuda.empty_cache()
-    assert runs[0] == runs[2]
-    assert runs[1] == runs[3]

@@ -209,3 +209,48 @@ def test_triton_path_with_graphs_equals_torch_path(
         assert ours.token_ids == reference.token_ids
         for a, b in zip(ours.logprobs or [], reference.logprobs or [], strict=True):
             assert abs(a.logprob - b.logprob) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama-3-8b", "qwen2.5-7b", "phi-3-mini", "gemma-2-9b"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
+    family: str, kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode in bf16 (two layers of the shipped shape: Qwen2's qkv bias, Phi-3's heads
+    of 96, Gemma 2's of 256 and its soft-caps) with each layer's RoPE and cache write made by
+    its qkv GEMV (`triton_attention.ROTARY_IN_QKV`) and by the kernel after it: the same
+    tokens and logprobs, bf16 and FP8 caches."""
+    from kvfleet.engine.attention import triton_attention
+    from kvfleet.engine.layers.linear import Linear
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
+    config = (
+        dict(GEMMA2_9B)
+        if family == "gemma-2-9b"
+        else json.loads((CONFIGS / f"{family}.json").read_text())
+    )
+    config["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 300, 64)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    calls = []
+    forward_rotated = Linear.forward_rotated
+    monkeypatch.setattr(
+        Linear, "forward_rotated", lambda *args: calls.append(1) or forward_rotated(*args)
+    )
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_attention, "ROTARY_IN_QKV", fused)
+        calls.clear()
+        llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+                  kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True, num_blocks=256,
+                  max_model_len=512, max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
+        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        runs[fused] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
+        assert bool(calls) == fused
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[True] == runs[False]
