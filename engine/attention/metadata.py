@@ -153,10 +153,11 @@ class AttentionLayer(abc.ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor | None:
-        """The attention of one token whose q, k and v `qkv_proj` makes, rotates and writes
-        into the cache in one kernel (a layer without q/k norms); None where this backend or
-        this step cannot: the caller projects, then `forward_rotary`."""
+        """The attention of one token whose q, k and v `qkv_proj` makes, normalizes (each head
+        by `qk_norms`), rotates and writes into the cache in one kernel; None where this
+        backend or this step cannot: the caller projects, then `forward_rotary`."""
         return None
 
     def forward_rotary(

@@ -116,6 +116,14 @@ def write_kv_cache(
     )
 
 
+def _qk_norm(qk_norms: tuple[RMSNorm, RMSNorm] | None) -> QKNorm | None:
+    """What the Triton kernels take of a layer's q and k norms."""
+    if qk_norms is None:
+        return None
+    q_norm, k_norm = qk_norms
+    return QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
+
+
 class TritonAttention(AttentionLayer):
     def write(
         self,
@@ -136,10 +144,11 @@ class TritonAttention(AttentionLayer):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor | None:
         """One token through the one-row Triton GEMV of a plain `Linear` qkv projection, which
-        rotates q and writes k and v into the cache as `rotary_and_write_kv` would (one kernel
-        fewer a layer at batch 1)."""
+        normalizes, rotates q and writes k and v into the cache as `rotary_and_write_kv` would
+        (one kernel fewer a layer at batch 1)."""
         if isinstance(hidden, QuantizedRows):
             return None
         row = hidden.x if isinstance(hidden, UnnormalizedRow) else hidden
@@ -158,7 +167,8 @@ class TritonAttention(AttentionLayer):
         if cos.shape[1] != half:  # (a partial rotation)
             return None
         target = RotaryWrite(positions, cos, sin, *cache_views(kv_cache), metadata.slot_mapping,
-                             kv_scales, self.num_heads, self.num_kv_heads)  # fmt: skip
+                             kv_scales, self.num_heads, self.num_kv_heads,
+                             _qk_norm(qk_norms))  # fmt: skip
         q = qkv_proj.forward_rotated(hidden, target)[:, : self.num_heads * self.head_dim]
         return self.attend_or_break(
             q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, kv_scales
@@ -183,14 +193,9 @@ class TritonAttention(AttentionLayer):
                 rotary, positions, q, k, v, kv_cache, metadata, kv_scales, qk_norms
             )
         cos, sin = rotary.caches(q.device)
-        norm = None
-        if qk_norms is not None:
-            q_norm, k_norm = qk_norms
-            norm = QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
         k_cache, v_cache = cache_views(kv_cache)
-        rotary_and_write_kv(
-            q, k, v, positions, cos, sin, k_cache, v_cache, metadata.slot_mapping, kv_scales, norm
-        )
+        rotary_and_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, metadata.slot_mapping,
+                            kv_scales, _qk_norm(qk_norms))  # fmt: skip
         return self.attend_or_break(q, kv_cache, metadata, kv_scales)
 
     def attend(

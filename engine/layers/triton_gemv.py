@@ -61,13 +61,14 @@ def _gemv_kernel(
     residual_out_ptr,  # [K] x + residual (NORM)
     cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
     kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
-    stride_vcd, num_heads, num_kv_heads,  # (ROTARY: `triton_layers.RotaryWrite`)
+    stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, count_ptr,
+    qk_eps,  # (ROTARY: `triton_layers.RotaryWrite`)
     N, K, fp8_max, min_scale, eps,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
-    PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
     largest magnitude found first: x is small and stays in L2; or the static scale), times both
@@ -105,8 +106,9 @@ def _gemv_kernel(
         rotary_write_pairs(out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr,
                            slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
                            stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-                           num_heads, num_kv_heads, BLOCK_N, HALF, CACHE_BLOCK,
-                           FP8_CACHE)  # fmt: skip
+                           num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, count_ptr, qk_eps,
+                           BLOCK_N, HALF, CACHE_BLOCK, FP8_CACHE, QK_NORM,
+                           QK_OFFSET)  # fmt: skip
     else:
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -476,15 +478,19 @@ def gemv(
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)
     half = cache_block = 1
+    rotary_args: tuple[object, ...] = (out,) * 7 + (0,) * 9 + (out,) * 3 + (0.0,)
+    qk_norm = rotary.qk_norm if rotary is not None else None
     if rotary is not None:
         half = rotary.cos.shape[1]
         cache_block = rotary.k_cache.shape[1]
         assert n == (rotary.num_heads + 2 * rotary.num_kv_heads) * 2 * half, "q | k | v heads"
         assert half % (block_n // 2) == 0, "a program's pairs in one head"
+        heads = rotary.num_heads + rotary.num_kv_heads
+        rotary_args = rotary.args(shared_workspace(row.device, 0, heads).counters)
     _gemv_kernel[(cdiv(n, block_n),)](
         row, weight, placeholder, x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, *norm_args(norm, row),
-        *(rotary.args() if rotary is not None else (out,) * 7 + (0,) * 9), n, k, FP8_MAX,
+        *rotary_args, n, k, FP8_MAX,
         _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
         STATIC=x_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
@@ -492,7 +498,8 @@ def gemv(
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, ROTARY=rotary is not None, HALF=half,
         CACHE_BLOCK=cache_block,
-        FP8_CACHE=rotary is not None and rotary.k_cache.dtype == torch.float8_e4m3fn, **pdl,
+        FP8_CACHE=rotary is not None and rotary.k_cache.dtype == torch.float8_e4m3fn,
+        QK_NORM=qk_norm is not None, QK_OFFSET=qk_norm is not None and qk_norm.offset, **pdl,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -437,13 +437,18 @@ class RotaryWrite:
     kv_scales: torch.Tensor | None  # an FP8 cache's K and V scales
     num_heads: int
     num_kv_heads: int
+    qk_norm: QKNorm | None = None  # each head of q and k RMS-normalized first
 
-    def args(self) -> tuple[object, ...]:
-        """The kernel's arguments for it (`_gemv_kernel`'s rotary ones)."""
+    def args(self, counters: torch.Tensor) -> tuple[object, ...]:
+        """The kernel's arguments for it (`_gemv_kernel`'s rotary ones); `counters`: at least
+        num_heads + num_kv_heads zeros (with a `qk_norm`)."""
+        norm = self.qk_norm
         return (self.cos, self.sin, self.positions, self.slot_mapping, self.k_cache,
                 self.v_cache, self.kv_scales if self.kv_scales is not None else self.cos,
                 *self.k_cache.stride()[:3], *self.v_cache.stride(), self.num_heads,
-                self.num_kv_heads)  # fmt: skip
+                self.num_kv_heads, norm.q_weight if norm else self.cos,
+                norm.k_weight if norm else self.cos, counters,
+                norm.eps if norm else 0.0)  # fmt: skip
 
 
 @triton.jit
@@ -459,13 +464,16 @@ def pair_rows(pid_n, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 def rotary_write_pairs(
     out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr,
     v_cache_ptr, kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs,
-    stride_vch, stride_vcd, num_heads, num_kv_heads,
+    stride_vch, stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, count_ptr, qk_eps,
     BLOCK_N: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr,
 ):  # fmt: skip
     """One token's qkv rows `out` (float32, `pair_rows`' order) as `rotary_and_write_kv`
     leaves them after the GEMV wrote them: q rows rotated into out, k rows rotated into the
     K cache, v rows into the V cache, each at the token's slot (the same bits: rounded to
-    out's dtype first)."""
+    out's dtype first). QK_NORM: each head of q and k RMS-normalized first (`QKNorm`): its
+    programs write their rows into out and count themselves in at `count_ptr` [heads]; the
+    last of a head's to arrive normalizes, rotates and writes the whole head."""
     PAIRS: tl.constexpr = BLOCK_N // 2
     dtype = out_ptr.dtype.element_ty
     x1, x2 = tl.split(tl.reshape(_rounded(out, dtype), (PAIRS, 2)))
@@ -476,18 +484,26 @@ def rotary_write_pairs(
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if head < num_heads + num_kv_heads:
         position = tl.load(positions_ptr)
-        cos = _rounded(tl.load(cos_ptr + position * HALF + d), dtype)
-        sin = _rounded(tl.load(sin_ptr + position * HALF + d), dtype)
-        out1, out2 = _rotate(x1, x2, cos, sin, dtype)
-        if head < num_heads:
-            tl.store(out_ptr + head * 2 * HALF + d, out1.to(dtype))
-            tl.store(out_ptr + head * 2 * HALF + HALF + d, out2.to(dtype))
+        if QK_NORM:
+            tl.store(out_ptr + head * 2 * HALF + d, x1.to(dtype))
+            tl.store(out_ptr + head * 2 * HALF + HALF + d, x2.to(dtype))
+            tl.debug_barrier()  # (every thread's rows written before the count says so)
+            arrived = tl.atomic_add(count_ptr + head, 1, sem="acq_rel")
+            if arrived == HALF // PAIRS - 1:
+                whole = tl.arange(0, HALF)[None, :]
+                row = out_ptr + head * 2 * HALF + whole
+                h1 = tl.load(row, cache_modifier=".cg").to(tl.float32)
+                h2 = tl.load(row + HALF, cache_modifier=".cg").to(tl.float32)
+                weight_ptr = tl.where(head < num_heads, q_norm_ptr, k_norm_ptr)
+                h1, h2 = _normed_halves(h1, h2, weight_ptr, whole, qk_eps, HALF, QK_OFFSET, dtype)
+                _rotate_into(h1, h2, head, whole, position, cos_ptr, sin_ptr, out_ptr,
+                             k_cache_ptr, kv_scales_ptr, block * stride_cb + offset * stride_cs,
+                             stride_ch, num_heads, HALF, FP8)  # fmt: skip
+                tl.atomic_xchg(count_ptr + head, 0)
         else:
-            dest = block * stride_cb + offset * stride_cs + (head - num_heads) * stride_ch + d
-            k1 = kv_cache_value(out1.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
-            k2 = kv_cache_value(out2.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
-            tl.store(k_cache_ptr + dest, k1)
-            tl.store(k_cache_ptr + dest + HALF, k2)
+            _rotate_into(x1, x2, head, d, position, cos_ptr, sin_ptr, out_ptr, k_cache_ptr,
+                         kv_scales_ptr, block * stride_cb + offset * stride_cs, stride_ch,
+                         num_heads, HALF, FP8)  # fmt: skip
     else:
         v_head = head - num_heads - num_kv_heads
         dest = block * stride_vcb + offset * stride_vcs + v_head * stride_vch + d * stride_vcd
@@ -495,6 +511,28 @@ def rotary_write_pairs(
         v2 = kv_cache_value(x2.to(dtype), kv_scales_ptr, 1, v_cache_ptr, FP8)
         tl.store(v_cache_ptr + dest, v1)
         tl.store(v_cache_ptr + dest + HALF * stride_vcd, v2)
+
+
+@triton.jit
+def _rotate_into(
+    x1, x2, head, d, position, cos_ptr, sin_ptr, out_ptr, k_cache_ptr, kv_scales_ptr, slot_at,
+    stride_ch, num_heads, HALF: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Halves x1, x2 (float32, at `d` of `head`) rotated: a q head's into out, a k head's into
+    the K cache at `slot_at`."""
+    dtype = out_ptr.dtype.element_ty
+    cos = _rounded(tl.load(cos_ptr + position * HALF + d), dtype)
+    sin = _rounded(tl.load(sin_ptr + position * HALF + d), dtype)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
+    if head < num_heads:
+        tl.store(out_ptr + head * 2 * HALF + d, out1.to(dtype))
+        tl.store(out_ptr + head * 2 * HALF + HALF + d, out2.to(dtype))
+    else:
+        dest = slot_at + (head - num_heads) * stride_ch + d
+        k1 = kv_cache_value(out1.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
+        k2 = kv_cache_value(out2.to(dtype), kv_scales_ptr, 0, k_cache_ptr, FP8)
+        tl.store(k_cache_ptr + dest, k1)
+        tl.store(k_cache_ptr + dest + HALF, k2)
 
 
 def rotary_and_write_kv(

@@ -128,18 +128,17 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        if self.q_norm is None:  # (q/k norms take whole heads: not the GEMV's pairs of rows)
-            args = (self.qkv_proj, hidden, self.rotary, positions, kv_cache, metadata)
-            out = self.backend.attend_projected(*args, self.kv_scales)
-            if out is not None:
-                return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = (self.q_norm, self.k_norm)  # (the backend may fuse them into RoPE)
+        args = (self.qkv_proj, hidden, self.rotary, positions, kv_cache, metadata, self.kv_scales)
+        out = self.backend.attend_projected(*args, norms)
+        if out is not None:  # (one token: its norms, RoPE and cache write made by the GEMV)
+            return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        norms = None
-        if self.q_norm is not None and self.k_norm is not None:
-            norms = (self.q_norm, self.k_norm)  # (the backend may fuse them into RoPE)
         if self.calibrate_kv and num_tokens > 1:  # (a prompt; K's amax before RoPE: headroom)
             if norms is not None:
                 q, _ = norms[0](q)

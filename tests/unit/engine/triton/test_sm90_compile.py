@@ -103,11 +103,15 @@ def dependent_launch():
                        "x_scale_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                        "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
-    no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False)
+    no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False, QK_NORM=False,
+                     QK_OFFSET=False)
     rotary_types = bf16_gemv_types | {"cos_ptr": "*fp32", "sin_ptr": "*fp32",
                                       "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
                                       "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
-                                      "kv_scales_ptr": "*fp32"}
+                                      "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
+                                      "k_norm_ptr": "*bf16", "count_ptr": "*i32",
+                                      "qk_eps": "fp32"}
+    rotary = dict(ROTARY=True, HALF=64, CACHE_BLOCK=16, FP8_CACHE=True, QK_OFFSET=False)
     moe_gemv_types = {"x_ptr": "*bf16", "logits_ptr": "*bf16", "w13_ptr": "*bf16",
                       "h_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                       "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32"}
@@ -221,8 +225,11 @@ def dependent_launch():
         "bf16 gemv, norm, rotary into an FP8 cache": (
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
-                 ROW_BLOCK=4096, ROTARY=True, HALF=64, CACHE_BLOCK=16, FP8_CACHE=True) | norm,
-            1),
+                 ROW_BLOCK=4096, QK_NORM=False) | norm | rotary, 1),
+        "bf16 gemv, norm, q/k norms, rotary into an FP8 cache": (
+            triton_gemv._gemv_kernel, rotary_types,
+            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
+                 ROW_BLOCK=4096, QK_NORM=True) | norm | rotary, 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, {"x_ptr": "*bf16", "perm_ptr": "*i32",
                         "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
                         "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",

@@ -107,29 +107,39 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("tiles", "with_bias", "normalized"), [
-    ((16, 64, 4, 3), False, False), ((8, 64, 4, 3), True, False), ((16, 64, 4, 3), True, True),
+@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm"), [
+    ((16, 64, 4, 3), False, False, None), ((8, 64, 4, 3), True, False, None),
+    ((16, 64, 4, 3), True, True, None), ((8, 64, 4, 3), False, True, "qk norms"),
+    ((16, 64, 4, 3), False, False, "qk norms, 1 + w"),
 ])  # fmt: skip
 def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     dtype: torch.dtype,
     tiles: tuple[int, int, int, int],
     with_bias: bool,
     normalized: bool,
+    qk_norm: str | None,
     block_layout: str,
 ) -> None:
     """A one-row qkv GEMV given a `RotaryWrite` (4 q heads, 2 KV heads of 32, the row maybe
-    its RMSNorm made inside) gives the bits of the GEMV then `rotary_and_write_kv`: q rotated
-    in its output, rotated k and v in the cache at the token's slot, blocks token-major or
-    head-major; no other slot touched."""
+    its RMSNorm made inside, each head of q and k maybe RMS-normalized: Qwen3's, Gemma 3's)
+    gives the bits of the GEMV then `rotary_and_write_kv`: q rotated in its output, rotated k
+    and v in the cache at the token's slot, blocks token-major or head-major; no other slot
+    touched; the heads' counters back at zero."""
     from kvfleet.engine.attention.metadata import cache_views
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
-    from kvfleet.engine.layers.triton_layers import RotaryWrite, rotary_and_write_kv
+    from kvfleet.engine.layers.triton_layers import QKNorm, RotaryWrite, rotary_and_write_kv
 
     generator = torch.Generator().manual_seed(11)
     weight = (torch.randn(8 * 32, 200, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(8 * 32, generator=generator).to(dtype) if with_bias else None
     cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))
     positions, slots = torch.tensor([173]), torch.tensor([13])
+    norm = None
+    if qk_norm is not None:
+        offset = qk_norm.endswith("1 + w")
+        weights = (torch.rand(2, 32, generator=generator) * 0.5 + 0.75).to(dtype)
+        norm = QKNorm(weights[0], weights[1], 1e-6, offset)
 
     def row() -> torch.Tensor | UnnormalizedRow:
         if normalized:
@@ -137,14 +147,15 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
         return torch.randn(1, 200, generator=torch.Generator().manual_seed(12)).to(dtype)
 
     def target(cache: torch.Tensor) -> RotaryWrite:
-        return RotaryWrite(positions, cos, sin, *cache_views(cache), slots, None, 4, 2)
+        return RotaryWrite(positions, cos, sin, *cache_views(cache), slots, None, 4, 2, norm)
 
     expected_cache = torch.full((2, 6, 4, 2, 32), 7.0, dtype=dtype)
     qkv = gemv(row(), weight, bias=bias, tiles=tiles)
     q, k, v = qkv[:, :128].view(1, 4, 32), qkv[:, 128:192].view(1, 2, 32), qkv[:, 192:]
     rotary_and_write_kv(q, k, v.view(1, 2, 32), positions, cos, sin,
-                        *cache_views(expected_cache), slots)  # fmt: skip
+                        *cache_views(expected_cache), slots, None, norm)  # fmt: skip
     cache = torch.full_like(expected_cache, 7.0)
     out = gemv(row(), weight, bias=bias, tiles=tiles, rotary=target(cache))
     assert torch.equal(out[:, :128], qkv[:, :128])
     assert torch.equal(cache, expected_cache)
+    assert not shared_workspace(out.device, 0, 6).counters.any()
