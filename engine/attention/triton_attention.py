@@ -24,7 +24,7 @@ from kvfleet.engine.attention.triton_decode import decode_attention
 from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
-from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
+from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, QuantizedRows
 from kvfleet.engine.layers.triton_layers import (
     QKNorm,
     RotaryWrite,
@@ -146,30 +146,30 @@ class TritonAttention(AttentionLayer):
         kv_scales: torch.Tensor | None = None,
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor | None:
-        """One token through the one-row Triton GEMV of a plain `Linear` qkv projection, which
-        normalizes, rotates q and writes k and v into the cache as `rotary_and_write_kv` would
-        (one kernel fewer a layer at batch 1)."""
+        """One token through the one-row Triton GEMV of a bf16/fp16 or e4m3 qkv projection
+        (`forward_rotated`), which normalizes, rotates q and writes k and v into the cache as
+        `rotary_and_write_kv` would (one kernel fewer a layer at batch 1)."""
         if isinstance(hidden, QuantizedRows):
             return None
         row = hidden.x if isinstance(hidden, UnnormalizedRow) else hidden
-        half = self.head_dim // 2
         if not (
             ROTARY_IN_QKV
             and rotary.fused
             and row.is_cuda
             and row.shape[0] == 1
-            and type(qkv_proj) is Linear
-            and (isinstance(hidden, UnnormalizedRow) or qkv_proj.uses_triton_gemv(row))
-            and half % 8 == 0  # (a GEMV program's 4 or 8 pairs of rows in one head)
+            and isinstance(qkv_proj, (Linear, Fp8Linear))  # (not under a LoRA wrapper)
         ):
             return None
         cos, sin = rotary.caches(row.device)
-        if cos.shape[1] != half:  # (a partial rotation)
+        if 2 * cos.shape[1] != self.head_dim:  # (a partial rotation)
             return None
         target = RotaryWrite(positions, cos, sin, *cache_views(kv_cache), metadata.slot_mapping,
                              kv_scales, self.num_heads, self.num_kv_heads,
                              _qk_norm(qk_norms))  # fmt: skip
-        q = qkv_proj.forward_rotated(hidden, target)[:, : self.num_heads * self.head_dim]
+        qkv = qkv_proj.forward_rotated(hidden, target)
+        if qkv is None:
+            return None
+        q = qkv[:, : self.num_heads * self.head_dim]
         return self.attend_or_break(
             q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, kv_scales
         )

@@ -67,13 +67,20 @@ class Linear(nn.Linear):
 
     def forward_rotated(
         self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """A qkv projection's one row through the Triton GEMV that also rotates q and writes k
         and v into the cache (`triton_gemv.gemv(rotary=...)`): [1, out_features], its q
-        columns valid."""
+        columns valid; None where this layer's one-row GEMV does not run, or its programs'
+        8 pairs of rows would not stay in one head."""
+        if rotary.cos.shape[1] % 8:
+            return None
+        row: torch.Tensor | UnnormalizedRow = x
+        if isinstance(x, torch.Tensor) and x.is_cuda and self.uses_triton_gemv(x):
+            row = x.reshape(1, self.in_features).contiguous()
+        elif not isinstance(x, UnnormalizedRow):
+            return None
         from kvfleet.engine.layers.triton_gemv import gemv
 
-        row = x if isinstance(x, UnnormalizedRow) else x.reshape(1, self.in_features).contiguous()
         return gemv(row, self.weight, bias=self.bias, rotary=rotary)
 
     def uses_triton_gemv(self, x: torch.Tensor) -> bool:

@@ -34,12 +34,17 @@ from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
-from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
+from kvfleet.engine.layers.quantization.triton_packed import (
+    shared_workspace,
+    split_k_store,
+    split_k_total,
+)
 from kvfleet.engine.layers.triton_layers import (
     RotaryWrite,
     inverse_rms,
     pair_rows,
     rms_scaled,
+    rotary_arguments,
     rotary_write_pairs,
     summed_row,
 )
@@ -138,11 +143,17 @@ def _fp8_gemv_mma_kernel(
     residual_ptr,  # [K] (NORM and HAS_RESIDUAL)
     norm_w_ptr,  # [K] the norm's weight (NORM)
     residual_out_ptr,  # [K] x + residual (NORM)
+    cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
+    kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr,
+    qk_eps,  # (ROTARY: `triton_layers.RotaryWrite`)
     M, N, K, stride_x, fp8_max, min_scale, eps,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
     QUANTIZED: tl.constexpr, COLS: tl.constexpr, SPAN: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
+    ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
+    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x . w^T (+ bias) with the weight as the product's 64-row side: program
     (n, s) takes BLOCK_N weight rows over STEPS tiles of K, each tile one `tl.dot` of the e4m3
@@ -150,10 +161,12 @@ def _fp8_gemv_mma_kernel(
     dtype quantized here as `quantize_rows` does and broadcast (column 0 is kept), or up to
     COLS rows QUANTIZED already, with their scales. The SPLIT programs of a row block add their
     parts as the 4-bit GEMV's do. NORM (one row): the row is RMSNorm(x + residual), made here
-    as `_gemv_kernel` makes it."""
+    as `_gemv_kernel` makes it; ROTARY (one row) as `_gemv_kernel` does it, by the last of a
+    row block's programs."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pair_rows(pid_n, BLOCK_N, HALF) if ROTARY else rows
     row_ok = rows < N
     offsets = tl.arange(0, BLOCK_K)
     k0 = pid_k * STEPS * BLOCK_K
@@ -181,7 +194,18 @@ def _fp8_gemv_mma_kernel(
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if not QUANTIZED:
+    if ROTARY:
+        part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
+        out, last = split_k_total(part, bias, partial_ptr, count_ptr, rows, row_ok, pid_n, N,
+                                  pid_k, SPLIT)  # fmt: skip
+        if last:
+            rotary_write_pairs(out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr,
+                               slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
+                               stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs,
+                               stride_vch, stride_vcd, num_heads, num_kv_heads, q_norm_ptr,
+                               k_norm_ptr, head_count_ptr, qk_eps, BLOCK_N, HALF, CACHE_BLOCK,
+                               FP8_CACHE, QK_NORM, QK_OFFSET)  # fmt: skip
+    elif not QUANTIZED:
         part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
         split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N,
                       pid_k, SPLIT)  # fmt: skip
@@ -272,12 +296,14 @@ def fp8_gemv_mma(
     x_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
     split: int | None = None,
+    rotary: RotaryWrite | None = None,
 ) -> torch.Tensor:
     """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
-    `split`: about how many parts K is cut into (default: enough programs an SM)."""
+    `split`: about how many parts K is cut into (default: enough programs an SM); `rotary`
+    as `gemv`'s."""
     row, _ = row_and_norm(x)
     out = torch.empty((1, weight.shape[0]), dtype=row.dtype, device=row.device)
-    _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split)
+    _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split, rotary)
     return out
 
 
@@ -315,26 +341,32 @@ def _launch_mma(
     out: torch.Tensor,
     tiles: tuple[int, int, int] | None,
     split: int | None,
+    rotary: RotaryWrite | None = None,
 ) -> None:
     row, norm = row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
     block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
-    space = shared_workspace(row.device, split * m * n, cdiv(n, block_n))
+    tiles_n = cdiv(n, block_n)
+    heads = rotary.num_heads + rotary.num_kv_heads if rotary is not None else 0
+    space = shared_workspace(row.device, split * m * n, tiles_n + heads)
     pdl = dependent_launch_args(row.device)
     quantized = x_scales is not None
     assert norm is None or not quantized, "a row normalized here is quantized here"
-    _fp8_gemv_mma_kernel[(cdiv(n, block_n), split)](
+    assert rotary is None or m == 1, "the rotary write takes one token"
+    rotary_args, rotary_constants = rotary_arguments(rotary, n, block_n, space.counters[tiles_n:])
+    _fp8_gemv_mma_kernel[(tiles_n, split)](
         row, x_scales if quantized else weight_scale, weight, weight_scale,
         x_scale if x_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, space.partials, space.counters, out,
-        *norm_args(norm, row), m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
+        *norm_args(norm, row), *rotary_args, m, n, k, row.stride(0), FP8_MAX, _MIN_SCALE,
         norm.eps if norm is not None else 0.0, STATIC=x_scale is not None,
         HAS_BIAS=bias is not None, SPLIT=split, STEPS=steps, BLOCK_N=block_n, BLOCK_K=block_k,
         ROW_BLOCK=1 if quantized else next_power_of_2(k), QUANTIZED=quantized,
         COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, num_stages=3,
+        OFFSET=norm is not None and norm.offset, **rotary_constants, **pdl, num_warps=warps,
+        num_stages=3,
     )  # fmt: skip
 
 
@@ -465,10 +497,9 @@ def gemv(
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
-    assert rotary is None or not quantize, "the rotary write takes bf16/fp16 weights"
     if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
-        return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale)
+        return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
     block_n, block_k = gemv_tiles(n, k, weight.element_size())
     warps, stages = 4, 3
     if tiles is not None:
@@ -477,16 +508,9 @@ def gemv(
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)
-    half = cache_block = 1
-    rotary_args: tuple[object, ...] = (out,) * 7 + (0,) * 9 + (out,) * 3 + (0.0,)
-    qk_norm = rotary.qk_norm if rotary is not None else None
-    if rotary is not None:
-        half = rotary.cos.shape[1]
-        cache_block = rotary.k_cache.shape[1]
-        assert n == (rotary.num_heads + 2 * rotary.num_kv_heads) * 2 * half, "q | k | v heads"
-        assert half % (block_n // 2) == 0, "a program's pairs in one head"
-        heads = rotary.num_heads + rotary.num_kv_heads
-        rotary_args = rotary.args(shared_workspace(row.device, 0, heads).counters)
+    heads = rotary.num_heads + rotary.num_kv_heads if rotary is not None else 0
+    counters = shared_workspace(row.device, 0, heads).counters if rotary is not None else out
+    rotary_args, rotary_constants = rotary_arguments(rotary, n, block_n, counters)
     _gemv_kernel[(cdiv(n, block_n),)](
         row, weight, placeholder, x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, *norm_args(norm, row),
@@ -496,10 +520,7 @@ def gemv(
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
         NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, ROTARY=rotary is not None, HALF=half,
-        CACHE_BLOCK=cache_block,
-        FP8_CACHE=rotary is not None and rotary.k_cache.dtype == torch.float8_e4m3fn,
-        QK_NORM=qk_norm is not None, QK_OFFSET=qk_norm is not None and qk_norm.offset, **pdl,
-        num_warps=warps, num_stages=stages,
+        OFFSET=norm is not None and norm.offset, **rotary_constants, **pdl, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out

@@ -451,6 +451,28 @@ class RotaryWrite:
                 norm.eps if norm else 0.0)  # fmt: skip
 
 
+def rotary_arguments(
+    rotary: RotaryWrite | None, n: int, block_n: int, counters: torch.Tensor
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """(the rotary arguments, the rotary constants) of a one-row GEMV kernel of N rows in
+    blocks of `block_n` (`_gemv_kernel`'s and its kin's); `counters`: the heads' (placeholders
+    without a `rotary`)."""
+    if rotary is None:
+        placeholders: tuple[object, ...] = (counters,) * 7 + (0,) * 9 + (counters,) * 3 + (0.0,)
+        off = dict[str, object](ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False,
+                                QK_NORM=False, QK_OFFSET=False)  # fmt: skip
+        return placeholders, off
+    half = rotary.cos.shape[1]
+    assert n == (rotary.num_heads + 2 * rotary.num_kv_heads) * 2 * half, "q | k | v heads"
+    assert half % (block_n // 2) == 0, "a program's pairs in one head"
+    norm = rotary.qk_norm
+    constants = dict[str, object](ROTARY=True, HALF=half, CACHE_BLOCK=rotary.k_cache.shape[1],
+                                  FP8_CACHE=rotary.k_cache.dtype == FP8,
+                                  QK_NORM=norm is not None,
+                                  QK_OFFSET=norm is not None and norm.offset)  # fmt: skip
+    return rotary.args(counters), constants
+
+
 @triton.jit
 def pair_rows(pid_n, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """The BLOCK_N rows of a qkv projection program `pid_n` takes when it rotates them

@@ -139,6 +139,9 @@ def test_one_program_routes_and_groups_as_the_torch_ops_do(num_tokens: int) -> N
         assert torch.equal(by_run(routed[2], routed[3]), by_run(*expected))
 
 
+# The families the qkv GEMV's RoPE + cache write is checked on (heads of 128, 96, 256; a bias;
+# q/k norms)
+ROPE_FAMILIES = ["llama-3-8b", "qwen2.5-7b", "phi-3-mini", "gemma-2-9b", "qwen3-8b", "gemma-3-12b"]
 FAMILIES = ["qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "phi-3-mini", "gemma-3-12b", "gemma-2-9b"]
 # Gemma 2 9B's shape (not shipped): soft-capped attention and logits, a window every other layer
 GEMMA2_9B = {
@@ -212,20 +215,31 @@ def test_triton_path_with_graphs_equals_torch_path(
 
 
 @pytest.mark.parametrize(
-    "family", ["llama-3-8b", "qwen2.5-7b", "phi-3-mini", "gemma-2-9b", "qwen3-8b", "gemma-3-12b"]
+    ("family", "quantization"),
+    [
+        *((family, None) for family in ROPE_FAMILIES),
+        ("llama-3-8b", "fp8"),
+        ("qwen3-8b", "fp8"),
+    ],
 )
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
-    family: str, kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Batch-1 decode in bf16 (two layers of the shipped shape: Qwen2's qkv bias, Phi-3's heads
-    of 96, Gemma 2's of 256 and its soft-caps, Qwen3's and Gemma 3's q/k norms) with each
-    layer's RoPE and cache write made by its qkv GEMV (`triton_attention.ROTARY_IN_QKV`) and
-    by the kernel after it: the same tokens and logprobs, bf16 and FP8 caches. (With q/k
-    norms the GEMV's last program of a head sums its squares in its own layout, not the RoPE
-    kernel's: logprobs within 1e-2; the interpreter checks the bits, test_triton_gemv.py.)"""
+    """Batch-1 decode in bf16, or FP8 weights (two layers of the shipped shape: Qwen2's qkv
+    bias, Phi-3's heads of 96, Gemma 2's of 256 and its soft-caps, Qwen3's and Gemma 3's q/k
+    norms) with each layer's RoPE and cache write made by its qkv GEMV
+    (`triton_attention.ROTARY_IN_QKV`) and by the kernel after it: the same tokens and
+    logprobs, bf16 and FP8 caches. (With q/k norms the GEMV's last program of a head sums its
+    squares in its own layout, not the RoPE kernel's: logprobs within 1e-2; the interpreter
+    checks the bits, test_triton_gemv.py and test_fp8_linear.py.)"""
     from kvfleet.engine.attention import triton_attention
     from kvfleet.engine.layers.linear import Linear
+    from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
@@ -240,16 +254,18 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 300, 64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     calls = []
-    forward_rotated = Linear.forward_rotated
+    layer = Fp8Linear if quantization == "fp8" else Linear
+    forward_rotated = layer.forward_rotated
     monkeypatch.setattr(
-        Linear, "forward_rotated", lambda *args: calls.append(1) or forward_rotated(*args)
+        layer, "forward_rotated", lambda *args: calls.append(1) or forward_rotated(*args)
     )
     runs = {}
     for fused in (True, False):
         monkeypatch.setattr(triton_attention, "ROTARY_IN_QKV", fused)
         calls.clear()
         llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
-                  kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True, num_blocks=256,
+                  quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                  skip_tokenizer_init=True, num_blocks=256,
                   max_model_len=512, max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
         outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
         runs[fused] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]

@@ -14,11 +14,15 @@ Gaussian), its largest finite value is 448; each row's scale maps its largest ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvfleet.engine.layers.linear import UnnormalizedRow
+
+if TYPE_CHECKING:
+    from kvfleet.engine.layers.triton_layers import RotaryWrite
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 
 FP8 = torch.float8_e4m3fn
@@ -279,6 +283,22 @@ class Fp8Linear(QuantizedLinear):
             x_q, x_scale = quantize_rows(x2)
         out = self._scaled_mm(x_q, x_scale, bias, x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def forward_rotated(
+        self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite
+    ) -> torch.Tensor | None:
+        """`Linear.forward_rotated` through the e4m3 one-row GEMV (whose programs take 64 rows
+        on the tensor cores: 32 pairs in one head)."""
+        if rotary.cos.shape[1] % 32:
+            return None
+        row: torch.Tensor | UnnormalizedRow = x
+        if isinstance(x, torch.Tensor) and x.is_cuda and x.numel() == x.shape[-1]:
+            row = x.reshape(1, -1).contiguous()
+        elif not isinstance(x, UnnormalizedRow):
+            return None
+        from kvfleet.engine.layers.triton_gemv import gemv
+
+        return gemv(row, self.weight, self.weight_scale, self.bias, self.input_scale, rotary=rotary)
 
     def _scaled_mm(
         self,

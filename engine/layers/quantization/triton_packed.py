@@ -134,26 +134,39 @@ def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, 
 
 
 @triton.jit
-def split_k_store(
-    acc, bias, partial_ptr, count_ptr, out_ptr, at, ok, tile, slab, pid_k, SPLIT: tl.constexpr
+def split_k_total(
+    acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k, SPLIT: tl.constexpr
 ):  # fmt: skip
-    """Write this program's float32 part `acc` of out[at]: directly when unsplit, else into
-    its slab of the partials; the last of the SPLIT programs of `tile` to arrive adds the
-    partials in order (+ bias), writes out and resets the tile's counter."""
-    if SPLIT == 1:
-        tl.store(out_ptr + at, (acc + bias).to(out_ptr.dtype.element_ty), mask=ok)
-    else:
+    """(out[at] (+ bias) in float32, whether this program has it): this program's part `acc`
+    when unsplit; else the part goes into its slab of the partials and the last of the SPLIT
+    programs of `tile` to arrive adds the partials in order and resets the tile's counter."""
+    total = acc + bias
+    last = pid_k >= 0
+    if SPLIT > 1:
         tl.store(partial_ptr + pid_k * slab + at, acc, mask=ok)
         tl.debug_barrier()  # (every thread's part written before the count says so)
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
+        last = arrived == SPLIT - 1
+        if last:
             total = acc * 0.0 + bias
             for i in tl.static_range(SPLIT):
                 total += tl.load(
                     partial_ptr + i * slab + at, mask=ok, other=0.0, cache_modifier=".cg"
                 )
-            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + tile, 0)
+    return total, last
+
+
+@triton.jit
+def split_k_store(
+    acc, bias, partial_ptr, count_ptr, out_ptr, at, ok, tile, slab, pid_k, SPLIT: tl.constexpr
+):  # fmt: skip
+    """Write this program's float32 part `acc` of out[at] (`split_k_total`): directly when
+    unsplit, else the last of the SPLIT programs of `tile` to arrive writes the sum."""
+    total, last = split_k_total(acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k,
+                                SPLIT)  # fmt: skip
+    if last:
+        tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -283,3 +283,42 @@ def test_the_gemvs_normalize_their_row_as_the_norm_kernel_does(
         if x_scale is not None and layer.input_scale is not None:
             layer.input_scale.fill_(x_scale)
     assert torch.equal(layer(row), gemv(normed, weight, scale, bias, x_scale))
+
+
+@pytest.mark.parametrize(("split", "qk_norm"), [(1, False), (4, False), (4, True)])
+def test_the_tensor_core_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
+    split: int, qk_norm: bool, block_layout: str
+) -> None:
+    """`fp8_gemv_mma` given a `RotaryWrite` (4 q heads, 2 KV heads of 128, two row blocks a
+    head; K whole or split across programs; each head of q and k maybe RMS-normalized): the
+    bits of the same GEMV then `rotary_and_write_kv`, through the last program of each row
+    block (and of each head), every counter back at zero."""
+    from kvfleet.engine.attention.metadata import cache_views
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
+    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
+    from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan
+    from kvfleet.engine.layers.triton_layers import QKNorm, RotaryWrite, rotary_and_write_kv
+
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(1, 200, generator=generator) * 3).to(torch.float16)
+    weight, scale = quantize_rows(torch.randn(8 * 128, 200, generator=generator) * 0.1)
+    bias = torch.randn(8 * 128, generator=generator).to(torch.float16)
+    cos, sin = RotaryEmbedding(128, 512, 10000.0).caches(torch.device("cpu"))
+    positions, slots = torch.tensor([301]), torch.tensor([9])
+    norm = None
+    if qk_norm:
+        weights = (torch.rand(2, 128, generator=generator) * 0.5 + 0.75).to(torch.float16)
+        norm = QKNorm(weights[0], weights[1], 1e-6, False)
+    tiles = (64, 64, 4)
+    assert fp8_mma_plan(8 * 128, 200, torch.device("cpu"), tiles, split)[3] == split
+    expected_cache = torch.full((2, 6, 4, 2, 128), 7.0, dtype=torch.float16)
+    qkv = fp8_gemv_mma(x, weight, scale, bias, None, tiles, split)
+    q, k, v = (part.view(1, -1, 128) for part in qkv.split([512, 256, 256], dim=1))
+    rotary_and_write_kv(q, k, v, positions, cos, sin, *cache_views(expected_cache), slots,
+                        None, norm)  # fmt: skip
+    cache = torch.full_like(expected_cache, 7.0)
+    target = RotaryWrite(positions, cos, sin, *cache_views(cache), slots, None, 4, 2, norm)
+    out = fp8_gemv_mma(x, weight, scale, bias, None, tiles, split, rotary=target)
+    assert torch.equal(out[:, :512], qkv[:, :512])
+    assert torch.equal(cache, expected_cache)
+    assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()

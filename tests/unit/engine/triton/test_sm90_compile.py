@@ -105,12 +105,11 @@ def dependent_launch():
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
     no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False, QK_NORM=False,
                      QK_OFFSET=False)
-    rotary_types = bf16_gemv_types | {"cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                                      "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
-                                      "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
-                                      "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
-                                      "k_norm_ptr": "*bf16", "count_ptr": "*i32",
-                                      "qk_eps": "fp32"}
+    rotary_only = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64",
+                   "slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
+                   "v_cache_ptr": "*fp8e4nv", "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
+                   "k_norm_ptr": "*bf16", "head_count_ptr": "*i32", "qk_eps": "fp32"}
+    rotary_types = bf16_gemv_types | rotary_only | {"count_ptr": "*i32"}
     rotary = dict(ROTARY=True, HALF=64, CACHE_BLOCK=16, FP8_CACHE=True, QK_OFFSET=False)
     moe_gemv_types = {"x_ptr": "*bf16", "logits_ptr": "*bf16", "w13_ptr": "*bf16",
                       "h_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
@@ -205,16 +204,24 @@ def dependent_launch():
         "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                    dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096,
-                                        QUANTIZED=False, COLS=16, SPAN=128) | no_norm, 1),
+                                        QUANTIZED=False, COLS=16, SPAN=128)
+                                   | no_norm | no_rotary, 1),
         "fp8 gemv, tensor cores, norm": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                          dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                               BLOCK_N=64, BLOCK_K=512, ROW_BLOCK=4096,
-                                              QUANTIZED=False, COLS=16, SPAN=128) | norm, 1),
+                                              QUANTIZED=False, COLS=16, SPAN=128)
+                                         | norm | no_rotary, 1),
+        "fp8 gemv, tensor cores, norm, q/k norms, rotary": (
+            triton_gemv._fp8_gemv_mma_kernel, mma_types | rotary_only,
+            dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4, BLOCK_N=64, BLOCK_K=512,
+                 ROW_BLOCK=4096, QUANTIZED=False, COLS=16, SPAN=128, QK_NORM=True)
+            | norm | rotary, 1),
         "fp8 rows, tensor cores": (triton_gemv._fp8_gemv_mma_kernel,
                                    mma_types | {"x_ptr": "*fp8e4nv", "bias_ptr": "*bf16"},
                                    dict(STATIC=False, HAS_BIAS=True, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=1,
-                                        QUANTIZED=True, COLS=32, SPAN=128) | no_norm, 1),
+                                        QUANTIZED=True, COLS=32, SPAN=128)
+                                   | no_norm | no_rotary, 1),
         "bf16 gemv": (triton_gemv._gemv_kernel, bf16_gemv_types,
                       dict(QUANTIZE=False, STATIC=False, HAS_BIAS=True, BLOCK_N=8,
                            BLOCK_K=512, ROW_BLOCK=1) | no_norm | no_rotary, 1),
