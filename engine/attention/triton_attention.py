@@ -25,7 +25,7 @@ from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, QuantizedRows
-from kvfleet.engine.layers.triton_layers import (
+from kvfleet.engine.layers.triton_rope import (
     QKNorm,
     RotaryWrite,
     kv_cache_value,

@@ -16,7 +16,7 @@ from torch import nn
 from kvfleet.engine.layers.dependent_launch import dependent_launch
 
 if TYPE_CHECKING:
-    from kvfleet.engine.layers.triton_layers import RotaryWrite
+    from kvfleet.engine.layers.triton_rope import RotaryWrite
 
 # Weights up to this size take the Triton GEMV for one row: every projection of Llama-3-8B and
 # of Llama-3-70B over two GPUs (bench/gemv.py, H100: faster than cuBLAS at 9 of 11 shapes; slower

@@ -236,7 +236,7 @@ class RotaryEmbedding(nn.Module):
         """positions [num_tokens]; q [num_tokens, Hq, D], k [num_tokens, Hkv, D]."""
         self.caches(positions.device)
         if self.fused and q.is_cuda:
-            from kvfleet.engine.layers.triton_layers import rotary_inplace
+            from kvfleet.engine.layers.triton_rope import rotary_inplace
 
             together = _heads_together(q, k)
             for x in (q, k) if together is None else (together,):

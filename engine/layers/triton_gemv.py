@@ -39,14 +39,12 @@ from kvfleet.engine.layers.quantization.triton_packed import (
     split_k_store,
     split_k_total,
 )
-from kvfleet.engine.layers.triton_layers import (
+from kvfleet.engine.layers.triton_layers import inverse_rms, rms_scaled, summed_row
+from kvfleet.engine.layers.triton_rope import (
     RotaryWrite,
-    inverse_rms,
     pair_rows,
-    rms_scaled,
     rotary_arguments,
     rotary_write_pairs,
-    summed_row,
 )
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
@@ -67,7 +65,7 @@ def _gemv_kernel(
     cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
     kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
     stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, count_ptr,
-    qk_eps,  # (ROTARY: `triton_layers.RotaryWrite`)
+    qk_eps,  # (ROTARY: `triton_rope.RotaryWrite`)
     N, K, fp8_max, min_scale, eps,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
@@ -80,7 +78,7 @@ def _gemv_kernel(
     scales (products of e4m3 values are exact in float32). NORM: the row multiplied is
     RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here; the first program
     writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x HALF): q rotated
-    into out, k rotated and v written into the KV cache (`triton_layers.rotary_write_pairs`),
+    into out, k rotated and v written into the KV cache (`triton_rope.rotary_write_pairs`),
     k and v left out of out."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
@@ -146,7 +144,7 @@ def _fp8_gemv_mma_kernel(
     cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
     kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
     stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr,
-    qk_eps,  # (ROTARY: `triton_layers.RotaryWrite`)
+    qk_eps,  # (ROTARY: `triton_rope.RotaryWrite`)
     M, N, K, stride_x, fp8_max, min_scale, eps,
     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,

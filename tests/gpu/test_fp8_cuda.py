@@ -51,7 +51,7 @@ def test_the_layer_matches_its_reference_at_llama_shapes(n: int, k: int) -> None
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_block_fp8_matches_its_reference_at_llama_shapes(n: int, k: int) -> None:
-    from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, block_fp8_reference
+    from kvfleet.engine.layers.quantization.block_fp8 import BlockFp8Linear, block_fp8_reference
 
     weight = torch.randn(n, k, device="cuda") * 0.02
     layer = BlockFp8Linear(k, n, False, torch.bfloat16, (128, 128), online=True).cuda()

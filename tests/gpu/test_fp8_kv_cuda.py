@@ -79,7 +79,7 @@ def test_fp8_cache_kernels_match_the_torch_backend(
 def test_the_fused_rope_write_stores_the_torch_bytes() -> None:
     from kvfleet.engine.attention.metadata import cache_views
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
-    from kvfleet.engine.layers.triton_layers import rotary_and_write_kv, rotary_inplace
+    from kvfleet.engine.layers.triton_rope import rotary_and_write_kv, rotary_inplace
 
     gen = torch.Generator().manual_seed(6)
     rotary = RotaryEmbedding(128, 8192, 500000.0)

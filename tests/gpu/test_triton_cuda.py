@@ -166,7 +166,8 @@ def test_smollm2_triton_and_torch_differ_in_bf16_only_at_near_ties(
 
 def test_fused_layers_match_torch_at_real_shapes() -> None:
     from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
-    from kvfleet.engine.layers.triton_layers import add_rms_norm, rotary_inplace
+    from kvfleet.engine.layers.triton_layers import add_rms_norm
+    from kvfleet.engine.layers.triton_rope import rotary_inplace
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(300, 4096, generator=gen).cuda().bfloat16()
@@ -231,14 +232,14 @@ def test_fused_rope_and_silu_round_like_the_torch_path_in_bf16() -> None:
     """Not just close: RoPE and SiLU·mul round where the torch chain rounds, so at most a few
     elements differ, each by one bf16 step (exp and sin/cos are computed differently)."""
     from kvfleet.engine.layers import torch_layers as layers
-    from kvfleet.engine.layers import triton_layers
+    from kvfleet.engine.layers import triton_layers, triton_rope
 
     gen = torch.Generator().manual_seed(6)
     rotary = layers.RotaryEmbedding(128, 8192, 500000.0)
     positions = torch.randint(0, 8192, (300,), generator=gen).cuda()
     q = torch.randn(300, 32, 128, generator=gen).cuda().bfloat16()
     expected_q, _ = rotary(positions, q.clone(), q[:, :1].clone())
-    triton_layers.rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
+    triton_rope.rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
     gate_up = (torch.randn(300, 2 * 14336, generator=gen) * 3).cuda().bfloat16()
     expected_silu = layers.act_and_mul(gate_up)
     silu = triton_layers.act_and_mul(gate_up)

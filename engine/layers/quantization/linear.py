@@ -102,7 +102,8 @@ def make_linear_factory(scheme: QuantScheme | None, dtype: torch.dtype) -> Linea
 
             bits = scheme.bits_for(modules)
             return PackedLinear(in_features, out_features, bias, dtype, scheme, bits)
-        from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, Fp8Linear
+        from kvfleet.engine.layers.quantization.block_fp8 import BlockFp8Linear
+        from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
 
         if scheme.block is not None:
             # (the fp8 format calls the block scales weight_scale_inv, compressed-tensors

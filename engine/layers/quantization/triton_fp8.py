@@ -75,7 +75,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8.quantize_groups` in one kernel: (e4m3 values [rows, cols], scales [rows,
+    """`block_fp8.quantize_groups` in one kernel: (e4m3 values [rows, cols], scales [rows,
     cols / group] float32)."""
     rows, cols = x.shape
     values, scales = quantize_rows_triton(x.reshape(rows * cols // group, group))

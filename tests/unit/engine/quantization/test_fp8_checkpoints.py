@@ -19,7 +19,8 @@ import torch
 
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.linear import Linear
-from kvfleet.engine.layers.quantization.fp8 import BlockFp8Linear, Fp8Linear, dequantize_blocks
+from kvfleet.engine.layers.quantization.block_fp8 import BlockFp8Linear, dequantize_blocks
+from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
 from kvfleet.engine.layers.quantization.scheme import Fp8Scheme, resolve_quantization
 from kvfleet.engine.loader.model_loader import load_model
 from kvfleet.engine.loader.source import ModelSource

@@ -8,13 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvfleet.engine.layers.quantization.block_fp8 import (
+    BlockFp8Linear,
+    block_fp8_reference,
+    dequantize_blocks,
+)
 from kvfleet.engine.layers.quantization.fp8 import (
     FP8,
     FP8_MAX,
-    BlockFp8Linear,
     Fp8Linear,
-    block_fp8_reference,
-    dequantize_blocks,
     fp8_linear_reference,
     fp8_supported,
     quantize_rows,
@@ -297,7 +299,7 @@ def test_the_tensor_core_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_do
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
     from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan
-    from kvfleet.engine.layers.triton_layers import QKNorm, RotaryWrite, rotary_and_write_kv
+    from kvfleet.engine.layers.triton_rope import QKNorm, RotaryWrite, rotary_and_write_kv
 
     generator = torch.Generator().manual_seed(5)
     x = (torch.randn(1, 200, generator=generator) * 3).to(torch.float16)

@@ -91,7 +91,13 @@ def prompt(q_type, cache_type, kind, split):
 def dependent_launch():
     # Each kernel launched dependent (PDL=True) waits (griddepcontrol.wait) and lets its
     # successor start; the GEMVs load weights before the wait, the others nothing.
-    from kvfleet.engine.layers import triton_gemv, triton_layers, triton_moe, triton_moe_gemv
+    from kvfleet.engine.layers import (
+        triton_gemv,
+        triton_layers,
+        triton_moe,
+        triton_moe_gemv,
+        triton_rope,
+    )
     from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
     cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     mma_types = {"x_ptr": "*bf16", "x_scales_ptr": "*fp32", "w_ptr": "*fp8e4nv",
@@ -124,13 +130,13 @@ def dependent_launch():
                             "residual_out_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32",
                             "fp8_max": "fp32", "min_scale": "fp32"},
                             dict(HAS_RESIDUAL=True, OFFSET=False, QUANTIZE=True, BLOCK=4096), 1),
-        "rotary": (triton_layers._rotary_write_kv_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16",
+        "rotary": (triton_rope._rotary_write_kv_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16",
                    "v_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                    "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
                    "kv_scales_ptr": "*fp32"} | cache,
                    dict(HALF=64, BLOCK_H=32, BLOCK_KV=8, BLOCK_SIZE=16, FP8=False,
                         QK_NORM=False, OFFSET=False), 0),
-        "rotary, q/k norms": (triton_layers._rotary_write_kv_kernel, {"q_ptr": "*bf16",
+        "rotary, q/k norms": (triton_rope._rotary_write_kv_kernel, {"q_ptr": "*bf16",
                               "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*fp32",
                               "sin_ptr": "*fp32", "positions_ptr": "*i64",
                               "slot_mapping_ptr": "*i64", "kv_scales_ptr": "*fp32",

@@ -128,7 +128,7 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     from kvfleet.engine.attention.metadata import cache_views
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
-    from kvfleet.engine.layers.triton_layers import QKNorm, RotaryWrite, rotary_and_write_kv
+    from kvfleet.engine.layers.triton_rope import QKNorm, RotaryWrite, rotary_and_write_kv
 
     generator = torch.Generator().manual_seed(11)
     weight = (torch.randn(8 * 32, 200, generator=generator) * 0.1).to(dtype)

@@ -11,9 +11,10 @@ import torch
 pytest.importorskip("triton")
 
 from kvfleet.engine.layers import torch_layers as layers
-from kvfleet.engine.layers import triton_layers
+from kvfleet.engine.layers import triton_layers, triton_rope
 from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
-from kvfleet.engine.layers.triton_layers import add_rms_norm, rotary_inplace
+from kvfleet.engine.layers.triton_layers import add_rms_norm
+from kvfleet.engine.layers.triton_rope import rotary_inplace
 
 TOLERANCES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
@@ -81,13 +82,13 @@ def test_rotary_layer_rotates_q_and_k_of_one_qkv_buffer_together(
     positions = torch.randint(0, 128, (5,), generator=gen)
     qkv = torch.randn(5, 7 * 32, generator=gen)  # 4 q heads, 2 k heads, 1 v head
     launches: list[tuple[int, ...]] = []
-    real = triton_layers.rotary_inplace
+    real = triton_rope.rotary_inplace
 
     def spy(x: torch.Tensor, *args: torch.Tensor) -> None:
         launches.append(tuple(x.shape))
         real(x, *args)
 
-    monkeypatch.setattr(triton_layers, "rotary_inplace", spy)
+    monkeypatch.setattr(triton_rope, "rotary_inplace", spy)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     q, k = qkv[:, :128].view(5, 4, 32), qkv[:, 128:192].view(5, 2, 32)
     expected_q, expected_k = reference(positions, q.clone(), k.clone())
@@ -136,14 +137,14 @@ def _rotated_and_written(
 
 
 def _rotary_and_write_kv(
-    step: dict[str, torch.Tensor], qk_norm: triton_layers.QKNorm | None = None
+    step: dict[str, torch.Tensor], qk_norm: triton_rope.QKNorm | None = None
 ) -> torch.Tensor:
     """The fused kernel on the step (q rotated in place): the cache it fills."""
     from kvfleet.engine.attention.metadata import cache_views
 
     cache = torch.zeros(2, 8, BLOCK, 2, 32, dtype=step["q"].dtype)
     with torch.no_grad():
-        triton_layers.rotary_and_write_kv(
+        triton_rope.rotary_and_write_kv(
             step["q"], step["k"], step["v"], step["positions"], step["cos"], step["sin"],
             *cache_views(cache), step["slots"], None, qk_norm,
         )  # fmt: skip
@@ -206,7 +207,7 @@ def test_q_and_k_norms_fused_into_rope_and_the_kv_write(
         )
     k_before = step["k"].clone()
     cache = _rotary_and_write_kv(
-        step, triton_layers.QKNorm(norms[0].weight, norms[1].weight, 1e-6, offset)
+        step, triton_rope.QKNorm(norms[0].weight, norms[1].weight, 1e-6, offset)
     )
     # (the squares summed in two halves, not one row: the last bit may differ, one step of dtype)
     q = step["q"]
