@@ -220,6 +220,8 @@ def test_triton_path_with_graphs_equals_torch_path(
         *((family, None) for family in ROPE_FAMILIES),
         ("llama-3-8b", "fp8"),
         ("qwen3-8b", "fp8"),
+        ("llama-3-8b", "rtn"),
+        ("qwen3-8b", "rtn"),
     ],
 )
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -230,16 +232,17 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Batch-1 decode in bf16, or FP8 weights (two layers of the shipped shape: Qwen2's qkv
-    bias, Phi-3's heads of 96, Gemma 2's of 256 and its soft-caps, Qwen3's and Gemma 3's q/k
-    norms) with each layer's RoPE and cache write made by its qkv GEMV
+    """Batch-1 decode in bf16, or FP8 or 4-bit (rtn) weights (two layers of the shipped
+    shape: Qwen2's qkv bias, Phi-3's heads of 96, Gemma 2's of 256 and its soft-caps, Qwen3's
+    and Gemma 3's q/k norms) with each layer's RoPE and cache write made by its qkv GEMV
     (`triton_attention.ROTARY_IN_QKV`) and by the kernel after it: the same tokens and
     logprobs, bf16 and FP8 caches. (With q/k norms the GEMV's last program of a head sums its
     squares in its own layout, not the RoPE kernel's: logprobs within 1e-2; the interpreter
-    checks the bits, test_triton_gemv.py and test_fp8_linear.py.)"""
+    checks the bits: test_triton_gemv.py, test_fp8_linear.py, test_int4_layouts.py.)"""
     from kvfleet.engine.attention import triton_attention
     from kvfleet.engine.layers.linear import Linear
     from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
+    from kvfleet.engine.layers.quantization.packed import PackedLinear
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
@@ -254,7 +257,7 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 300, 64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     calls = []
-    layer = Fp8Linear if quantization == "fp8" else Linear
+    layer = {"fp8": Fp8Linear, "rtn": PackedLinear}.get(quantization or "", Linear)
     forward_rotated = layer.forward_rotated
     monkeypatch.setattr(
         layer, "forward_rotated", lambda *args: calls.append(1) or forward_rotated(*args)

@@ -251,3 +251,41 @@ def test_the_one_row_plan_takes_narrower_blocks_for_large_layers() -> None:
     assert gemv_plan(6144, 4096, 128) == (64, 128, 2, 16, 4)
     assert gemv_plan(4096, 4096, 128) == (64, 128, 2, 16, 4)
     assert gemv_plan(28672, 4096, 32) == (32, 32, 16, 8, 2)
+
+
+@pytest.mark.parametrize(("tiles", "qk_norm"), [((64, 32, 2, 4), False), ((64, 32, 2, 4), True),
+                                                ((32, 64, 4, 4), False)])  # fmt: skip
+def test_the_one_row_kernel_rotates_and_writes_the_cache_as_the_rope_kernel_does(
+    tiles: tuple[int, int, int, int], qk_norm: bool, block_layout: str
+) -> None:
+    """`packed_gemv` given a `RotaryWrite` (4 q heads, 2 KV heads of 128, a bias; K split
+    across programs; each head of q and k maybe RMS-normalized): the bits of the same GEMV
+    then `rotary_and_write_kv`, through the last program of each column block (and of each
+    head), every counter back at zero."""
+    from kvfleet.engine.attention.metadata import cache_views
+    from kvfleet.engine.layers.quantization.packed import quantize_rtn
+    from kvfleet.engine.layers.quantization.triton_packed import packed_gemv, shared_workspace
+    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
+    from kvfleet.engine.layers.triton_rope import QKNorm, RotaryWrite, rotary_and_write_kv
+
+    generator = torch.Generator().manual_seed(8)
+    weights = quantize_rtn(torch.randn(8 * 128, 256, generator=generator), 64, torch.float16)
+    x = torch.randn(1, 256, generator=generator).to(torch.float16)
+    bias = torch.randn(8 * 128, generator=generator).to(torch.float16)
+    cos, sin = RotaryEmbedding(128, 512, 10000.0).caches(torch.device("cpu"))
+    positions, slots = torch.tensor([77]), torch.tensor([17])
+    norm = None
+    if qk_norm:
+        scales = (torch.rand(2, 128, generator=generator) * 0.5 + 0.75).to(torch.float16)
+        norm = QKNorm(scales[0], scales[1], 1e-6, False)
+    expected_cache = torch.full((2, 6, 4, 2, 128), 7.0, dtype=torch.float16)
+    qkv = packed_gemv(x, weights, bias, tiles)
+    q, k, v = (part.view(1, -1, 128) for part in qkv.split([512, 256, 256], dim=1))
+    rotary_and_write_kv(q, k, v, positions, cos, sin, *cache_views(expected_cache), slots,
+                        None, norm)  # fmt: skip
+    cache = torch.full_like(expected_cache, 7.0)
+    target = RotaryWrite(positions, cos, sin, *cache_views(cache), slots, None, 4, 2, norm)
+    out = packed_gemv(x, weights, bias, tiles, target)
+    assert torch.equal(out[:, :512], qkv[:, :512])
+    assert torch.equal(cache, expected_cache)
+    assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()

@@ -117,6 +117,9 @@ def dependent_launch():
                    "k_norm_ptr": "*bf16", "head_count_ptr": "*i32", "qk_eps": "fp32"}
     rotary_types = bf16_gemv_types | rotary_only | {"count_ptr": "*i32"}
     rotary = dict(ROTARY=True, HALF=64, CACHE_BLOCK=16, FP8_CACHE=True, QK_OFFSET=False)
+    packed_types = {"x_ptr": "*bf16", "perm_ptr": "*i32", "qweight_ptr": "*i32",
+                    "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "bias_ptr": "*bf16",
+                    "partial_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16"}
     moe_gemv_types = {"x_ptr": "*bf16", "logits_ptr": "*bf16", "w13_ptr": "*bf16",
                       "h_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                       "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32"}
@@ -243,11 +246,13 @@ def dependent_launch():
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
                  ROW_BLOCK=4096, QK_NORM=True) | norm | rotary, 1),
-        "packed gemv": (triton_packed._packed_gemv_kernel, {"x_ptr": "*bf16", "perm_ptr": "*i32",
-                        "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
-                        "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",
-                        "out_ptr": "*bf16"}, dict(BITS=4, HAS_PERM=False, HAS_BIAS=False,
-                        SPLIT=16, BLOCK_N=64, BLOCK_K=128, STEPS=2, GROUP=128), 1),
+        "packed gemv": (triton_packed._packed_gemv_kernel, packed_types,
+                        dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT=16, BLOCK_N=64,
+                             BLOCK_K=128, STEPS=2, GROUP=128) | no_rotary, 1),
+        "packed gemv, q/k norms, rotary": (
+            triton_packed._packed_gemv_kernel, packed_types | rotary_only,
+            dict(BITS=4, HAS_PERM=False, HAS_BIAS=True, SPLIT=16, BLOCK_N=64, BLOCK_K=128,
+                 STEPS=2, GROUP=128, QK_NORM=True) | rotary, 1),
     }
     for name, (kernel, types, constants, loads_first) in kernels.items():
         ptx = compile_for_sm90(kernel, types, constants | {"PDL": True}, 4, 3)
