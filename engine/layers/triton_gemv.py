@@ -36,8 +36,8 @@ from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import (
     shared_workspace,
+    split_k_rotary,
     split_k_store,
-    split_k_total,
 )
 from kvfleet.engine.layers.triton_layers import inverse_rms, rms_scaled, summed_row
 from kvfleet.engine.layers.triton_rope import (
@@ -194,15 +194,12 @@ def _fp8_gemv_mma_kernel(
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if ROTARY:
         part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
-        out, last = split_k_total(part, bias, partial_ptr, count_ptr, rows, row_ok, pid_n, N,
-                                  pid_k, SPLIT)  # fmt: skip
-        if last:
-            rotary_write_pairs(out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr,
-                               slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
-                               stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs,
-                               stride_vch, stride_vcd, num_heads, num_kv_heads, q_norm_ptr,
-                               k_norm_ptr, head_count_ptr, qk_eps, BLOCK_N, HALF, CACHE_BLOCK,
-                               FP8_CACHE, QK_NORM, QK_OFFSET)  # fmt: skip
+        split_k_rotary(part, bias, partial_ptr, count_ptr, rows, row_ok, pid_n, N, pid_k,
+                       out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr,
+                       v_cache_ptr, kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb,
+                       stride_vcs, stride_vch, stride_vcd, num_heads, num_kv_heads, q_norm_ptr,
+                       k_norm_ptr, head_count_ptr, qk_eps, SPLIT, BLOCK_N, HALF, CACHE_BLOCK,
+                       FP8_CACHE, QK_NORM, QK_OFFSET)  # fmt: skip
     elif not QUANTIZED:
         part = tl.sum(tl.where(tokens[None, :] == 0, acc, 0.0), axis=1) * x_scale * w_scale
         split_k_store(part, bias, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, N,

@@ -176,6 +176,29 @@ def split_k_store(
 
 
 @triton.jit
+def split_k_rotary(
+    acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k, out_ptr, cos_ptr, sin_ptr,
+    positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
+    stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd, num_heads,
+    num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr, qk_eps, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
+    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """`split_k_store` for a qkv projection's row block `tile` (`triton_rope.pair_rows`): the
+    last of its SPLIT programs rotates the sum and writes it into out and the KV cache
+    (`triton_rope.rotary_write_pairs`)."""
+    total, last = split_k_total(acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k,
+                                SPLIT)  # fmt: skip
+    if last:
+        rotary_write_pairs(total, tile, out_ptr, cos_ptr, sin_ptr, positions_ptr,
+                           slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
+                           stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                           num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr,
+                           qk_eps, BLOCK_N, HALF, CACHE_BLOCK, FP8_CACHE, QK_NORM,
+                           QK_OFFSET)  # fmt: skip
+
+
+@triton.jit
 def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
     out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
@@ -221,15 +244,12 @@ def _packed_gemv_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if ROTARY:
-        out, last = split_k_total(tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, cols,
-                                  col_ok, pid_n, N, pid_k, SPLIT)  # fmt: skip
-        if last:
-            rotary_write_pairs(out, pid_n, out_ptr, cos_ptr, sin_ptr, positions_ptr,
-                               slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr,
-                               stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs,
-                               stride_vch, stride_vcd, num_heads, num_kv_heads, q_norm_ptr,
-                               k_norm_ptr, head_count_ptr, qk_eps, BLOCK_N, HALF, CACHE_BLOCK,
-                               FP8_CACHE, QK_NORM, QK_OFFSET)  # fmt: skip
+        split_k_rotary(tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, cols, col_ok, pid_n,
+                       N, pid_k, out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
+                       k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb, stride_cs, stride_ch,
+                       stride_vcb, stride_vcs, stride_vch, stride_vcd, num_heads, num_kv_heads,
+                       q_norm_ptr, k_norm_ptr, head_count_ptr, qk_eps, SPLIT, BLOCK_N, HALF,
+                       CACHE_BLOCK, FP8_CACHE, QK_NORM, QK_OFFSET)  # fmt: skip
     else:
         split_k_store(
             tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N,
