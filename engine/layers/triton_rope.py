@@ -21,8 +21,6 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import next_power_of_2
 
-FP8 = torch.float8_e4m3fn
-
 
 @dataclass(frozen=True)
 class QKNorm:
@@ -258,7 +256,7 @@ def rotary_arguments(
     assert half % (block_n // 2) == 0, "a program's pairs in one head"
     norm = rotary.qk_norm
     constants = dict[str, object](ROTARY=True, HALF=half, CACHE_BLOCK=rotary.k_cache.shape[1],
-                                  FP8_CACHE=rotary.k_cache.dtype == FP8,
+                                  FP8_CACHE=rotary.k_cache.dtype == torch.float8_e4m3fn,
                                   QK_NORM=norm is not None,
                                   QK_OFFSET=norm is not None and norm.offset)  # fmt: skip
     return rotary.args(counters), constants
