@@ -25,7 +25,6 @@ from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, QuantizedRows
-from kvfleet.engine.layers.quantization.packed import PackedLinear
 from kvfleet.engine.layers.triton_rope import (
     QKNorm,
     RotaryWrite,
@@ -147,9 +146,12 @@ class TritonAttention(AttentionLayer):
         kv_scales: torch.Tensor | None = None,
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor | None:
-        """One token through the one-row Triton GEMV of a bf16/fp16, e4m3 or 4/8-bit qkv
-        projection (`forward_rotated`), which normalizes, rotates q and writes k and v into the
-        cache as `rotary_and_write_kv` would (one kernel fewer a layer at batch 1)."""
+        """One token through the one-row Triton GEMV of a bf16/fp16 or e4m3 qkv projection
+        (`forward_rotated`), which normalizes, rotates q and writes k and v into the cache as
+        `rotary_and_write_kv` would (one kernel fewer a layer at batch 1). Not 4/8-bit
+        weights: their GEMV's programs take contiguous columns of the packed words, and
+        pairs (d, d + half) across a head made Llama-3-8B's batch 1 2.665 -> 3.045 ms on the
+        H200 (bench/RESULTS.md session 31)."""
         if isinstance(hidden, QuantizedRows):
             return None
         row = hidden.x if isinstance(hidden, UnnormalizedRow) else hidden
@@ -158,7 +160,7 @@ class TritonAttention(AttentionLayer):
             and rotary.fused
             and row.is_cuda
             and row.shape[0] == 1
-            and isinstance(qkv_proj, (Linear, Fp8Linear, PackedLinear))  # (not under LoRA)
+            and isinstance(qkv_proj, (Linear, Fp8Linear))  # (not under LoRA)
         ):
             return None
         cos, sin = rotary.caches(row.device)

@@ -44,6 +44,19 @@ DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
     False: (64, 4, 3, None),
     True: (128, 4, 3, 128),
 }
+# A K or V tile of either kernel holds at most this many values (BLOCK_N x BLOCK_D): the
+# measured 128 x 128 tiles at a head of 128. Gemma's heads of 256 take 64-token tiles instead:
+# the prompt kernel's 128 x 128 FP8 tiles in two stages, with their upcast copies, asked for
+# 256 KB of shared memory at a head of 256, over the H100's 227 KB (bench/RESULTS.md session 31).
+KV_TILE_VALUES = 128 * 128
+
+
+def kv_tile_tokens(block_n: int, block_d: int) -> int:
+    """A tile's BLOCK_N for heads padded to `block_d`: `block_n`, halved until the tile holds
+    at most KV_TILE_VALUES values."""
+    while block_n * block_d > KV_TILE_VALUES and block_n > 16:
+        block_n //= 2
+    return block_n
 
 
 @triton.jit
@@ -493,6 +506,7 @@ def decode_attention(
     token_minor = v_cache.stride(3) != 1
     fp8 = kv_cache_is_fp8(kv_cache)
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
+    block_n = kv_tile_tokens(block_n, block_d)
     assert not token_minor or block_n % block_size == 0, "token-minor V loads whole blocks"
     assert not token_minor or v_cache.stride(3) == block_size, "a head's token-minor V: one run"
     limits = {} if max_registers is None else {"maxnreg": max_registers}

@@ -19,6 +19,7 @@ from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv
 from kvfleet.engine.attention.triton_decode import (
     LN2,
     fp8_query,
+    kv_tile_tokens,
     load_kv_tile,
     merge_splits,
     online_softmax,
@@ -64,12 +65,16 @@ def prompt_step_kind(metadata: AttentionMetadata) -> str:
     return "few" if metadata.max_seqlen_q <= FEW_QUERY_TOKENS else "chunks"
 
 
-def prompt_tile(dtype: torch.dtype, fp8: bool, kind: str) -> tuple[int, int, int, int]:
-    """PROMPT_TILES' tile for queries of `dtype` (float32 ones take "chunks" tiles for "long"
-    steps: 128 x 128 float32 tiles would need 320 KB of shared memory)."""
+def prompt_tile(
+    dtype: torch.dtype, fp8: bool, kind: str, block_d: int = 128
+) -> tuple[int, int, int, int]:
+    """PROMPT_TILES' tile for queries of `dtype` and heads padded to `block_d` (float32 ones
+    take "chunks" tiles for "long" steps: 128 x 128 float32 tiles would need 320 KB of shared
+    memory; heads past 128 fewer tokens a tile: `triton_decode.kv_tile_tokens`)."""
     if kind == "long" and dtype == torch.float32:
         kind = "chunks"
-    return PROMPT_TILES[fp8, kind]
+    block_m, block_n, warps, stages = PROMPT_TILES[fp8, kind]
+    return block_m, kv_tile_tokens(block_n, block_d), warps, stages
 
 
 # Split counts forced by `splits_forced` (innermost last).
@@ -258,7 +263,8 @@ def paged_attention(
     if num_seqs == 0:
         return out
     fp8 = kv_cache_is_fp8(kv_cache)
-    block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata))
+    block_d = max(16, next_power_of_2(head_dim))
+    block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata), block_d)
     m_blocks = cdiv(metadata.max_seqlen_q, block_m)
     num_splits = (
         _forced_splits[-1]
@@ -306,7 +312,7 @@ def paged_attention(
         QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -220,8 +220,6 @@ def test_triton_path_with_graphs_equals_torch_path(
         *((family, None) for family in ROPE_FAMILIES),
         ("llama-3-8b", "fp8"),
         ("qwen3-8b", "fp8"),
-        ("llama-3-8b", "rtn"),
-        ("qwen3-8b", "rtn"),
     ],
 )
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -232,17 +230,19 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Batch-1 decode in bf16, or FP8 or 4-bit (rtn) weights (two layers of the shipped
-    shape: Qwen2's qkv bias, Phi-3's heads of 96, Gemma 2's of 256 and its soft-caps, Qwen3's
-    and Gemma 3's q/k norms) with each layer's RoPE and cache write made by its qkv GEMV
-    (`triton_attention.ROTARY_IN_QKV`) and by the kernel after it: the same tokens and
-    logprobs, bf16 and FP8 caches. (With q/k norms the GEMV's last program of a head sums its
-    squares in its own layout, not the RoPE kernel's: logprobs within 1e-2; the interpreter
-    checks the bits: test_triton_gemv.py, test_fp8_linear.py, test_int4_layouts.py.)"""
+    """Batch-1 decode in bf16 or FP8 weights (two layers of the shipped shape: Qwen2's qkv
+    bias, Gemma 2's heads of 256 and its soft-caps, Qwen3's and Gemma 3's q/k norms) with each
+    layer's RoPE and cache write made by its qkv GEMV (`triton_attention.ROTARY_IN_QKV`) and by
+    the kernel after it: the same tokens and logprobs, bf16 and FP8 caches. Phi-3's heads of 96
+    take neither (the RoPE kernel's halves are powers of two): the unfused path both times.
+    (With q/k norms the GEMV's last program of a head sums its squares in its own layout, not
+    the RoPE kernel's, which can move a q or k value by one bf16 step: logprobs within 1e-2,
+    and within 0.1 under FP8 weights, whose inputs each layer rounds to e4m3 steps of 1/16,
+    where a bf16 step can cross one; the interpreter checks the bits: test_triton_gemv.py,
+    test_fp8_linear.py.)"""
     from kvfleet.engine.attention import triton_attention
     from kvfleet.engine.layers.linear import Linear
     from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
-    from kvfleet.engine.layers.quantization.packed import PackedLinear
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
@@ -257,7 +257,7 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 300, 64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     calls = []
-    layer = {"fp8": Fp8Linear, "rtn": PackedLinear}.get(quantization or "", Linear)
+    layer = Fp8Linear if quantization == "fp8" else Linear
     forward_rotated = layer.forward_rotated
     monkeypatch.setattr(
         layer, "forward_rotated", lambda *args: calls.append(1) or forward_rotated(*args)
@@ -272,7 +272,7 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
                   max_model_len=512, max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
         outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
         runs[fused] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
-        assert bool(calls) == fused
+        assert bool(calls) == (fused and family != "phi-3-mini")
         llm.engine.close()
         del llm
         torch.cuda.empty_cache()
@@ -282,4 +282,5 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
         runs[True], runs[False], strict=True
     ):
         assert tokens == want_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-2
+        bound = 0.1 if quantization == "fp8" else 1e-2
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound

@@ -1,6 +1,7 @@
-"""The FP8 KV cache's Triton kernels on the GPU at Llama-3-8B's head shapes: the cache writes
-(alone and fused with RoPE) store the torch backend's bytes, and prompt and decode attention
-over an e4m3 cache match the torch backend reading the same cache (float32)."""
+"""The FP8 KV cache's Triton kernels on the GPU at Llama-3-8B's head shapes (and Gemma's heads
+of 256): the cache writes (alone and fused with RoPE) store the torch backend's bytes, and
+prompt and decode attention over an e4m3 cache match the torch backend reading the same cache
+(float32)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+# (Gemma 2 / 3's heads of 256: the kernels' tiles take fewer tokens, `kv_tile_tokens`)
+SHAPES = {"llama": HEADS, "gemma": {"num_heads": 16, "num_kv_heads": 8, "head_dim": 256}}
 CASES = {
     "decode-64": ([1] * 64, [17 + 61 * i for i in range(64)]),
     "chunk-after-prefix": ([512, 1], [2048, 3000]),
@@ -32,8 +35,10 @@ CASES = {
 }
 
 
-def _fp8_case(attention_case: Callable[..., dict[str, Any]], case: str) -> dict[str, Any]:
-    inputs = attention_case(*CASES[case], dtype=torch.bfloat16, device="cuda", seed=5, **HEADS)
+def _fp8_case(
+    attention_case: Callable[..., dict[str, Any]], case: str, heads: dict[str, int] = HEADS
+) -> dict[str, Any]:
+    inputs = attention_case(*CASES[case], dtype=torch.bfloat16, device="cuda", seed=5, **heads)
     scales = torch.tensor([0.02, 0.015], device="cuda")  # (K and V up to ~4.5 and ~3.4 x 448)
     cache = inputs["kv_cache"].float()
     inputs["kv_cache"] = torch.stack(
@@ -43,13 +48,15 @@ def _fp8_case(attention_case: Callable[..., dict[str, Any]], case: str) -> dict[
     return inputs
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_cache_kernels_match_the_torch_backend(
-    attention_case: Callable[..., dict[str, Any]], case: str
+    attention_case: Callable[..., dict[str, Any]], case: str, shape: str
 ) -> None:
-    inputs = _fp8_case(attention_case, case)
+    heads = SHAPES[shape]
+    inputs = _fp8_case(attention_case, case, heads)
     metadata, scales = inputs["metadata"], inputs["scales"]
-    reference = TorchAttention(32, 8, 128)
+    reference = TorchAttention(*heads.values())
     ref_cache = inputs["kv_cache"].clone()
     expected = reference.forward(
         inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), ref_cache, metadata, scales
@@ -70,7 +77,7 @@ def test_fp8_cache_kernels_match_the_torch_backend(
         relative = float((out.float() - expected).norm() / expected.norm())
         assert relative < 1e-2, (kernel.__name__, relative)
     # The backend: a mixed step's leading decodes through the decode kernel, the rest varlen.
-    backend = triton_attention.TritonAttention(32, 8, 128)
+    backend = triton_attention.TritonAttention(*heads.values())
     out = backend.forward(inputs["q"], inputs["k"], inputs["v"], cache, metadata, scales)
     relative = float((out.float() - expected).norm() / expected.norm())
     assert relative < 1e-2, ("backend", relative)

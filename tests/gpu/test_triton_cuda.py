@@ -22,6 +22,8 @@ from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA_8B_HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+# (Gemma 2 / 3's heads of 256: the kernels' tiles take fewer tokens, `kv_tile_tokens`)
+SHAPES = {"llama": LLAMA_8B_HEADS, "gemma": {"num_heads": 16, "num_kv_heads": 8, "head_dim": 256}}
 CASES = {
     "decode-64": ([1] * 64, [17 + 61 * i for i in range(64)]),
     "chunk-after-prefix": ([512, 1], [2048, 3000]),
@@ -31,16 +33,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_match_torch_at_real_shapes(
-    attention_case: Callable[..., dict[str, Any]], case: str
+    attention_case: Callable[..., dict[str, Any]], case: str, shape: str
 ) -> None:
     query_lens, seq_lens = CASES[case]
+    heads = SHAPES[shape]
     inputs = attention_case(
-        query_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=3, **LLAMA_8B_HEADS
+        query_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=3, **heads
     )
     metadata = inputs["metadata"]
-    reference = TorchAttention(32, 8, 128)
+    reference = TorchAttention(*heads.values())
     cache32 = inputs["kv_cache"].float()
     expected = reference.forward(
         inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), cache32, metadata
@@ -55,7 +59,7 @@ def test_kernels_match_torch_at_real_shapes(
     relative = float((out.float() - expected).norm() / expected.norm())
     assert relative < 1e-2, relative
     # The backend: a mixed step's leading decodes through the decode kernel, the rest varlen.
-    backend = triton_attention.TritonAttention(32, 8, 128)
+    backend = triton_attention.TritonAttention(*heads.values())
     out = backend.forward(inputs["q"], inputs["k"], inputs["v"], cache, metadata)
     relative = float((out.float() - expected).norm() / expected.norm())
     assert relative < 1e-2, relative

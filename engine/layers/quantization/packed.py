@@ -25,17 +25,12 @@ The published layouts, as AutoGPTQ / GPTQModel and AutoAWQ write them:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 from kvfleet.engine.layers.quantization.scheme import PackedScheme
-
-if TYPE_CHECKING:
-    from kvfleet.engine.layers.linear import UnnormalizedRow
-    from kvfleet.engine.layers.triton_rope import RotaryWrite
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -310,20 +305,6 @@ class PackedLinear(QuantizedLinear):
                 self.bits,
             )
         return self._weights
-
-    def forward_rotated(
-        self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite
-    ) -> torch.Tensor | None:
-        """`Linear.forward_rotated` through the one-row 4/8-bit GEMV (None where it does not
-        run, or a program's pairs of rows would not stay in one head)."""
-        from kvfleet.engine.layers.quantization.triton_packed import gemv_plan, packed_gemv
-
-        block_n = gemv_plan(self.out_features, self.in_features, self.group_size)[0]
-        if not isinstance(x, torch.Tensor) or not (x.is_cuda and x.numel() == x.shape[-1]):
-            return None
-        if rotary.cos.shape[1] % (block_n // 2):
-            return None
-        return packed_gemv(x.reshape(1, -1).contiguous(), self.weights(), self.bias, None, rotary)
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         shape = x.shape

@@ -37,12 +37,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.layers.quantization.packed import PackedWeights
-from kvfleet.engine.layers.triton_rope import (
-    RotaryWrite,
-    pair_rows,
-    rotary_arguments,
-    rotary_write_pairs,
-)
+from kvfleet.engine.layers.triton_rope import rotary_write_pairs
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
 # inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md):
@@ -201,26 +196,18 @@ def split_k_rotary(
 @triton.jit
 def _packed_gemv_kernel(
     x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
-    out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
-    kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
-    stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr,
-    qk_eps,  # (ROTARY: `triton_rope.RotaryWrite`)
-    N, K,
+    out_ptr, N, K,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr,
-    ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
-    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [K] . W (+ bias), W of BITS (4 or 8) bit values, 32 / BITS to a word.
     BLOCK_K divides the GROUP size (a step is in one group). Launched dependent (PDL), it loads
     its first step's words while the kernel before it finishes, then waits for x (and for the
-    workspace, which the kernel before may still be reading). ROTARY: a qkv projection's row,
-    rotated and written into the KV cache by the last of a column block's programs, as
-    `triton_gemv._gemv_kernel` does it."""
+    workspace, which the kernel before may still be reading)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = pair_rows(pid_n, BLOCK_N, HALF) if ROTARY else cols
     col_ok = cols < N
     firsts = tl.arange(0, BLOCK_K * BITS // 32) * (32 // BITS)  # each word row's first input
     acc = tl.zeros((BLOCK_K * BITS // 32, BLOCK_N), dtype=tl.float32)
@@ -243,18 +230,10 @@ def _packed_gemv_kernel(
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if ROTARY:
-        split_k_rotary(tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, cols, col_ok, pid_n,
-                       N, pid_k, out_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
-                       k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb, stride_cs, stride_ch,
-                       stride_vcb, stride_vcs, stride_vch, stride_vcd, num_heads, num_kv_heads,
-                       q_norm_ptr, k_norm_ptr, head_count_ptr, qk_eps, SPLIT, BLOCK_N, HALF,
-                       CACHE_BLOCK, FP8_CACHE, QK_NORM, QK_OFFSET)  # fmt: skip
-    else:
-        split_k_store(
-            tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N,
-            pid_k, SPLIT,
-        )  # fmt: skip
+    split_k_store(
+        tl.sum(acc, axis=0), bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k,
+        SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -402,26 +381,23 @@ def packed_gemv(
     weights: PackedWeights,
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
-    rotary: RotaryWrite | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] (bf16/fp16/fp32) times the packed weight (+ bias): [1, N] in x's
-    dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps); `rotary` as `triton_gemv.gemv`'s."""
+    dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
     k = x.shape[1]
     n = weights.qweight.shape[1]
     block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     tiles_n = cdiv(n, block_n)
-    heads = rotary.num_heads + rotary.num_kv_heads if rotary is not None else 0
-    space = shared_workspace(x.device, split * n, tiles_n + heads)
-    rotary_args, rotary_constants = rotary_arguments(rotary, n, block_n, space.counters[tiles_n:])
+    space = shared_workspace(x.device, split * n, tiles_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = dependent_launch_args(x.device)
     _packed_gemv_kernel[(tiles_n, split)](
         x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
-        out, *rotary_args, n, k, BITS=weights.bits, HAS_PERM=weights.perm is not None,
+        out, n, k, BITS=weights.bits, HAS_PERM=weights.perm is not None,
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps,
-        GROUP=weights.group_size, **rotary_constants, **pdl, num_warps=warps,
+        GROUP=weights.group_size, **pdl, num_warps=warps,
     )  # fmt: skip
     return out
 

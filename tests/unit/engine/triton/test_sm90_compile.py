@@ -248,11 +248,7 @@ def dependent_launch():
                  ROW_BLOCK=4096, QK_NORM=True) | norm | rotary, 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, packed_types,
                         dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT=16, BLOCK_N=64,
-                             BLOCK_K=128, STEPS=2, GROUP=128) | no_rotary, 1),
-        "packed gemv, q/k norms, rotary": (
-            triton_packed._packed_gemv_kernel, packed_types | rotary_only,
-            dict(BITS=4, HAS_PERM=False, HAS_BIAS=True, SPLIT=16, BLOCK_N=64, BLOCK_K=128,
-                 STEPS=2, GROUP=128, QK_NORM=True) | rotary, 1),
+                             BLOCK_K=128, STEPS=2, GROUP=128), 1),
     }
     for name, (kernel, types, constants, loads_first) in kernels.items():
         ptx = compile_for_sm90(kernel, types, constants | {"PDL": True}, 4, 3)
