@@ -36,8 +36,8 @@ from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import (
     shared_workspace,
-    split_k_rotary,
     split_k_store,
+    split_k_total,
 )
 from kvfleet.engine.layers.triton_layers import inverse_rms, rms_scaled, summed_row
 from kvfleet.engine.layers.triton_rope import (
@@ -49,6 +49,29 @@ from kvfleet.engine.layers.triton_rope import (
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
+
+
+@triton.jit
+def split_k_rotary(
+    acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k, out_ptr, cos_ptr, sin_ptr,
+    positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
+    stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd, num_heads,
+    num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr, qk_eps, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
+    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """`triton_packed.split_k_store` for a qkv projection's row block `tile` (`pair_rows`): the
+    last of its SPLIT programs rotates the sum and writes it into out and the KV cache
+    (`rotary_write_pairs`)."""
+    total, last = split_k_total(acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k,
+                                SPLIT)  # fmt: skip
+    if last:
+        rotary_write_pairs(total, tile, out_ptr, cos_ptr, sin_ptr, positions_ptr,
+                           slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
+                           stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                           num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr,
+                           qk_eps, BLOCK_N, HALF, CACHE_BLOCK, FP8_CACHE, QK_NORM,
+                           QK_OFFSET)  # fmt: skip
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Rotary embedding (RoPE) in Triton and the KV-cache write of the rotated keys: alone, with the
 cache write (and Qwen3's / Gemma 3's per-head q/k norms) in one launch, or as the last step of
-a one-row qkv GEMV (`RotaryWrite`, `rotary_write_pairs`: the bf16, e4m3 and 4-bit GEMVs').
+a one-row qkv GEMV (`RotaryWrite`, `rotary_write_pairs`: the bf16 and e4m3 GEMVs').
 
 Every product and sum is rounded to the model dtype where the torch chain rounds
 (`torch_layers.RotaryEmbedding`), so each path gives the same bits.

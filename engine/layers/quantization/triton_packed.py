@@ -37,7 +37,6 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.layers.quantization.packed import PackedWeights
-from kvfleet.engine.layers.triton_rope import rotary_write_pairs
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
 # inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md):
@@ -168,29 +167,6 @@ def split_k_store(
                                 SPLIT)  # fmt: skip
     if last:
         tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def split_k_rotary(
-    acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k, out_ptr, cos_ptr, sin_ptr,
-    positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
-    stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd, num_heads,
-    num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr, qk_eps, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
-    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr,
-):  # fmt: skip
-    """`split_k_store` for a qkv projection's row block `tile` (`triton_rope.pair_rows`): the
-    last of its SPLIT programs rotates the sum and writes it into out and the KV cache
-    (`triton_rope.rotary_write_pairs`)."""
-    total, last = split_k_total(acc, bias, partial_ptr, count_ptr, at, ok, tile, slab, pid_k,
-                                SPLIT)  # fmt: skip
-    if last:
-        rotary_write_pairs(total, tile, out_ptr, cos_ptr, sin_ptr, positions_ptr,
-                           slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_scales_ptr, stride_cb,
-                           stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-                           num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, head_count_ptr,
-                           qk_eps, BLOCK_N, HALF, CACHE_BLOCK, FP8_CACHE, QK_NORM,
-                           QK_OFFSET)  # fmt: skip
 
 
 @triton.jit
