@@ -113,6 +113,46 @@ def test_prompt_tiles_of_every_kind_match_torch(
     assert (out - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind", ["short", "long"])
+def test_heads_of_256_take_fewer_tokens_a_tile_and_match_torch(
+    attention_case: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    fp8: bool,
+) -> None:
+    """Gemma's heads of 256: a K or V tile holds at most KV_TILE_VALUES values, so the 128 x
+    128 prompt tiles and the FP8 decode tile take 64 tokens (128 x 128 FP8 prompt tiles asked
+    the H100 for more shared memory than it has); the prompt and decode kernels at those tiles
+    match the torch backend reading the same cache (float32 or e4m3)."""
+    assert triton_decode.kv_tile_tokens(128, 128) == 128
+    assert triton_decode.kv_tile_tokens(128, 256) == 64
+    assert triton_decode.kv_tile_tokens(64, 256) == 64
+    if kind == "long":
+        monkeypatch.setattr(triton_prompt, "LONG_KV_TOKENS", 64)
+        assert triton_prompt.prompt_tile(torch.float16, fp8, "long", 256)[:2] == (128, 64)
+    query_lens = [1, 1, 1] if kind == "short" else [1, 150, 37]
+    inputs = attention_case(query_lens, [90, 200, 150], num_heads=2, num_kv_heads=1,
+                            head_dim=256, seed=7)  # fmt: skip
+    metadata = inputs["metadata"]
+    assert triton_prompt.prompt_step_kind(metadata) == kind
+    scales = torch.tensor([0.01, 0.01]) if fp8 else None
+    cache = inputs["kv_cache"]
+    if scales is not None:  # (the prefix stored as an FP8 cache stores it)
+        cache = (cache / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    reference = TorchAttention(2, 1, 256)
+    # (the step's keys and values written by the torch backend, which the kernels then read)
+    expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, metadata, scales)
+    kernels = [triton_prompt.paged_attention]
+    if kind == "short":
+        kernels.append(triton_decode.decode_attention)
+    for kernel in kernels:
+        out = torch.full_like(inputs["q"], float("nan"))
+        kernel(inputs["q"], cache, metadata, reference.scale, out=out, kv_scales=scales)
+        assert not out.isnan().any()
+        assert (out - expected).abs().max() < 1e-4, kernel.__name__
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
 @pytest.mark.parametrize("sliding_window", [None, 100])
 def test_prompt_kernel_split_over_the_keys_matches_torch(
