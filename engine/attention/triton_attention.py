@@ -23,8 +23,8 @@ from kvfleet.engine.attention.metadata import (
 from kvfleet.engine.attention.triton_decode import decode_attention
 from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
-from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
-from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, QuantizedRows
+from kvfleet.engine.layers.linear import UnnormalizedRow
+from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
 from kvfleet.engine.layers.triton_rope import (
     QKNorm,
     RotaryWrite,
@@ -155,12 +155,14 @@ class TritonAttention(AttentionLayer):
         if isinstance(hidden, QuantizedRows):
             return None
         row = hidden.x if isinstance(hidden, UnnormalizedRow) else hidden
+        # (a layer whose one-row GEMV can: bf16/fp16 and e4m3 ones, not under LoRA)
+        forward_rotated = getattr(qkv_proj, "forward_rotated", None)
         if not (
             ROTARY_IN_QKV
+            and forward_rotated is not None
             and rotary.fused
             and row.is_cuda
             and row.shape[0] == 1
-            and isinstance(qkv_proj, (Linear, Fp8Linear))  # (not under LoRA)
         ):
             return None
         cos, sin = rotary.caches(row.device)
@@ -169,7 +171,7 @@ class TritonAttention(AttentionLayer):
         target = RotaryWrite(positions, cos, sin, *cache_views(kv_cache), metadata.slot_mapping,
                              kv_scales, self.num_heads, self.num_kv_heads,
                              _qk_norm(qk_norms))  # fmt: skip
-        qkv = qkv_proj.forward_rotated(hidden, target)
+        qkv = forward_rotated(hidden, target)
         if qkv is None:
             return None
         q = qkv[:, : self.num_heads * self.head_dim]

@@ -69,19 +69,10 @@ class Linear(nn.Linear):
         self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite
     ) -> torch.Tensor | None:
         """A qkv projection's one row through the Triton GEMV that also rotates q and writes k
-        and v into the cache (`triton_gemv.gemv(rotary=...)`): [1, out_features], its q
-        columns valid; None where this layer's one-row GEMV does not run, or its programs'
-        8 pairs of rows would not stay in one head."""
-        if rotary.cos.shape[1] % 8:
-            return None
-        row: torch.Tensor | UnnormalizedRow = x
-        if isinstance(x, torch.Tensor) and x.is_cuda and self.uses_triton_gemv(x):
-            row = x.reshape(1, self.in_features).contiguous()
-        elif not isinstance(x, UnnormalizedRow):
-            return None
-        from kvfleet.engine.layers.triton_gemv import gemv
-
-        return gemv(row, self.weight, bias=self.bias, rotary=rotary)
+        and v into the cache (`gemv_rotated`): [1, out_features], its q columns valid; None
+        where it does not run."""
+        takes = isinstance(x, torch.Tensor) and x.is_cuda and self.uses_triton_gemv(x)
+        return gemv_rotated(x, takes, rotary, self.weight, bias=self.bias)
 
     def uses_triton_gemv(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` runs the Triton GEMV: one row it takes (`gemv_takes`), a weight
@@ -90,6 +81,30 @@ class Linear(nn.Linear):
         return weight.numel() * weight.element_size() <= TRITON_GEMV_MAX_BYTES and gemv_takes(
             x, weight
         )
+
+
+def gemv_rotated(
+    x: torch.Tensor | UnnormalizedRow,
+    takes: bool,
+    rotary: RotaryWrite,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`triton_gemv.gemv(rotary=...)` of a qkv projection's one row: `x` an `UnnormalizedRow`,
+    or a row tensor the layer's one-row GEMV `takes`; None otherwise, or where the GEMV's
+    programs' pairs of rows would not stay in one head (`triton_gemv.takes_rotary`)."""
+    from kvfleet.engine.layers.triton_gemv import gemv, takes_rotary
+
+    if not takes_rotary(weight, rotary.cos.shape[1]):
+        return None
+    row: torch.Tensor | UnnormalizedRow = x
+    if isinstance(x, torch.Tensor):
+        if not takes:
+            return None
+        row = x.reshape(1, -1).contiguous()
+    return gemv(row, weight, weight_scale, bias, x_scale, rotary=rotary)
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

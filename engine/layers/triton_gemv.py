@@ -366,8 +366,7 @@ def _launch_mma(
     n = weight.shape[0]
     block_n, block_k, steps, split, warps = fp8_mma_plan(n, k, row.device, tiles, split, m)
     tiles_n = cdiv(n, block_n)
-    heads = rotary.num_heads + rotary.num_kv_heads if rotary is not None else 0
-    space = shared_workspace(row.device, split * m * n, tiles_n + heads)
+    space = shared_workspace(row.device, split * m * n, tiles_n + (rotary.heads if rotary else 0))
     pdl = dependent_launch_args(row.device)
     quantized = x_scales is not None
     assert norm is None or not quantized, "a row normalized here is quantized here"
@@ -489,6 +488,17 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
     return block_n, min(block_k, next_power_of_2(k))
 
 
+def takes_rotary(weight: torch.Tensor, half: int) -> bool:
+    """Whether `gemv(weight, rotary=...)` takes heads of `half` pairs (d, d + half): each
+    program's BLOCK_N rows are BLOCK_N / 2 pairs of one head (`triton_rope.pair_rows`)."""
+    n, k = weight.shape
+    if weight.dtype == FP8 and FP8_TENSOR_CORES:
+        block_n = MMA_ROWS  # (`fp8_mma_plan`'s)
+    else:
+        block_n = gemv_tiles(n, k, weight.element_size())[0]
+    return half % (block_n // 2) == 0
+
+
 def gemv(
     x: torch.Tensor | UnnormalizedRow,
     weight: torch.Tensor,
@@ -526,8 +536,7 @@ def gemv(
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)
-    heads = rotary.num_heads + rotary.num_kv_heads if rotary is not None else 0
-    counters = shared_workspace(row.device, 0, heads).counters if rotary is not None else out
+    counters = shared_workspace(row.device, 0, rotary.heads).counters if rotary else out
     rotary_args, rotary_constants = rotary_arguments(rotary, n, block_n, counters)
     _gemv_kernel[(cdiv(n, block_n),)](
         row, weight, placeholder, x_scale if x_scale is not None else placeholder,

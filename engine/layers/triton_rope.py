@@ -228,9 +228,14 @@ class RotaryWrite:
     num_kv_heads: int
     qk_norm: QKNorm | None = None  # each head of q and k RMS-normalized first
 
+    @property
+    def heads(self) -> int:
+        """q's and k's heads: the counters a GEMV's programs count themselves in at."""
+        return self.num_heads + self.num_kv_heads
+
     def args(self, counters: torch.Tensor) -> tuple[object, ...]:
         """The kernel's arguments for it (`_gemv_kernel`'s rotary ones); `counters`: at least
-        num_heads + num_kv_heads zeros (with a `qk_norm`)."""
+        `heads` zeros (with a `qk_norm`)."""
         norm = self.qk_norm
         return (self.cos, self.sin, self.positions, self.slot_mapping, self.k_cache,
                 self.v_cache, self.kv_scales if self.kv_scales is not None else self.cos,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.linear import UnnormalizedRow
+from kvfleet.engine.layers.linear import UnnormalizedRow, gemv_rotated
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 
 if TYPE_CHECKING:
@@ -234,18 +234,11 @@ class Fp8Linear(QuantizedLinear):
     def forward_rotated(
         self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite
     ) -> torch.Tensor | None:
-        """`Linear.forward_rotated` through the e4m3 one-row GEMV (whose programs take 64 rows
-        on the tensor cores: 32 pairs in one head)."""
-        if rotary.cos.shape[1] % 32:
-            return None
-        row: torch.Tensor | UnnormalizedRow = x
-        if isinstance(x, torch.Tensor) and x.is_cuda and x.numel() == x.shape[-1]:
-            row = x.reshape(1, -1).contiguous()
-        elif not isinstance(x, UnnormalizedRow):
-            return None
-        from kvfleet.engine.layers.triton_gemv import gemv
-
-        return gemv(row, self.weight, self.weight_scale, self.bias, self.input_scale, rotary=rotary)
+        """`Linear.forward_rotated` through the e4m3 one-row GEMV."""
+        takes = isinstance(x, torch.Tensor) and x.is_cuda and x.numel() == x.shape[-1]
+        return gemv_rotated(
+            x, takes, rotary, self.weight, self.weight_scale, self.bias, self.input_scale
+        )
 
     def _scaled_mm(
         self,

@@ -159,3 +159,24 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     assert torch.equal(out[:, :128], qkv[:, :128])
     assert torch.equal(cache, expected_cache)
     assert not shared_workspace(out.device, 0, 6).counters.any()
+
+
+def test_a_qkv_layer_takes_the_rotary_gemv_where_its_programs_stay_in_one_head() -> None:
+    """`takes_rotary`: each program's BLOCK_N / 2 pairs in one head (Llama-3-8B's qkv: 16-row
+    bf16 blocks, 8 pairs; 64-row e4m3 ones, 32 pairs); a `Linear` given a row tensor its GEMV
+    does not take (here, on the CPU) leaves it to the unfused path: None."""
+    from kvfleet.engine.layers.quantization.fp8 import FP8
+    from kvfleet.engine.layers.torch_layers import RotaryEmbedding
+    from kvfleet.engine.layers.triton_gemv import takes_rotary
+    from kvfleet.engine.layers.triton_rope import RotaryWrite
+
+    bf16 = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")
+    e4m3 = torch.empty(6144, 4096, dtype=FP8, device="meta")
+    assert [takes_rotary(bf16, half) for half in (64, 8, 4)] == [True, True, False]
+    assert [takes_rotary(e4m3, half) for half in (64, 32, 16)] == [True, True, False]
+    layer = Linear(200, 8 * 32, bias=False)
+    cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))
+    cache = torch.zeros(2, 6, 4, 2, 32)
+    target = RotaryWrite(torch.tensor([3]), cos, sin, cache[0], cache[1], torch.tensor([3]),
+                         None, 4, 2)  # fmt: skip
+    assert layer.forward_rotated(torch.randn(1, 200), target) is None
