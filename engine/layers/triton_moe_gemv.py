@@ -10,10 +10,12 @@ its grouped GEMMs pad each expert's one row to a block of 16. Here, after the ro
   streams that expert's gate and up rows as `triton_gemv`'s GEMV does (a [BLOCK_N, BLOCK_K]
   float32 sum of products a step, reduced once) and writes SiLU(gate) * up [TOP_K, inner];
   the first block of each choice stores its router weight and expert.
-- down: program (block of hidden rows, choice) streams that expert's rows against its h and
-  scales the sum by its router weight; the last of a row block's k programs to finish adds
-  the k parts in order (`triton_packed.split_k_store`), so no combine kernel. (One program a
-  row block taking the k experts one after another kept too few bytes in flight: at
+- down (DOWN_ALL_CHOICES): program (block of hidden rows) loads the rows of all k experts
+  each step and adds each times its h, scaled by its router weight, into one sum, so no
+  combine kernel. Or split: program (block of hidden rows, choice) streams
+  that expert's rows and scales the sum by its router weight; the last of a row block's k
+  programs to finish adds the k parts in order (`triton_packed.split_k_store`). (One program
+  a row block taking the k experts one after another kept too few bytes in flight: at
   Qwen3-30B-A3B's shape the layer took 56.5 us against the grouped kernels' 36.7.)
 
 Two launches instead of four (route + group, gate_up, down, combine). The reference is the
@@ -45,6 +47,12 @@ from kvfleet.engine.layers.triton_moe import top_k_rows
 # 199.9 a layer but 3.321 ms at A3B end to end.
 GATE_UP_TILES = (8, 256, 4)
 DOWN_TILES = (8, 256, 4)
+# Down as one program a row block over all k experts at once (`_down_all_gemv_kernel`: each
+# step loads every chosen expert's rows together, no partial sums through memory, no
+# counters); False: split over the k experts (`_down_gemv_kernel`). (BLOCK_N, BLOCK_K, warps)
+# of it: BLOCK_N rows of each of the k experts a program.
+DOWN_ALL_CHOICES = True
+DOWN_ALL_TILES = (4, 256, 4)
 
 
 @triton.jit
@@ -139,6 +147,42 @@ def _down_gemv_kernel(
                   choice, TOP_K)  # fmt: skip
 
 
+@triton.jit
+def _down_all_gemv_kernel(
+    h_ptr,  # [TOP_K, inner]
+    w2_ptr,  # [E, hidden, inner]
+    weights_ptr,  # [TOP_K] float32
+    ids_ptr,  # [TOP_K] int64
+    out_ptr,  # [hidden]
+    hidden, inner, stride_we,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (block of hidden rows): a step loads these rows of every chosen expert (the k
+    tiles' loads issued together) and adds each times its h scaled by its router weight into
+    one [BLOCK_N, BLOCK_K] float32 sum: out = sum over k of weight_c * (W_c . h_c), with the
+    weight taken into h (the offsets from each expert's first row int32, shared by the k
+    tiles: a tile of 64-bit pointers per expert would take the registers of four)."""
+    pid_n = tl.program_id(0)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < hidden
+    offsets = tl.arange(0, BLOCK_K)
+    let_next_start(PDL)
+    wait_for_previous(PDL)  # (the experts and h, from the gate_up GEMV)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, inner, BLOCK_K):
+        ks = k + offsets
+        k_ok = ks < inner
+        tile = rows[:, None] * inner + ks[None, :]
+        ok = row_ok[:, None] & k_ok[None, :]
+        for choice in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + choice)
+            weight = tl.load(weights_ptr + choice)
+            h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + expert * stride_we + tile, mask=ok, other=0.0)
+            acc += w.to(tl.float32) * (h * weight)[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
 def one_token_moe(
     x: torch.Tensor | UnnormalizedRow,  # [1, hidden]
     router_logits: torch.Tensor,  # [1, E]
@@ -147,9 +191,11 @@ def one_token_moe(
     top_k: int,
     renormalize: bool,
     tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+    down_all: bool | None = None,
 ) -> torch.Tensor:  # [1, hidden]
     """`moe.route` then `moe.experts_reference` for one token, in two kernels; `tiles`:
-    (GATE_UP_TILES, DOWN_TILES) other than the shipped ones (bench/moe_layer.py). An
+    (GATE_UP_TILES, DOWN_ALL_TILES or DOWN_TILES) other than the shipped ones
+    (bench/moe_layer.py); `down_all`: DOWN_ALL_CHOICES unless given. An
     `UnnormalizedRow`: the token is its RMSNorm, made by the gate_up GEMV as by the router's
     (which wrote x + residual: `router_logits` must come from it)."""
     x, norm = row_and_norm(x)
@@ -166,7 +212,11 @@ def one_token_moe(
     ids = torch.empty(top_k, dtype=torch.int64, device=device)
     pdl = dependent_launch_args(device)
     wide = 2 if x.element_size() > 2 else 1  # (float32: half the inputs a tile)
-    gate_up_tiles, down_tiles = tiles or (GATE_UP_TILES, DOWN_TILES)
+    down_all = DOWN_ALL_CHOICES if down_all is None else down_all
+    gate_up_tiles, down_tiles = tiles or (
+        GATE_UP_TILES,
+        DOWN_ALL_TILES if down_all else DOWN_TILES,
+    )
     block_n, block_k, warps = gate_up_tiles
     residual, norm_weight, _ = norm_args(norm, x)
     _gate_up_gemv_kernel[(top_k, cdiv(inner, block_n))](
@@ -180,6 +230,12 @@ def one_token_moe(
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, warps = down_tiles
+    if down_all:
+        _down_all_gemv_kernel[(cdiv(hidden, block_n),)](
+            h, w2, weights, ids, out, hidden, inner, w2.stride(0), TOP_K=top_k,
+            BLOCK_N=block_n, BLOCK_K=block_k // wide, **pdl, num_warps=warps,
+        )  # fmt: skip
+        return out
     space = shared_workspace(device, top_k * hidden, cdiv(hidden, block_n))
     _down_gemv_kernel[(cdiv(hidden, block_n), top_k)](
         h, w2, weights, ids, space.partials, space.counters, out, hidden, inner, w2.stride(0),

@@ -76,14 +76,18 @@ def test_fused_experts_match_reference_at_real_shapes(shape: str, num_tokens: in
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_one_token_gemvs_match_reference_at_real_shapes(shape: str, seed: int) -> None:
-    """A batch-1 step's layer as two GEMVs (the router's top k found in each gate_up program),
-    bf16, from the router's logits on."""
+@pytest.mark.parametrize("down_all", [True, False])
+def test_one_token_gemvs_match_reference_at_real_shapes(
+    shape: str, seed: int, down_all: bool
+) -> None:
+    """A batch-1 step's layer as two GEMVs (the router's top k found in each gate_up program;
+    down over all k experts a program, or split over them), bf16, from the router's logits
+    on."""
     top_k = MOE_SHAPES[shape][1]
     x, w13, w2, logits = _moe_layer(shape, 1, seed)
     weights, ids = route(logits, top_k, renormalize=True)
     expected = experts_reference(x, w13, w2, weights, ids).float()
-    out = one_token_moe(x, logits, w13, w2, top_k, renormalize=True).float()
+    out = one_token_moe(x, logits, w13, w2, top_k, renormalize=True, down_all=down_all).float()
     relative = float((out - expected).norm() / expected.norm())
     assert relative < 1e-2, relative
 

@@ -185,13 +185,20 @@ def test_a_graphs_padding_tokens_meet_no_expert_and_come_out_zero(num_tokens: in
         (6, 6, 40, 16),  # every expert chosen
     ],
 )
+@pytest.mark.parametrize("down_all", [True, False])
 def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
-    dtype: torch.dtype, tolerance: float, num_experts: int, top_k: int, hidden: int, inner: int
+    dtype: torch.dtype,
+    tolerance: float,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inner: int,
+    down_all: bool,
 ) -> None:
     """A batch-1 step: the top k found by each gate_up program from the router's logits, the
-    experts' SiLU(gate) * up, then down split over the k experts, the last of each row block's
-    programs adding their weighted parts: the reference's output, renormalized or not, the
-    split counters back at zero."""
+    experts' SiLU(gate) * up, then down over all k experts in one program a row block, or split
+    over them (the last of each row block's programs adding their weighted parts): the
+    reference's output, renormalized or not, the split counters back at zero."""
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
 
     gen = torch.Generator().manual_seed(hidden + top_k)
@@ -202,7 +209,7 @@ def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
     for renormalize in (False, True):
         weights, ids = route(logits, top_k, renormalize)
         expected = experts_reference(x, w13, w2, weights, ids)
-        out = one_token_moe(x, logits, w13, w2, top_k, renormalize)
+        out = one_token_moe(x, logits, w13, w2, top_k, renormalize, down_all=down_all)
         assert out.dtype == dtype
         assert (out.float() - expected.float()).abs().max() < tolerance
         assert not shared_workspace(out.device, 0, 0).counters.any()
