@@ -10,7 +10,7 @@ its grouped GEMMs pad each expert's one row to a block of 16. Here, after the ro
   streams that expert's gate and up rows as `triton_gemv`'s GEMV does (a [BLOCK_N, BLOCK_K]
   float32 sum of products a step, reduced once) and writes SiLU(gate) * up [TOP_K, inner];
   the first block of each choice stores its router weight and expert.
-- down (DOWN_ALL_CHOICES): program (block of hidden rows) loads the rows of all k experts
+- down over all k (`shipped_tiles`, few experts chosen): program (block of hidden rows) loads the rows of all k experts
   each step and adds each times its h, scaled by its router weight, into one sum, so no
   combine kernel. Or split: program (block of hidden rows, choice) streams
   that expert's rows and scales the sum by its router weight; the last of a row block's k
@@ -41,18 +41,22 @@ from kvfleet.engine.layers.triton_layers import inverse_rms, summed_row
 from kvfleet.engine.layers.triton_moe import top_k_rows
 
 # (BLOCK_N, BLOCK_K, warps) of the gate_up and the down GEMV, bf16/fp16 weights (a float32
-# weight halves BLOCK_K: a tile holds the same bytes). On the H200 (bench/RESULTS.md session 30)
-# a layer takes 40.1 us at Qwen3-30B-A3B's shape (the grouped kernels 36.6, but batch 1 end to
-# end 3.361 -> 3.307 ms) and 216.0 at Mixtral's (235.9); (8, 128, 4) / (4, 256, 2) made 39.1 and
-# 199.9 a layer but 3.321 ms at A3B end to end.
-GATE_UP_TILES = (8, 256, 4)
-DOWN_TILES = (8, 256, 4)
-# Down as one program a row block over all k experts at once (`_down_all_gemv_kernel`: each
-# step loads every chosen expert's rows together, no partial sums through memory, no
-# counters); False: split over the k experts (`_down_gemv_kernel`). (BLOCK_N, BLOCK_K, warps)
-# of it: BLOCK_N rows of each of the k experts a program.
-DOWN_ALL_CHOICES = True
-DOWN_ALL_TILES = (4, 256, 4)
+# weight halves BLOCK_K: a tile holds the same bytes), and whether down takes all k experts in
+# one program a row block (`_down_all_gemv_kernel`: each step loads every chosen expert's rows
+# together, no partial sums through memory, no counters) or is split over them
+# (`_down_gemv_kernel`), by the top k (`shipped_tiles`). Many small experts (Qwen3-30B-A3B, k 8
+# of 128, inner 768): on the H200 a layer takes 40.5 us split, 46.6 over all k, and 3.28 ms
+# against 3.69 at batch 1 end to end (bench/RESULTS.md session 32; (8, 128, 4) / (4, 256, 2)
+# made the layer 1-2 us faster but batch 1 slower, session 30). Few large experts (Mixtral,
+# k 2 of 8, inner 14336): 215.4 us split at the many-expert tiles, 184.2 over all k at
+# (4, 512, 4) both.
+MANY_EXPERTS = ((8, 256, 4), (8, 256, 4), False)
+FEW_EXPERTS = ((4, 512, 4), (4, 512, 4), True)
+
+
+def shipped_tiles(top_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int], bool]:
+    """(gate_up tiles, down tiles, down over all k) for a layer choosing `top_k` experts."""
+    return FEW_EXPERTS if top_k <= 2 else MANY_EXPERTS
 
 
 @triton.jit
@@ -193,9 +197,8 @@ def one_token_moe(
     tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
     down_all: bool | None = None,
 ) -> torch.Tensor:  # [1, hidden]
-    """`moe.route` then `moe.experts_reference` for one token, in two kernels; `tiles`:
-    (GATE_UP_TILES, DOWN_ALL_TILES or DOWN_TILES) other than the shipped ones
-    (bench/moe_layer.py); `down_all`: DOWN_ALL_CHOICES unless given. An
+    """`moe.route` then `moe.experts_reference` for one token, in two kernels; `tiles`
+    (gate_up, down) and `down_all` other than `shipped_tiles` (bench/moe_layer.py). An
     `UnnormalizedRow`: the token is its RMSNorm, made by the gate_up GEMV as by the router's
     (which wrote x + residual: `router_logits` must come from it)."""
     x, norm = row_and_norm(x)
@@ -212,11 +215,9 @@ def one_token_moe(
     ids = torch.empty(top_k, dtype=torch.int64, device=device)
     pdl = dependent_launch_args(device)
     wide = 2 if x.element_size() > 2 else 1  # (float32: half the inputs a tile)
-    down_all = DOWN_ALL_CHOICES if down_all is None else down_all
-    gate_up_tiles, down_tiles = tiles or (
-        GATE_UP_TILES,
-        DOWN_ALL_TILES if down_all else DOWN_TILES,
-    )
+    shipped_gate_up, shipped_down, shipped_all = shipped_tiles(top_k)
+    down_all = shipped_all if down_all is None else down_all
+    gate_up_tiles, down_tiles = tiles or (shipped_gate_up, shipped_down)
     block_n, block_k, warps = gate_up_tiles
     residual, norm_weight, _ = norm_args(norm, x)
     _gate_up_gemv_kernel[(top_k, cdiv(inner, block_n))](
