@@ -10,13 +10,13 @@ its grouped GEMMs pad each expert's one row to a block of 16. Here, after the ro
   streams that expert's gate and up rows as `triton_gemv`'s GEMV does (a [BLOCK_N, BLOCK_K]
   float32 sum of products a step, reduced once) and writes SiLU(gate) * up [TOP_K, inner];
   the first block of each choice stores its router weight and expert.
-- down over all k (`shipped_tiles`, few experts chosen): program (block of hidden rows) loads the rows of all k experts
-  each step and adds each times its h, scaled by its router weight, into one sum, so no
-  combine kernel. Or split: program (block of hidden rows, choice) streams
-  that expert's rows and scales the sum by its router weight; the last of a row block's k
-  programs to finish adds the k parts in order (`triton_packed.split_k_store`). (One program
-  a row block taking the k experts one after another kept too few bytes in flight: at
-  Qwen3-30B-A3B's shape the layer took 56.5 us against the grouped kernels' 36.7.)
+- down, few experts chosen (`shipped_tiles`): program (block of hidden rows) loads the rows
+  of all k experts each step and adds each times its h, scaled by its router weight, into one
+  sum, so no combine kernel. Many chosen: split, program (block of hidden rows, choice)
+  streams that expert's rows and scales the sum by its router weight; the last of a row
+  block's k programs to finish adds the k parts in order (`triton_packed.split_k_store`).
+  (One program a row block taking the k experts one after another kept too few bytes in
+  flight: at Qwen3-30B-A3B's shape the layer took 56.5 us against the grouped kernels' 36.7.)
 
 Two launches instead of four (route + group, gate_up, down, combine). The reference is the
 same as `triton_moe`'s: `moe.route` then `moe.experts_reference`.
