@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvfleet.bench.ceilings import measure_ceilings, sync
+from kvfleet.bench.lora_adapters import lora_engine_args
 from kvfleet.bench.report import emit
 from kvfleet.bench.workload import experts_read
 from kvfleet.engine.layers.moe import SparseMoeBlock
@@ -57,19 +58,7 @@ def _read_per_step(
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
-    lora: dict[str, Any] = {}
-    if args.num_loras:
-        from kvfleet.bench.lora_adapters import write_random_adapters
-        from kvfleet.engine.loader.source import resolve_model_source
-
-        config = resolve_model_source(args.model, args.load_format).read_config()
-        modules = write_random_adapters(config, scratch, args.num_loras, args.lora_rank)
-        lora = {
-            "enable_lora": True,
-            "max_loras": args.num_loras,
-            "max_lora_rank": args.lora_rank,
-            "lora_modules": modules,
-        }
+    lora = lora_engine_args(args.model, args.load_format, scratch, args.num_loras, args.lora_rank)
     llm = LLM(
         args.model,
         load_format=args.load_format,

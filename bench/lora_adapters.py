@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,3 +56,21 @@ def write_random_adapters(
         (path / "adapter_config.json").write_text(json.dumps(settings, indent=2))
         made[f"adapter-{index}"] = str(path)
     return made
+
+
+def lora_engine_args(
+    model: str, load_format: str, folder: Path, count: int, rank: int
+) -> dict[str, Any]:
+    """The `LLM` arguments serving `count` random rank-`rank` adapters written under `folder`
+    for `model`'s shape ({} for none); their names are the keys of its `lora_modules`."""
+    if not count:
+        return {}
+    from kvfleet.engine.loader.source import resolve_model_source
+
+    config = resolve_model_source(model, load_format).read_config()
+    return {
+        "enable_lora": True,
+        "max_loras": count,
+        "max_lora_rank": rank,
+        "lora_modules": write_random_adapters(config, folder, count, rank),
+    }

@@ -7,20 +7,26 @@ one at a time (schedule, the runner up to its device-to-host copy, scheduler upd
 processing); the GPU time of one graph replay and of the LM head + sampler (one GPU only); then
 the top operators by host and by GPU time on rank 0 (`--trace`: its Chrome trace too).
 `--prompt-len 600` puts the contexts near those of the 256-request throughput workload;
-`--quantization` and `--kv-cache-dtype` as the engine takes them.
+`--quantization` and `--kv-cache-dtype` as the engine takes them; `--num-loras N --lora-rank R`:
+N random adapters (`bench/lora_adapters.py`) over the batch round robin, the graph replayed the
+one with LoRA. `--ttft`: instead, a prompt step of `--batch-size` prompts whose blocks are
+cached but the last (as `bench latency` times its TTFT), timed and profiled.
 """
 
 import argparse
 import cProfile
 import pstats
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvfleet.bench.ceilings import median_seconds
+from kvfleet.bench.lora_adapters import lora_engine_args
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
@@ -31,12 +37,15 @@ def _gpu_ms(fn: Callable[[], object]) -> float:
 
 
 def _start_decoding(
-    engine: LLMEngine, batch_size: int, prompt_len: int, params: SamplingParams
+    engine: LLMEngine, batch_size: int, prompt_len: int, params: SamplingParams, loras: list[str]
 ) -> None:
-    """`batch_size` requests of `prompt_len` tokens, stepped until every prompt is in, so the
-    steps timed after are decode steps."""
+    """`batch_size` requests of `prompt_len` tokens (the `loras` round robin), stepped until
+    every prompt is in, so the steps timed after are decode steps."""
     for i in range(batch_size):
-        engine.add_request(f"p{i}", list(range(1000 + i, 1000 + i + prompt_len)), params)
+        prompt = list(range(1000 + i, 1000 + i + prompt_len))
+        engine.add_request(
+            f"p{i}", prompt, params, lora_name=loras[i % len(loras)] if loras else None
+        )
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
@@ -45,6 +54,28 @@ def _start_decoding(
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
+
+
+def _ttft(llm: LLM, batch_size: int, prompt_len: int, loras: list[str]) -> None:
+    """`bench latency`'s TTFT: its prompts' first token, all but their last block cached."""
+    prompts = [list(range(1000 + i, 1000 + i + prompt_len)) for i in range(batch_size)]
+    adapters = [loras[i % len(loras)] if loras else None for i in range(batch_size)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts, params, lora=adapters)  # (the blocks cached)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        llm.generate(prompts, params, lora=adapters)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    print(f"TTFT {batch_size} x {prompt_len}: {statistics.median(times) * 1e3:.1f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, lora=adapters)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key, limit in (("self_cpu_time_total", 20), ("self_cuda_time_total", 15)):
+        print(averages.table(sort_by=key, row_limit=limit, max_name_column_width=60))
 
 
 def _torch_profile(engine: LLMEngine, trace: str | None) -> None:
@@ -72,10 +103,19 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
     parser.add_argument("--trace", help="also profile, and write rank 0's Chrome trace here")
+    parser.add_argument("--num-loras", type=int, default=0)
+    parser.add_argument("--ttft", action="store_true", help="profile a cached prompt step")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument(
         "--cprofile", action="store_true", help="also Python's profiler over 20 engine steps"
     )
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        _profile(args, Path(scratch))
+
+
+def _profile(args: argparse.Namespace, scratch: Path) -> None:
+    lora = lora_engine_args(args.model, "dummy", scratch, args.num_loras, args.lora_rank)
     llm = LLM(
         args.model,
         load_format="dummy",
@@ -85,10 +125,16 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        **lora,
     )
     engine = llm.engine
+    if args.ttft:
+        _ttft(llm, args.batch_size, args.prompt_len, list(lora.get("lora_modules", {})))
+        return
     params = SamplingParams(temperature=args.temperature, max_tokens=800, ignore_eos=True)
-    _start_decoding(engine, args.batch_size, args.prompt_len, params)
+    _start_decoding(
+        engine, args.batch_size, args.prompt_len, params, list(lora.get("lora_modules", {}))
+    )
     began = time.perf_counter()
     for _ in range(50):
         engine.step()
@@ -115,7 +161,7 @@ def main() -> None:
     graphs = runner.decode_graphs
     if graphs is not None and args.tensor_parallel_size == 1:  # (a lone replay would wait)
         bucket = min(b for b in graphs.buckets if b >= args.batch_size)
-        graph, hidden = graphs.graphs[bucket, 1, False]
+        graph, hidden = graphs.graphs[bucket, 1, bool(args.num_loras)]
         print(f"  GPU graph replay (bucket {bucket}) {_gpu_ms(graph.replay):.3f} ms")
         rows = hidden[: args.batch_size]
         print(

@@ -29,7 +29,7 @@ class ModelSource:
         return self.path if self.path.is_dir() else self.path.parent
 
     def read_config(self) -> ModelConfig:
-        if self.format == "gguf":
+        if self.path.suffix == ".gguf":  # (also "dummy": random weights in a GGUF's shape)
             from kvfleet.engine.loader.gguf import read_gguf_config
 
             return read_gguf_config(self.path)

@@ -287,3 +287,15 @@ def test_a_q4_gguf_keeps_its_projections_4_bit(tmp_path: Path) -> None:
     for name, layer in layers.items():
         want_weight = quantize_rtn(dense[name].weight, 128, torch.float32).dequantize()
         torch.testing.assert_close(layer.weights().dequantize(), want_weight, rtol=0, atol=0)
+
+
+def test_a_gguf_gives_its_shape_to_random_weights(tmp_path: Path) -> None:
+    # (`kvfleet bench latency --model smollm2` loads dummy weights: the alias is a GGUF file,
+    # whose header, not a JSON config, holds the shape)
+    from kvfleet.engine.loader.source import resolve_model_source
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, tied=True)
+    source = resolve_model_source(str(path), "dummy")
+    assert source.format == "dummy"
+    assert source.read_config() == read_gguf_config(path)
