@@ -84,6 +84,31 @@ def test_bench_cli_rejects_a_bad_length(command: str, capsys: pytest.CaptureFixt
     assert "LOW:HIGH" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["latency", "--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+        (["latency", "--output-len", "1"], "--output-len: must be at least 2, got 1"),
+        (["latency", "--lora-share", "1.5"], "--lora-share: must be between 0 and 1, got 1.5"),
+        (["latency", "--num-loras", "x"], "--num-loras: not an integer: 'x'"),
+        (["throughput", "--num-prompts", "-3"], "--num-prompts: must be at least 1, got -3"),
+        (["speculative", "--repeats", "0"], "--repeats: must be at least 1, got 0"),
+        (["structured", "--tokenizer", "t", "--output-len", "1"], "must be at least 2"),
+        (["serve", "--max-concurrency", "0"], "--max-concurrency: must be at least 1, got 0"),
+    ],
+)
+def test_bench_cli_rejects_absurd_counts(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (a batch of 0 or an output of 1 token once gave a report of -0.0 ms a token)
+    from kvfleet.cli.main import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", *args])
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 def test_a_mixture_of_experts_is_counted_by_what_a_token_reads() -> None:
     """Qwen3-30B-A3B's shape: 29.9B layer matmul weights stored, 2.7B multiplied per token
     (3.3B "active" with the embeddings and LM head, as Qwen counts); a step of one token reads
