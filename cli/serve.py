@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from kvfleet.engine.protocol.ports import tcp_port
 from kvfleet.engine.server import commands as engine_commands
 
 SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
@@ -38,7 +39,7 @@ def add_command(commands: Any) -> None:
     )
     serve.add_argument(
         "--first-engine-port",
-        type=int,
+        type=tcp_port,
         default=engine_commands.ENGINE_PORT + 1,
         help="the first engine's port on loopback, the next ones after it (default 8101)",
     )
@@ -57,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     forwarded = _forwarded_engine_arguments(args)
     ports = [args.first_engine_port + i for i in range(args.replicas)]
+    if ports[-1] > 65535:
+        raise ValueError(
+            f"--first-engine-port {args.first_engine_port} leaves no port for engine "
+            f"{args.replicas} of --replicas {args.replicas} (ports end at 65535)"
+        )
     replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
     url = f"http://{args.host}:{args.port}"
     engines: list[subprocess.Popen[bytes]] = []

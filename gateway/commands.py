@@ -8,6 +8,8 @@ import os
 import socket
 from typing import Any
 
+from kvfleet.engine.protocol.ports import tcp_port
+
 GATEWAY_HOST, GATEWAY_PORT = "0.0.0.0", 8000
 
 
@@ -51,7 +53,7 @@ def add_commands(commands: Any) -> None:
     gateway.add_argument("--target-waiting", type=float, default=2.0, help="per replica")
     gateway.add_argument("--scale-down-window", type=float, default=300.0, help="seconds")
     gateway.add_argument("--host", default=GATEWAY_HOST)
-    gateway.add_argument("--port", type=int, default=GATEWAY_PORT)
+    gateway.add_argument("--port", type=tcp_port, default=GATEWAY_PORT)
     gateway.add_argument(
         "--policy", default="prefix", choices=["prefix", "least-load", "round-robin"]
     )

@@ -9,6 +9,8 @@ import logging
 import sys
 from typing import Any
 
+from kvfleet.engine.protocol.ports import tcp_port
+
 logger = logging.getLogger(__name__)
 
 ENGINE_HOST, ENGINE_PORT = "0.0.0.0", 8100
@@ -34,7 +36,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, host: str, port: int) 
     from kvfleet.engine.config.settings import add_arguments
 
     parser.add_argument("--host", default=host)
-    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--port", type=tcp_port, default=port)
     parser.add_argument("--served-model-name", help="the name clients send as `model`")
     add_arguments(parser, engine_settings())
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20)

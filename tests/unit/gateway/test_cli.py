@@ -78,3 +78,32 @@ def test_bad_lora_flags_stop_with_a_reason() -> None:
         server_cli._settings(
             parse("engine", "--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"), "smollm2"
         )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gateway", "--port", "99999"],
+        ["engine", "--port", "0"],
+        ["serve", "--port", "70000"],
+        ["serve", "--first-engine-port", "x"],
+    ],
+)
+def test_a_port_outside_1_to_65535_is_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (uvicorn took --port 99999 and said it listened there)
+    from kvfleet.cli.main import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err
+    assert "a port is from 1 to 65535" in said or "not a port number: 'x'" in said
+
+
+def test_engine_ports_past_65535_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfleet.cli.main import main
+
+    assert main(["serve", "--first-engine-port", "65535", "--replicas", "2"]) == 1
+    assert "leaves no port for engine 2" in capsys.readouterr().err
