@@ -3,23 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least `minimum` (a clear usage error otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
+from kvfleet.engine.protocol.arguments import int_in
 
 
 def _fraction(text: str) -> float:
@@ -81,27 +67,27 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--dtype", default="bfloat16")
     _add_quantization_argument(parser)
-    parser.add_argument("--batch-size", type=_at_least(1), default=1)
-    parser.add_argument("--input-len", type=_at_least(1), default=128)
+    parser.add_argument("--batch-size", type=int_in(1), default=1)
+    parser.add_argument("--input-len", type=int_in(1), default=128)
     parser.add_argument(
-        "--output-len", type=_at_least(2), default=128, help="(decode time: tokens after the first)"
+        "--output-len", type=int_in(2), default=128, help="(decode time: tokens after the first)"
     )
-    parser.add_argument("--repeats", type=_at_least(1), default=3)
+    parser.add_argument("--repeats", type=int_in(1), default=3)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
         "--tensor-parallel-size",
-        type=_at_least(1),
+        type=int_in(1),
         default=1,
         help="GPUs the model is split across",
     )
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument(
         "--num-loras",
-        type=_at_least(0),
+        type=int_in(0),
         default=0,
         help="random rank --lora-rank adapters to serve",
     )
-    parser.add_argument("--lora-rank", type=_at_least(1), default=16)
+    parser.add_argument("--lora-rank", type=int_in(1), default=16)
     parser.add_argument(
         "--lora-share",
         type=_fraction,
@@ -123,12 +109,10 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--load-format", default="auto", help="dummy: random prompts, weights")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument(
-        "--batch-size", type=_at_least(1), default=1, help="1: one request at a time"
-    )
-    parser.add_argument("--output-len", type=_at_least(1), default=256)
-    parser.add_argument("--max-model-len", type=_at_least(1), default=2048)
-    parser.add_argument("--repeats", type=_at_least(1), default=2)
+    parser.add_argument("--batch-size", type=int_in(1), default=1, help="1: one request at a time")
+    parser.add_argument("--output-len", type=int_in(1), default=256)
+    parser.add_argument("--max-model-len", type=int_in(1), default=2048)
+    parser.add_argument("--repeats", type=int_in(1), default=2)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument(
         "--speculative-config",
@@ -155,14 +139,14 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--dtype", default="bfloat16")
     _add_quantization_argument(parser)
-    parser.add_argument("--num-prompts", type=_at_least(1), default=256)
+    parser.add_argument("--num-prompts", type=int_in(1), default=256)
     parser.add_argument("--input-len", default="128:1024", help="N, or LOW:HIGH (uniform)")
     parser.add_argument("--output-len", default="256", help="N, or LOW:HIGH (uniform)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, help="default: longest input + output")
-    parser.add_argument("--max-num-seqs", type=_at_least(1), default=256)
-    parser.add_argument("--max-num-batched-tokens", type=_at_least(1), default=8192)
-    parser.add_argument("--max-prefill-seqs", type=_at_least(1), default=32)
+    parser.add_argument("--max-num-seqs", type=int_in(1), default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int_in(1), default=8192)
+    parser.add_argument("--max-prefill-seqs", type=int_in(1), default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-blocks", type=int, help="fix the KV pool's size (blocks)")
     parser.add_argument("--swap-space-gib", type=float, default=4.0, help="0: recompute")
@@ -178,7 +162,7 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
         "--tensor-parallel-size",
-        type=_at_least(1),
+        type=int_in(1),
         default=1,
         help="GPUs the model is split across",
     )
@@ -199,10 +183,10 @@ def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", required=True, help="a tokenizer folder (HF)")
     parser.add_argument("--vocab-size", type=int, help="grow the tokenizer to this many tokens")
     parser.add_argument("--bounded", action="store_true", help="bounded strings and integers")
-    parser.add_argument("--batch-size", type=_at_least(1), default=64)
-    parser.add_argument("--input-len", type=_at_least(1), default=128)
-    parser.add_argument("--output-len", type=_at_least(2), default=128)
-    parser.add_argument("--repeats", type=_at_least(1), default=3)
+    parser.add_argument("--batch-size", type=int_in(1), default=64)
+    parser.add_argument("--input-len", type=int_in(1), default=128)
+    parser.add_argument("--output-len", type=int_in(2), default=128)
+    parser.add_argument("--repeats", type=int_in(1), default=3)
     parser.add_argument("--json", help="also write the result to this file")
 
 
@@ -222,13 +206,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="random prompts; one long document with many questions; or N streams with one "
         "long prompt arriving among them",
     )
-    parser.add_argument("--num-prompts", type=_at_least(1), default=200)
+    parser.add_argument("--num-prompts", type=int_in(1), default=200)
     parser.add_argument("--input-len", default="1024", help="N, or LOW:HIGH (uniform)")
     parser.add_argument("--output-len", default="256", help="N, or LOW:HIGH (uniform)")
     parser.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second"
     )
-    parser.add_argument("--max-concurrency", type=_at_least(1), help="at most this many in flight")
+    parser.add_argument("--max-concurrency", type=int_in(1), help="at most this many in flight")
     parser.add_argument("--prefix-len", type=int, default=3000, help="shared-prefix: document")
     parser.add_argument(
         "--num-prefixes", type=int, default=1, help="shared-prefix: documents (groups)"

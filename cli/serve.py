@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from kvfleet.engine.protocol.ports import tcp_port
+from kvfleet.engine.protocol.arguments import tcp_port
 from kvfleet.engine.server import commands as engine_commands
 
 SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000

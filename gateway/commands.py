@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any
 
-from kvfleet.engine.protocol.ports import tcp_port
+from kvfleet.engine.protocol.arguments import tcp_port
 
 GATEWAY_HOST, GATEWAY_PORT = "0.0.0.0", 8000
 

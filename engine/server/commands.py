@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from kvfleet.engine.protocol.ports import tcp_port
+from kvfleet.engine.protocol.arguments import tcp_port
 
 logger = logging.getLogger(__name__)
 
