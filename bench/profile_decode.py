@@ -29,6 +29,7 @@ from kvfleet.bench.ceilings import median_seconds
 from kvfleet.bench.lora_adapters import lora_engine_args
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.protocol.arguments import int_in
 from kvfleet.engine.sampling_params import SamplingParams
 
 
@@ -36,16 +37,24 @@ def _gpu_ms(fn: Callable[[], object]) -> float:
     return median_seconds(fn, torch.device("cuda"), repeats=20) * 1e3
 
 
+def _prompts(
+    batch_size: int, prompt_len: int, loras: list[str]
+) -> list[tuple[list[int], str | None]]:
+    """`batch_size` prompts of `prompt_len` tokens, each with its adapter (`loras` round robin,
+    None without)."""
+    return [
+        (list(range(1000 + i, 1000 + i + prompt_len)), loras[i % len(loras)] if loras else None)
+        for i in range(batch_size)
+    ]
+
+
 def _start_decoding(
-    engine: LLMEngine, batch_size: int, prompt_len: int, params: SamplingParams, loras: list[str]
+    engine: LLMEngine, prompts: list[tuple[list[int], str | None]], params: SamplingParams
 ) -> None:
-    """`batch_size` requests of `prompt_len` tokens (the `loras` round robin), stepped until
-    every prompt is in, so the steps timed after are decode steps."""
-    for i in range(batch_size):
-        prompt = list(range(1000 + i, 1000 + i + prompt_len))
-        engine.add_request(
-            f"p{i}", prompt, params, lora_name=loras[i % len(loras)] if loras else None
-        )
+    """The requests of `prompts`, stepped until every prompt is in, so the steps timed after
+    are decode steps."""
+    for i, (prompt, lora) in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params, lora_name=lora)
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
@@ -56,10 +65,10 @@ def _start_decoding(
     torch.cuda.synchronize()
 
 
-def _ttft(llm: LLM, batch_size: int, prompt_len: int, loras: list[str]) -> None:
+def _ttft(llm: LLM, batch: list[tuple[list[int], str | None]]) -> None:
     """`bench latency`'s TTFT: its prompts' first token, all but their last block cached."""
-    prompts = [list(range(1000 + i, 1000 + i + prompt_len)) for i in range(batch_size)]
-    adapters = [loras[i % len(loras)] if loras else None for i in range(batch_size)]
+    prompts = [prompt for prompt, _ in batch]
+    adapters = [lora for _, lora in batch]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts, params, lora=adapters)  # (the blocks cached)
     times = []
@@ -69,7 +78,7 @@ def _ttft(llm: LLM, batch_size: int, prompt_len: int, loras: list[str]) -> None:
         llm.generate(prompts, params, lora=adapters)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
-    print(f"TTFT {batch_size} x {prompt_len}: {statistics.median(times) * 1e3:.1f} ms")
+    print(f"TTFT {len(batch)} x {len(prompts[0])}: {statistics.median(times) * 1e3:.1f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, lora=adapters)
         torch.cuda.synchronize()
@@ -103,9 +112,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile", action="store_true", help="also the torch profiler tables")
     parser.add_argument("--trace", help="also profile, and write rank 0's Chrome trace here")
-    parser.add_argument("--num-loras", type=int, default=0)
+    parser.add_argument("--num-loras", type=int_in(0), default=0)
     parser.add_argument("--ttft", action="store_true", help="profile a cached prompt step")
-    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-rank", type=int_in(1), default=16)
     parser.add_argument(
         "--cprofile", action="store_true", help="also Python's profiler over 20 engine steps"
     )
@@ -128,13 +137,12 @@ def _profile(args: argparse.Namespace, scratch: Path) -> None:
         **lora,
     )
     engine = llm.engine
+    prompts = _prompts(args.batch_size, args.prompt_len, list(lora.get("lora_modules", {})))
     if args.ttft:
-        _ttft(llm, args.batch_size, args.prompt_len, list(lora.get("lora_modules", {})))
+        _ttft(llm, prompts)
         return
     params = SamplingParams(temperature=args.temperature, max_tokens=800, ignore_eos=True)
-    _start_decoding(
-        engine, args.batch_size, args.prompt_len, params, list(lora.get("lora_modules", {}))
-    )
+    _start_decoding(engine, prompts, params)
     began = time.perf_counter()
     for _ in range(50):
         engine.step()

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from kvfleet.engine.protocol.arguments import tcp_port
+from kvfleet.engine.protocol.arguments import MAX_PORT, int_in, tcp_port
 from kvfleet.engine.server import commands as engine_commands
 
 SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
@@ -33,7 +33,7 @@ def add_command(commands: Any) -> None:
     engine_commands.add_server_arguments(serve, SERVE_HOST, SERVE_PORT)
     serve.add_argument(
         "--replicas",
-        type=int,
+        type=int_in(1),
         default=1,
         help="engines behind the gateway (ports from --first-engine-port; default 1)",
     )
@@ -54,14 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet.engine.protocol.openai import LoadLoRAAdapterRequest
     from kvfleet.gateway.app import GatewaySettings, create_gateway_app
 
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     forwarded = _forwarded_engine_arguments(args)
     ports = [args.first_engine_port + i for i in range(args.replicas)]
-    if ports[-1] > 65535:
+    if ports[-1] > MAX_PORT:
         raise ValueError(
             f"--first-engine-port {args.first_engine_port} leaves no port for engine "
-            f"{args.replicas} of --replicas {args.replicas} (ports end at 65535)"
+            f"{args.replicas} of --replicas {args.replicas} (ports end at {MAX_PORT})"
         )
     replicas = tuple(f"http://127.0.0.1:{port}" for port in ports)
     url = f"http://{args.host}:{args.port}"

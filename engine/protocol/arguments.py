@@ -23,5 +23,6 @@ def int_in(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+MAX_PORT = 65535
 # A port to listen on (uvicorn took 99999 and said it listened there).
-tcp_port = int_in(1, 65535)
+tcp_port = int_in(1, MAX_PORT)

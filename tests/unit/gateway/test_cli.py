@@ -87,9 +87,10 @@ def test_bad_lora_flags_stop_with_a_reason() -> None:
         ["engine", "--port", "0"],
         ["serve", "--port", "70000"],
         ["serve", "--first-engine-port", "x"],
+        ["serve", "--replicas", "0"],
     ],
 )
-def test_a_port_outside_1_to_65535_is_refused(
+def test_a_port_outside_1_to_65535_or_no_replica_is_refused(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     # (uvicorn took --port 99999 and said it listened there)
