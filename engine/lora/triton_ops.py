@@ -3,9 +3,13 @@
 Both kernels take the step's tokens grouped by adapter slot (`LoRABatch`): a program owns one
 slot's block of tokens, so a prefill chunk reads its adapter's A/B tiles once for many tokens
 (SGMV-style segments), and a decode batch with one token per request groups the requests that
-share an adapter (BGMV-style gathers, done once per group instead of once per token). The grid
-depends only on the slot count and the token count, so a launch captured in a CUDA graph stays
-valid for any grouping of the same number of tokens. Tokens in no group (base model only) are
+share an adapter (BGMV-style gathers, done once per group instead of once per token). Programs
+are numbered over the step's (slot, block of that slot's tokens) pairs, slot by slot, each
+finding its own from the slots' token counts; the grid holds as many as any grouping of the
+step's tokens can need (blocks + slots - 1), not a block of every slot for every block of
+tokens (a 32k-token prefill over 8 slots: 519 programs a column, not 16,384). So it depends only
+on the slot count and the token count, and a launch captured in a CUDA graph stays valid for any
+grouping of the same number of tokens. Tokens in no group (base model only) are
 never touched. The shrink splits the input dimension so that a decode step still fills the GPU;
 the expand sums the partial products as it loads them (no atomics, a fixed order).
 
@@ -24,16 +28,41 @@ import triton.language as tl
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.lora.ops import LoRABatch
 
+# A step of at most this many tokens is a decode step: blocks of 16 tokens, the shrink's input
+# split in SHRINK_COLUMNS a program (at most 32 parts) so that it still fills the GPU; more
+# (a prefill): blocks of 64, the input whole. (bench/lora_layer.py sweeps them.)
+DECODE_TOKENS = 256
+SHRINK_COLUMNS = 512
+SHRINK_BLOCK_K = 64
+
 
 @triton.jit
-def _group_rows(token_order_ptr, slot_starts_ptr, slot, m_block, BLOCK_M: tl.constexpr):
-    """The token rows of `slot`'s m_block-th block of tokens, and which of them exist."""
-    start = tl.load(slot_starts_ptr + slot)
-    end = tl.load(slot_starts_ptr + slot + 1)
-    offs = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+def _group_rows(
+    token_order_ptr,
+    slot_starts_ptr,
+    block,
+    max_loras,
+    BLOCK_M: tl.constexpr,
+    SLOTS_PAD: tl.constexpr,  # next_power_of_2(max_loras)
+):
+    """The `block`-th block of the step's (slot, BLOCK_M tokens of that slot) pairs, counted
+    slot by slot: its slot, token rows and which of them exist, and whether it is a block at
+    all (the grid holds as many programs as any grouping of the step's tokens can need)."""
+    slots = tl.arange(0, SLOTS_PAD)
+    real = slots < max_loras
+    starts = tl.load(slot_starts_ptr + slots, mask=real, other=0)
+    ends = tl.load(slot_starts_ptr + slots + 1, mask=real, other=0)
+    blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    after = tl.cumsum(blocks, 0)  # blocks up to and including each slot's
+    slot = tl.sum((after <= block).to(tl.int32), 0)
+    mine = slots == slot
+    m_block = block - tl.sum(tl.where(mine, after - blocks, 0), 0)
+    start = tl.sum(tl.where(mine, starts, 0), 0) + m_block * BLOCK_M
+    end = tl.sum(tl.where(mine, ends, 0), 0)
+    offs = start + tl.arange(0, BLOCK_M)
     valid = offs < end
     rows = tl.load(token_order_ptr + offs, mask=valid, other=0).to(tl.int64)
-    return rows, valid, start + m_block * BLOCK_M < end
+    return slot, rows, valid, slot < max_loras
 
 
 @triton.jit
@@ -44,6 +73,7 @@ def _shrink_kernel(
     token_order_ptr,  # [num_lora_tokens] int32
     slot_starts_ptr,  # [max_loras + 1] int32
     num_tokens,
+    max_loras,
     in_features,
     total_rank,  # num_slices * max_rank
     k_per_split,
@@ -54,13 +84,14 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_R_BLOCKS: tl.constexpr,
+    SLOTS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding)
 ):
-    slot = tl.program_id(0)
-    m_block = tl.program_id(1)
-    split = tl.program_id(2) // NUM_R_BLOCKS
-    r_block = tl.program_id(2) % NUM_R_BLOCKS
-    rows, valid, any_rows = _group_rows(token_order_ptr, slot_starts_ptr, slot, m_block, BLOCK_M)
+    split = tl.program_id(1) // NUM_R_BLOCKS
+    r_block = tl.program_id(1) % NUM_R_BLOCKS
+    slot, rows, valid, any_rows = _group_rows(
+        token_order_ptr, slot_starts_ptr, tl.program_id(0), max_loras, BLOCK_M, SLOTS_PAD
+    )
     if any_rows:
         offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
         r_mask = offs_r < total_rank
@@ -97,6 +128,7 @@ def _expand_kernel(
     slot_starts_ptr,
     slice_starts_ptr,  # [num_slices + 1] int32: each slice's first output column
     num_tokens,
+    max_loras,
     out_features,
     max_rank,
     stride_bl,
@@ -107,12 +139,13 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLOTS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    m_block = tl.program_id(1)
-    n_block = tl.program_id(2)
-    rows, valid, any_rows = _group_rows(token_order_ptr, slot_starts_ptr, slot, m_block, BLOCK_M)
+    n_block = tl.program_id(1)
+    slot, rows, valid, any_rows = _group_rows(
+        token_order_ptr, slot_starts_ptr, tl.program_id(0), max_loras, BLOCK_M, SLOTS_PAD
+    )
     if any_rows:
         # NOTE: BLOCK_N divides every slice's width, so a block lies inside one slice.
         n0 = n_block * BLOCK_N
@@ -162,56 +195,33 @@ def add_lora(
     num_slices = len(slice_bounds) - 1
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    block_m = 16
-    m_blocks = cdiv(num_tokens, block_m)
-    # Split the input dimension while there are few tokens, so a decode step fills the GPU.
-    split_k = min(32, cdiv(in_features, 512)) if num_tokens <= 256 else 1
-    block_k = 64
+    decode = num_tokens <= DECODE_TOKENS
+    # A prefill's groups are long: larger blocks read each adapter's A and B fewer times.
+    block_m = 16 if decode else 64
+    # At most this many (slot, block) pairs: cdiv(a, B) + cdiv(b, B) <= cdiv(a + b, B) + 1.
+    pairs = cdiv(num_tokens, block_m) + min(max_loras, num_tokens) - 1
+    slots_pad = next_power_of_2(max_loras)
+    split_k = min(32, cdiv(in_features, SHRINK_COLUMNS)) if decode else 1
+    block_k = SHRINK_BLOCK_K
     k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
     block_r = min(64, max(16, next_power_of_2(total_rank)))
     r_blocks = cdiv(total_rank, block_r)
     partial = torch.empty((split_k, num_tokens, total_rank), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(max_loras, m_blocks, split_k * r_blocks)](
-        x,
-        lora_a,
-        partial,
-        batch.token_order,
-        batch.slot_starts,
-        num_tokens,
-        in_features,
-        total_rank,
-        k_per_split,
-        x.stride(0),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        BLOCK_M=block_m,
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
-        NUM_R_BLOCKS=r_blocks,
-        DOT_PRECISION=precision,
-    )
+    _shrink_kernel[(pairs, split_k * r_blocks)](
+        x, lora_a, partial, batch.token_order, batch.slot_starts, num_tokens, max_loras,
+        in_features, total_rank, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, NUM_R_BLOCKS=r_blocks,
+        SLOTS_PAD=slots_pad, DOT_PRECISION=precision,
+    )  # fmt: skip
     widths = [hi - lo for lo, hi in itertools.pairwise(slice_bounds)]
     block_n = 128
     while any(w % block_n for w in widths):
         block_n //= 2
     assert block_n >= 16, f"slice widths {widths} need a common power-of-two divisor >= 16"
-    _expand_kernel[(max_loras, m_blocks, cdiv(out.shape[1], block_n))](
-        partial,
-        lora_b,
-        out,
-        batch.token_order,
-        batch.slot_starts,
-        slice_starts,
-        num_tokens,
-        out.shape[1],
-        max_rank,
-        lora_b.stride(0),
-        lora_b.stride(1),
-        out.stride(0),
-        SPLIT_K=split_k,
-        NUM_SLICES=num_slices,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_R=max(16, next_power_of_2(max_rank)),
+    _expand_kernel[(pairs, cdiv(out.shape[1], block_n))](
+        partial, lora_b, out, batch.token_order, batch.slot_starts, slice_starts, num_tokens,
+        max_loras, out.shape[1], max_rank, lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        SPLIT_K=split_k, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, next_power_of_2(max_rank)), SLOTS_PAD=slots_pad,
         DOT_PRECISION=precision,
-    )
+    )  # fmt: skip

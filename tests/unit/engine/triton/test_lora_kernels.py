@@ -42,8 +42,12 @@ def _case(
         [0, 4, 2, 2, 1, 4],  # a decode step: one token per request, 4 = base only
         [3] * 20 + [4] * 7 + [0] * 17,  # prefill chunks of two adapters and the base
         [1] * 40,  # one adapter, more tokens than one block
+        # every slot one token into its second block: as many blocks as the grid holds
+        [0] * 17 + [1] * 17 + [2] * 17 + [3] * 17,
+        # a long prefill (blocks of 64): groups of 1, 2 and 3 blocks, the base rows between
+        [2] * 150 + [4] * 30 + [0] * 100 + [3] * 30 + [2] * 1,
     ],
-    ids=["decode", "prefill", "one-adapter"],
+    ids=["decode", "prefill", "one-adapter", "ragged", "long-prefill"],
 )
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("max_rank", [8, 16])

@@ -1,0 +1,121 @@
+"""A step's LoRA kernels alone on the GPU: Llama-3-8B's 32 layers x 4 projections, 8 adapters of
+rank 16, as a decode step of 64 tokens (one per request, the adapters round robin) and as one
+prefill step of 64 prompts x 512 tokens (each prompt's tokens one adapter's), beside their floor.
+
+    bench/device_env.sh python3 bench/lora_layer.py
+
+Every projection has its own A and B (as each layer does), so the figure streams them from
+memory. Decode: one CUDA graph of the 128 `add_lora` calls, its median replay; its floor: the
+A and B of the 8 adapters plus each output read and written once, at the copy bandwidth measured
+in the same run. Prefill: eager, as the engine runs a prompt step with adapters. Run with
+another tree's `kvfleet` first on PYTHONPATH to time its kernels (the sweep's module constants
+are ignored there).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.engine.lora import triton_ops
+from kvfleet.engine.lora.ops import LoRABatch
+
+LAYERS = 32
+HIDDEN, KV, INNER = 4096, 1024, 14336
+# (in, slice widths) of each wrapped projection of a Llama-3-8B layer
+PROJECTIONS = {
+    "qkv": (HIDDEN, (HIDDEN, KV, KV)),
+    "o": (HIDDEN, (HIDDEN,)),
+    "gate_up": (HIDDEN, (INNER, INNER)),
+    "down": (INNER, (HIDDEN,)),
+}
+LORAS, RANK = 8, 16
+# (SHRINK_COLUMNS, SHRINK_BLOCK_K) swept at decode, the shipped pair first
+DECODE_SWEEP = [(512, 64), (256, 64), (1024, 64), (512, 128), (256, 128)]
+
+
+def _weights(device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each layer's projections' A [LORAS, slices * RANK, in] and B [LORAS, out, RANK]."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    made = []
+    for _, (name, (in_features, widths)) in itertools.product(range(LAYERS), PROJECTIONS.items()):
+        shape_a = (LORAS, len(widths) * RANK, in_features)
+        a = torch.randn(shape_a, generator=gen, device=device, dtype=torch.bfloat16) / 64
+        b = torch.randn(LORAS, sum(widths), RANK, generator=gen, device=device).bfloat16() / 16
+        made.append((name, a, b))
+    return made
+
+
+def _step(
+    tokens: int, slots: np.ndarray, weights: list[tuple[str, torch.Tensor, torch.Tensor]]
+) -> Callable[[], None]:
+    """All 128 `add_lora` calls of a step of `tokens` tokens with these slots."""
+    device = weights[0][1].device
+    batch = LoRABatch.build(slots, LORAS, device)
+    assert batch is not None
+    xs = {n: torch.randn(tokens, i, device=device).bfloat16() for n, (i, _) in PROJECTIONS.items()}
+    outs = {
+        n: torch.zeros(tokens, sum(w), device=device).bfloat16()
+        for n, (_, w) in PROJECTIONS.items()
+    }
+    bounds = {n: list(itertools.accumulate(w, initial=0)) for n, (_, w) in PROJECTIONS.items()}
+    starts = {n: torch.tensor(b, dtype=torch.int32, device=device) for n, b in bounds.items()}
+
+    def step() -> None:
+        for name, a, b in weights:
+            triton_ops.add_lora(outs[name], xs[name], a, b, batch, bounds[name], starts[name])
+
+    return step
+
+
+def _graph(fn: Callable[[], None]) -> Callable[[], None]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # (compiles the kernels before capture)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device, torch.bfloat16)
+    print(f"copy {ceilings.copy_gbps:,.0f} GB/s")
+    weights = _weights(device)
+    adapter_bytes = sum(a.numel() + b.numel() for _, a, b in weights) * 2
+    out_row = sum(sum(w) for _, (_, w) in PROJECTIONS.items()) * LAYERS * 2  # bytes a token
+    calls = len(weights)
+
+    tokens = 64
+    floor_us = (adapter_bytes + 2 * tokens * out_row) / (ceilings.copy_gbps * 1e3)
+    decode = _step(tokens, np.arange(tokens) % LORAS, weights)
+    for columns, block_k in DECODE_SWEEP:
+        triton_ops.SHRINK_COLUMNS, triton_ops.SHRINK_BLOCK_K = columns, block_k
+        us = median_seconds(_graph(decode), device, repeats=50) * 1e6
+        print(
+            f"decode {tokens} tokens, {LORAS} adapters round robin, shrink columns {columns} "
+            f"block_k {block_k}: {us:.0f} us a step ({us / calls:.1f} a projection), floor "
+            f"{floor_us:.0f} us ({floor_us / us:.0%})"
+        )
+    triton_ops.SHRINK_COLUMNS, triton_ops.SHRINK_BLOCK_K = DECODE_SWEEP[0]
+
+    prompts, prompt_len = 64, 512
+    tokens = prompts * prompt_len
+    floor_us = (adapter_bytes + 2 * tokens * out_row) / (ceilings.copy_gbps * 1e3)
+    prefill = _step(tokens, np.repeat(np.arange(prompts) % LORAS, prompt_len), weights)
+    us = median_seconds(prefill, device, repeats=5) * 1e6
+    print(
+        f"prefill {prompts} x {prompt_len} tokens, {LORAS} adapters: {us / 1e3:.2f} ms a step "
+        f"(eager), floor {floor_us / 1e3:.2f} ms ({floor_us / us:.0%})"
+    )
+
+
+if __name__ == "__main__":
+    main()
