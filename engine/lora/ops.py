@@ -48,6 +48,25 @@ class LoRABatch:
         )
 
 
+class StaticLoRABatch:
+    """A CUDA graph's adapter grouping: a `LoRABatch`'s tensors at fixed addresses, into which
+    each step copies its own (the LoRA kernels' grids follow the token count alone)."""
+
+    def __init__(self, max_tokens: int, max_loras: int, device: torch.device) -> None:
+        self.token_order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.slot_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+
+    def stage(self, lora: LoRABatch) -> None:
+        """Copy a step's grouping in (padding tokens are in no group: the base model alone)."""
+        self.token_order[: lora.token_order.shape[0]].copy_(lora.token_order, non_blocking=True)
+        self.slot_starts.copy_(lora.slot_starts, non_blocking=True)
+
+    def batch(self, tokens: int) -> LoRABatch:
+        """The grouping a graph of `tokens` tokens captures (Triton's LoRA path only: the torch
+        one reads host lists, which a graph cannot)."""
+        return LoRABatch(self.token_order[:tokens], self.slot_starts, slot_starts_cpu=[])
+
+
 def add_lora_reference(
     out: torch.Tensor,  # [num_tokens, out_features], updated in place
     x: torch.Tensor,  # [num_tokens, in_features]

@@ -32,7 +32,7 @@ from kvfleet.engine.attention.triton_prompt import (
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.moe import RealTokens
 from kvfleet.engine.lora.layers import LoRAContext
-from kvfleet.engine.lora.ops import LoRABatch
+from kvfleet.engine.lora.ops import LoRABatch, StaticLoRABatch
 from kvfleet.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.cu_seqlens_verify = zeros(self.max_batch + 1, dtype=torch.int32)  # (copied in)
-        self.token_order = zeros(n, dtype=torch.int32)
-        self.slot_starts = zeros((lora[1] if lora else 0) + 1, dtype=torch.int32)
+        self.static_lora = StaticLoRABatch(n, lora[1], device) if lora else None
         # (bucket, query tokens per sequence, with LoRA) -> the graph and its output
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.real_tokens = RealTokens(model, device)  # (padding tokens meet no MoE expert)
@@ -162,10 +161,8 @@ class DecodeGraphs:
         self.slot_mapping[num_tokens : bucket * q].fill_(NULL_BLOCK_ID)
         self.real_tokens.set(num_tokens)
         if lora is not None:
-            assert self.lora is not None
-            # Padding rows are in no group: they run the base model only.
-            self.token_order[: lora.token_order.shape[0]].copy_(lora.token_order, non_blocking=True)
-            self.slot_starts.copy_(lora.slot_starts, non_blocking=True)
+            assert self.static_lora is not None
+            self.static_lora.stage(lora)
         key = (bucket, q, lora is not None)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
@@ -196,12 +193,8 @@ class DecodeGraphs:
 
         static_lora = None
         if with_lora:
-            assert self.lora is not None
-            static_lora = LoRABatch(
-                token_order=self.token_order[:tokens],
-                slot_starts=self.slot_starts,
-                slot_starts_cpu=[],  # read by the torch reference only, never in a graph
-            )
+            assert self.static_lora is not None
+            static_lora = self.static_lora.batch(tokens)
 
         def forward() -> torch.Tensor:
             if self.lora is not None:

@@ -236,7 +236,10 @@ class ModelRunner:
     def enable_prefill_graphs(self, max_tokens: int) -> None:
         """Replay steps holding prompt tokens, up to `max_tokens` of them, from CUDA graphs in
         pieces around attention (engine/worker/prefill_graphs.py)."""
-        self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, max_tokens, self.device)
+        lora = (self.lora.context, self.lora.max_loras) if self.lora is not None else None
+        self.prefill_graphs = PrefillGraphs(
+            self.model, self.kv_caches, max_tokens, self.device, lora
+        )
         self.prefill_graphs.capture_all()
 
     def release_graphs(self) -> None:
@@ -359,7 +362,7 @@ class ModelRunner:
             if graphs is not None and graphs.can_run(step.metadata):
                 hidden = graphs.run(step.input_ids, step.positions, step.metadata, lora)
             elif pieces is not None and pieces.can_run(num_tokens, lora is not None):
-                hidden = pieces.run(step.input_ids, step.positions, step.metadata)
+                hidden = pieces.run(step.input_ids, step.positions, step.metadata, lora)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         finally:

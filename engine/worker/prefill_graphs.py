@@ -16,8 +16,10 @@ through torch.compile.)
 The break is `AttentionLayer.graph_break`: while a forward runs in pieces (`forward_in_pieces`,
 also the warm-up before each capture) every backend calls it in place of `attend`. The K/V
 write happens inside the pieces, through the static slot mapping: padding tokens write into
-the null block. Steps whose forward would differ from the captured one run eagerly instead:
-with LoRA adapters, or while FP8 KV scales still wait to be measured on the first prompt.
+the null block. With LoRA each bucket is captured twice, without adapters and with them (the
+LoRA kernels' grids follow the token count alone; a step's grouping of tokens by adapter slot is
+copied into static buffers as its ids are). Steps whose forward would differ from the captured
+one run eagerly instead: while FP8 KV scales still wait to be measured on the first prompt.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.core.block_pool import NULL_BLOCK_ID
 from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.layers.moe import RealTokens
+from kvfleet.engine.lora.layers import LoRAContext
+from kvfleet.engine.lora.ops import LoRABatch, StaticLoRABatch
 from kvfleet.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -86,8 +90,11 @@ class PrefillGraphs:
         kv_caches: list[torch.Tensor],
         max_tokens: int,
         device: torch.device,
+        lora: tuple[LoRAContext, int] | None = None,  # the model's LoRA context, max_loras
     ) -> None:
+        assert lora is None or lora[0].use_triton, "the torch LoRA path reads host lists"
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.buckets = buckets(max_tokens)
         self.max_tokens = max_tokens
@@ -109,16 +116,17 @@ class PrefillGraphs:
         self.outputs = [
             torch.zeros(n, heads, dim, dtype=dtype, device=device) for _ in model.layers
         ]
-        self.pieces: dict[int, _Pieces] = {}
+        self.static_lora = StaticLoRABatch(n, lora[1], device) if lora else None
+        self.pieces: dict[tuple[int, bool], _Pieces] = {}  # (bucket, with LoRA) -> its pieces
         self.real_tokens = RealTokens(model, device)  # (padding tokens meet no MoE expert)
         self.pool: Any = None
 
     def can_run(self, num_tokens: int, with_lora: bool) -> bool:
-        """Whether a step of `num_tokens` replays from pieces (not one `with_lora` adapters,
-        nor one before the FP8 KV scales are measured)."""
+        """Whether a step of `num_tokens` (`with_lora` adapters) replays from pieces (not one
+        before the FP8 KV scales are measured)."""
         return (
             num_tokens <= self.max_tokens
-            and not with_lora
+            and (self.lora is not None or not with_lora)
             and not any(attention.calibrate_kv for attention in self.attentions)
         )
 
@@ -127,16 +135,21 @@ class PrefillGraphs:
         """Capture every bucket now (at startup), largest first so the pool fits them all."""
         self.pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            self.pieces[bucket] = self._capture(bucket)
+            for with_lora in (False, True) if self.lora else (False,):
+                self.pieces[bucket, with_lora] = self._capture(bucket, with_lora)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The model's hidden states [num_tokens, hidden] for a step `can_run` takes."""
         n = input_ids.shape[0]
         bucket = self._bucket(n)
-        self._stage(input_ids, positions, metadata.slot_mapping, bucket)
-        pieces = self.pieces[bucket]
+        self._stage(input_ids, positions, metadata.slot_mapping, bucket, lora)
+        pieces = self.pieces[bucket, lora is not None]
         for graph, cut in zip(pieces.graphs, [*pieces.breaks, None], strict=True):
             graph.replay()
             if cut is not None:
@@ -145,18 +158,22 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def forward_in_pieces(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The forward run eagerly the way the pieces split it (through the static buffers,
         attention at each break with `metadata`): what a replay computes."""
         n = input_ids.shape[0]
         bucket = self._bucket(n)
-        self._stage(input_ids, positions, metadata.slot_mapping, bucket)
+        self._stage(input_ids, positions, metadata.slot_mapping, bucket, lora)
 
         def attend_now(cut: _Break) -> None:
             cut.backend.attend(cut.q[:n], cut.kv_cache, metadata, cut.kv_scales, cut.out[:n])
 
-        hidden, _ = self._forward_with_breaks(bucket, attend_now)
+        hidden, _ = self._forward_with_breaks(bucket, attend_now, lora is not None)
         return hidden[:n]
 
     def _bucket(self, num_tokens: int) -> int:
@@ -168,6 +185,7 @@ class PrefillGraphs:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         bucket: int,
+        lora: LoRABatch | None = None,
     ) -> None:
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -177,13 +195,17 @@ class PrefillGraphs:
         # block an earlier, larger step's token left there.
         self.slot_mapping[n:bucket].fill_(NULL_BLOCK_ID)
         self.real_tokens.set(n)
+        if lora is not None:
+            assert self.static_lora is not None
+            self.static_lora.stage(lora)
 
     def _forward_with_breaks(
-        self, bucket: int, at_break: Callable[[_Break], None]
+        self, bucket: int, at_break: Callable[[_Break], None], with_lora: bool
     ) -> tuple[torch.Tensor, list[_Break]]:
-        """The model over the first `bucket` static inputs, each layer's attention replaced by
-        copying its query into the layer's static buffer and calling `at_break` (which may
-        attend, or end one graph's capture and begin the next)."""
+        """The model over the first `bucket` static inputs (`with_lora`: their static adapter
+        grouping), each layer's attention replaced by copying its query into the layer's static
+        buffer and calling `at_break` (which may attend, or end one graph's capture and begin
+        the next)."""
         breaks: list[_Break] = []
 
         def graph_break(
@@ -208,6 +230,8 @@ class PrefillGraphs:
             attention.calibrate_kv = False
         for backend in self.backends:
             backend.graph_break = graph_break
+        if self.lora is not None and self.static_lora is not None:
+            self.lora[0].batch = self.static_lora.batch(bucket) if with_lora else None
         try:
             hidden = self.model(
                 self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
@@ -215,12 +239,18 @@ class PrefillGraphs:
         finally:
             for backend in self.backends:
                 backend.graph_break = None
+            if self.lora is not None:
+                self.lora[0].batch = None
             for module in calibrating:
                 module.calibrate_kv = True
         return hidden, breaks
 
-    def _capture(self, bucket: int) -> _Pieces:
-        logger.info("capturing CUDA graphs in pieces for steps of up to %d prompt tokens", bucket)
+    def _capture(self, bucket: int, with_lora: bool) -> _Pieces:
+        logger.info(
+            "capturing CUDA graphs in pieces for steps of up to %d prompt tokens%s",
+            bucket,
+            " with LoRA" if with_lora else "",
+        )
         # Warm up first, outside any capture: Triton compiles, cuBLAS picks its kernels. (One
         # prompt of `bucket` tokens, its K/V written into and read from the null block.)
         width = cdiv(bucket, self.kv_caches[0].shape[2])
@@ -232,6 +262,9 @@ class PrefillGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         graphs = [torch.cuda.CUDAGraph()]
 
+        def attend_null(cut: _Break) -> None:
+            cut.backend.attend(cut.q, cut.kv_cache, null, cut.kv_scales, cut.out)
+
         def next_piece(cut: _Break) -> None:
             graphs[-1].capture_end()
             graphs.append(torch.cuda.CUDAGraph())
@@ -239,13 +272,15 @@ class PrefillGraphs:
 
         with self.real_tokens.capturing(bucket):
             with torch.cuda.stream(stream):
-                self.forward_in_pieces(self.input_ids[:bucket], self.positions[:bucket], null)
+                self._stage(self.input_ids[:bucket], self.positions[:bucket],
+                            null.slot_mapping, bucket)  # fmt: skip
+                self._forward_with_breaks(bucket, attend_null, with_lora)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize(self.device)
             with torch.cuda.stream(stream), torch.inference_mode():
                 graphs[0].capture_begin(pool=self.pool)
                 try:
-                    hidden, breaks = self._forward_with_breaks(bucket, next_piece)
+                    hidden, breaks = self._forward_with_breaks(bucket, next_piece, with_lora)
                 finally:
                     graphs[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)

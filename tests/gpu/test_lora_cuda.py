@@ -106,6 +106,9 @@ def test_engine_triton_path_with_graphs_equals_torch_path(
             graphs = llm.engine.runner.decode_graphs
             assert graphs is not None
             assert any(with_lora for _, _, with_lora in graphs.graphs)
+            pieces = llm.engine.runner.prefill_graphs  # (the prompt steps with adapters too)
+            assert pieces is not None
+            assert any(with_lora for _, with_lora in pieces.pieces)
     assert results["triton"] == results["torch"]
     tokens, base_tokens = results["torch"]
     assert tokens[1] != base_tokens  # the adapter changes the output

@@ -10,11 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.lora.layers import LoRAContext, attach_lora
+from kvfleet.engine.lora.ops import LoRABatch
 from kvfleet.engine.worker.model_runner import ModelRunner
 from kvfleet.engine.worker.prefill_graphs import PrefillGraphs, buckets
 from kvfleet.engine.worker.setup import load_rank_model, resolve_setup
@@ -94,6 +97,35 @@ def test_a_forward_in_pieces_equals_the_plain_forward(runner: ModelRunner) -> No
             assert torch.equal(cache[:, 1:], plain[:, 1:])
     for attention in graphs.attentions:
         assert attention.backend.graph_break is None
+
+
+def test_a_forward_in_pieces_with_adapters_equals_the_plain_forward(runner: ModelRunner) -> None:
+    context = LoRAContext(use_triton=True)  # (the pieces' LoRA path: the Triton kernels)
+    generator = torch.Generator().manual_seed(0)
+    for layer in attach_lora(runner.model, 2, 4, context):
+        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=generator) / 4)
+        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator) / 4)
+    graphs = PrefillGraphs(runner.model, runner.kv_caches, 16, runner.device, (context, 2))
+    # a decode on adapter 1 beside a chunk on adapter 0, and the base model's prompt
+    # (12 tokens: CPU matmuls of 11 rows and of 16 differ in the last 3 by an ulp)
+    input_ids, positions, metadata = _step([(5, 1, [3]), (16, 7, [4, 5]), (0, 4, [6])])
+    batch = LoRABatch.build(np.array([1] + [0] * 7 + [2] * 4), 2, runner.device)
+    assert batch is not None
+    plain_caches = [cache.clone() for cache in runner.kv_caches]
+    without = runner.model(input_ids, positions, [c.clone() for c in plain_caches], metadata)
+    context.batch = batch
+    want = runner.model(input_ids, positions, plain_caches, metadata)
+    context.batch = None
+    assert not torch.allclose(want[:8], without[:8], atol=1e-3)  # (the adapters do something)
+    assert torch.equal(want[8:], without[8:])
+    got = graphs.forward_in_pieces(input_ids, positions, metadata, batch)
+    assert torch.equal(got, want)
+    for cache, plain in zip(runner.kv_caches, plain_caches, strict=True):
+        assert torch.equal(cache[:, 1:], plain[:, 1:])
+    assert context.batch is None
+    assert graphs.can_run(16, with_lora=True)
+    # the same tokens without adapters next: the static grouping left behind is not read
+    assert torch.equal(graphs.forward_in_pieces(input_ids, positions, metadata), without)
 
 
 def test_buckets_pad_a_large_step_by_less_than_a_step_of_them() -> None:
