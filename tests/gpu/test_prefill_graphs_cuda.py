@@ -65,7 +65,7 @@ def test_prompt_steps_in_pieces_equal_eager(
     replayed, llm = _generate(folder, 128, **settings)
     pieces = llm.engine.runner.prefill_graphs
     assert pieces is not None
-    assert sorted(pieces.pieces) == [16, 32, 64, 128]
+    assert sorted(pieces.pieces) == [(16, False), (32, False), (64, False), (128, False)]
     layers = llm.engine.runner.model.config.num_hidden_layers
     assert all(len(p.graphs) == layers + 1 for p in pieces.pieces.values())
     for (eager_ids, eager_lp), (ids, lp) in zip(eager, replayed, strict=True):
