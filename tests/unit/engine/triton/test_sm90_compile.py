@@ -284,7 +284,26 @@ def fp8_gemm():
                                   BLOCK_K=block_k, SPLIT=split), warps, stages)
 
 
+def lora():
+    # The LoRA shrink and expand at a decode step's and a prefill's blocks.
+    from kvfleet.engine.lora import triton_ops
+    indices = {"token_order_ptr": "*i32", "slot_starts_ptr": "*i32"}
+    for block_m, split in ((16, 8), (64, 1)):
+        compile_for_sm90(triton_ops._shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16",
+                         "partial_ptr": "*fp32"} | indices, dict(BLOCK_M=block_m, BLOCK_R=64,
+                         BLOCK_K=64, NUM_R_BLOCKS=1, SLOTS_PAD=8, DOT_PRECISION="tf32"), 4, 3)
+        compile_for_sm90(triton_ops._expand_kernel, {"partial_ptr": "*fp32", "b_ptr": "*bf16",
+                         "out_ptr": "*bf16", "slice_starts_ptr": "*i32"} | indices,
+                         dict(SPLIT_K=split, NUM_SLICES=3, BLOCK_M=block_m, BLOCK_N=128,
+                         BLOCK_R=16, SLOTS_PAD=8, DOT_PRECISION="tf32"), 4, 3)
+
+
 failed = {}
+if sys.argv[1:] == ["lora"]:
+    try:
+        lora()
+    except Exception as exc:
+        failed["lora"] = f"{type(exc).__name__}: {exc}"[-1500:]
 if sys.argv[1:] == ["fp8-gemm"]:
     try:
         fp8_gemm()
@@ -295,7 +314,8 @@ if sys.argv[1:] == ["dependent-launch"]:
         dependent_launch()
     except Exception as exc:
         failed["dependent launch"] = f"{type(exc).__name__}: {exc}"[-1500:]
-for variant in sys.argv[1:] if sys.argv[1:] not in (["dependent-launch"], ["fp8-gemm"]) else []:
+modes = (["dependent-launch"], ["fp8-gemm"], ["lora"])
+for variant in sys.argv[1:] if sys.argv[1:] not in modes else []:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
         (f"prompt {kind}{' split' if split else ''}",
@@ -358,3 +378,7 @@ def test_dependent_launch_kernels_wait_before_reading_what_came_before() -> None
 
 def test_the_fp8_gemm_compiles_for_sm90_whole_and_split() -> None:
     assert _failed_compiles("fp8-gemm") == {}
+
+
+def test_the_lora_kernels_compile_for_sm90() -> None:
+    assert _failed_compiles("lora") == {}
