@@ -7,9 +7,12 @@ prefill step of 64 prompts x 512 tokens (each prompt's tokens one adapter's), be
 Every projection has its own A and B (as each layer does), so the figure streams them from
 memory. Decode: one CUDA graph of the 128 `add_lora` calls, its median replay; its floor: the
 A and B of the 8 adapters plus each output read and written once, at the copy bandwidth measured
-in the same run. Prefill: eager, as the engine runs a prompt step with adapters. Run with
-another tree's `kvfleet` first on PYTHONPATH to time its kernels (the sweep's module constants
-are ignored there).
+in the same run. Prefill: eager, as the engine runs a prompt step with adapters. Then the
+decode step's 128 projections whole (`LoRALinear`: the base matmul and its LoRA), captured as
+the engine's decode graph captures them: the base alone, the LoRA's shrink in line, the shrink on
+a side stream beside the matmul, and the expand's column tile swept. Run with another tree's
+`kvfleet` first on PYTHONPATH to time its kernels (the sweeps and the projections whole need
+this tree's).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from kvfleet.bench.ceilings import measure_ceilings, median_seconds
 from kvfleet.engine.lora import triton_ops
 from kvfleet.engine.lora.ops import LoRABatch
 
+try:
+    from kvfleet.engine.lora.layers import LoRAContext, LoRALinear
+
+    WHOLE = hasattr(triton_ops, "EXPAND_COLUMNS")
+except ImportError:
+    WHOLE = False
+
 LAYERS = 32
 HIDDEN, KV, INNER = 4096, 1024, 14336
 # (in, slice widths) of each wrapped projection of a Llama-3-8B layer
@@ -36,6 +46,7 @@ PROJECTIONS = {
 LORAS, RANK = 8, 16
 # (SHRINK_COLUMNS, SHRINK_BLOCK_K) swept at decode, the shipped pair first
 DECODE_SWEEP = [(512, 64), (256, 64), (1024, 64), (512, 128), (256, 128)]
+EXPAND_SWEEP = [128, 64, 256]  # EXPAND_COLUMNS, the shipped one first
 
 
 def _weights(device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -84,6 +95,55 @@ def _graph(fn: Callable[[], None]) -> Callable[[], None]:
     return graph.replay
 
 
+def _whole_step(
+    weights: list[tuple[str, torch.Tensor, torch.Tensor]], context: LoRAContext, tokens: int
+) -> Callable[[], None]:
+    """The decode step's 128 projections as `LoRALinear`s over random base weights."""
+    device = weights[0][1].device
+    gen = torch.Generator(device=device).manual_seed(1)
+    layers = []
+    for index, (name, a, b) in enumerate(weights):
+        in_features, widths = PROJECTIONS[name]
+        base = torch.nn.Linear(in_features, sum(widths), bias=False, device=device)
+        base.weight.data = (
+            torch.randn(sum(widths), in_features, generator=gen, device=device).bfloat16() / 64
+        )
+        targets = tuple(f"{name}{s}" for s in range(len(widths)))
+        layer = LoRALinear(base, index // 4, targets, widths, LORAS, RANK, context)
+        layer.lora_a.copy_(a)
+        layer.lora_b.copy_(b)
+        layers.append(layer)
+    xs = {n: torch.randn(tokens, i, device=device).bfloat16() for n, (i, _) in PROJECTIONS.items()}
+
+    @torch.inference_mode()
+    def step() -> None:
+        for (name, _, _), layer in zip(weights, layers, strict=True):
+            layer(xs[name])
+
+    return step
+
+
+def _whole(weights: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+    tokens = 64
+    context = LoRAContext(use_triton=True)
+    step = _whole_step(weights, context, tokens)
+    batch = LoRABatch.build(np.arange(tokens) % LORAS, LORAS, device)
+    runs: list[tuple[str, LoRABatch | None, bool, int]] = [
+        ("base alone", None, False, EXPAND_SWEEP[0]),
+        ("base + LoRA, shrink in line", batch, False, EXPAND_SWEEP[0]),
+        *[
+            (f"base + LoRA, shrink beside, expand columns {n}", batch, True, n)
+            for n in EXPAND_SWEEP
+        ],
+    ]
+    for label, lora, overlap, columns in runs:
+        context.batch, context.overlap_shrink = lora, overlap
+        triton_ops.EXPAND_COLUMNS = columns
+        us = median_seconds(_graph(step), device, repeats=50) * 1e6
+        print(f"decode {tokens} tokens, 128 projections whole, {label}: {us:.0f} us a step")
+    triton_ops.EXPAND_COLUMNS = EXPAND_SWEEP[0]
+
+
 def main() -> None:
     device = torch.device("cuda")
     ceilings = measure_ceilings(device, torch.bfloat16)
@@ -115,6 +175,9 @@ def main() -> None:
         f"prefill {prompts} x {prompt_len} tokens, {LORAS} adapters: {us / 1e3:.2f} ms a step "
         f"(eager), floor {floor_us / 1e3:.2f} ms ({floor_us / us:.0%})"
     )
+    if WHOLE:
+        del prefill
+        _whole(weights, device)
 
 
 if __name__ == "__main__":

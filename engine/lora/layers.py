@@ -7,7 +7,7 @@ layer alone runs, at no extra cost).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,6 +24,19 @@ class LoRAContext:
 
     batch: LoRABatch | None = None
     use_triton: bool = False
+    # On a GPU the shrink runs on a side stream beside the base layer's matmul (both only read
+    # the input); the expand, which adds into the matmul's output, waits for both.
+    overlap_shrink: bool = True
+    _side_streams: dict[int, torch.cuda.Stream] = field(default_factory=dict)
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream the shrinks run on for `device`; None where they run in line."""
+        if device.type != "cuda" or not self.overlap_shrink:
+            return None
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index not in self._side_streams:
+            self._side_streams[index] = torch.cuda.Stream(index)  # type: ignore[no-untyped-call]
+        return self._side_streams[index]
 
 
 class LoRALinear(nn.Module):
@@ -95,16 +108,30 @@ class LoRALinear(nn.Module):
             b[lo:hi, :rank].copy_(b_t, non_blocking=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.base(x)
         batch = self.context.batch
         if batch is None:
-            return out
-        if self.context.use_triton:
-            from kvfleet.engine.lora.triton_ops import add_lora
-
-            add_lora(out, x, self.lora_a, self.lora_b, batch, self.slice_bounds, self.slice_starts)
-        else:
+            return self.base(x)  # type: ignore[no-any-return]
+        if not self.context.use_triton:
+            out: torch.Tensor = self.base(x)
             add_lora_reference(out, x, self.lora_a, self.lora_b, batch, self.slice_bounds)
+            return out
+        from kvfleet.engine.lora import triton_ops
+
+        partial = triton_ops.new_partial(x, self.lora_a)
+        side = self.context.side_stream(x.device)
+        if side is None:
+            triton_ops.shrink(partial, x, self.lora_a, batch)
+            out = self.base(x)
+        else:
+            # (x and partial belong to the main stream, which frees them only after the join;
+            # captured in a CUDA graph, the fork and the join become the graph's edges)
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                triton_ops.shrink(partial, x, self.lora_a, batch)
+            out = self.base(x)
+            main.wait_stream(side)
+        triton_ops.expand(out, partial, self.lora_b, batch, self.slice_bounds, self.slice_starts)
         return out
 
 

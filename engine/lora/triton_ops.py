@@ -34,6 +34,8 @@ from kvfleet.engine.lora.ops import LoRABatch
 DECODE_TOKENS = 256
 SHRINK_COLUMNS = 512
 SHRINK_BLOCK_K = 64
+# The expand's output columns a program (halved until it divides every slice's width).
+EXPAND_COLUMNS = 128
 
 
 @triton.jit
@@ -179,6 +181,79 @@ def _expand_kernel(
         tl.store(out_ptrs, (out.to(tl.float32) + delta).to(out.dtype), mask=mask)
 
 
+def _block_m(num_tokens: int) -> int:
+    # A prefill's groups are long: larger blocks read each adapter's A and B fewer times.
+    return 16 if num_tokens <= DECODE_TOKENS else 64
+
+
+def _pairs(num_tokens: int, max_loras: int, block_m: int) -> int:
+    # At most this many (slot, block) pairs: cdiv(a, B) + cdiv(b, B) <= cdiv(a + b, B) + 1.
+    return cdiv(num_tokens, block_m) + min(max_loras, num_tokens) - 1
+
+
+def new_partial(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    """The shrink's output for `x`: [split_k, num_tokens, num_slices * max_rank] float32 (a
+    decode step splits the input dimension so that the shrink still fills the GPU)."""
+    num_tokens, in_features = x.shape
+    decode = num_tokens <= DECODE_TOKENS
+    split_k = min(32, cdiv(in_features, SHRINK_COLUMNS)) if decode else 1
+    return torch.empty((split_k, num_tokens, lora_a.shape[1]), dtype=torch.float32, device=x.device)
+
+
+def shrink(
+    partial: torch.Tensor,  # from new_partial(x, lora_a), written
+    x: torch.Tensor,  # [num_tokens, in_features]
+    lora_a: torch.Tensor,  # [max_loras, num_slices * max_rank, in_features]
+    batch: LoRABatch,
+) -> None:
+    """partial[:, t] = the parts of x[t] · A[slot]ᵀ over the input's splits."""
+    num_tokens, in_features = x.shape
+    max_loras, total_rank, _ = lora_a.shape
+    split_k = partial.shape[0]
+    x = x.contiguous()
+    block_m = _block_m(num_tokens)
+    block_k = SHRINK_BLOCK_K
+    k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
+    block_r = min(64, max(16, next_power_of_2(total_rank)))
+    r_blocks = cdiv(total_rank, block_r)
+    _shrink_kernel[(_pairs(num_tokens, max_loras, block_m), split_k * r_blocks)](
+        x, lora_a, partial, batch.token_order, batch.slot_starts, num_tokens, max_loras,
+        in_features, total_rank, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, NUM_R_BLOCKS=r_blocks,
+        SLOTS_PAD=next_power_of_2(max_loras), DOT_PRECISION=_precision(x),
+    )  # fmt: skip
+
+
+def expand(
+    out: torch.Tensor,  # [num_tokens, out_features], updated in place
+    partial: torch.Tensor,  # the shrink's
+    lora_b: torch.Tensor,  # [max_loras, out_features, max_rank]
+    batch: LoRABatch,
+    slice_bounds: Sequence[int],
+    slice_starts: torch.Tensor,  # slice_bounds on the device, int32
+) -> None:
+    """out[t] += (the sum of partial[:, t]) · B[slot]ᵀ per slice."""
+    split_k, num_tokens, _ = partial.shape
+    max_loras, out_features, max_rank = lora_b.shape
+    widths = [hi - lo for lo, hi in itertools.pairwise(slice_bounds)]
+    block_n = EXPAND_COLUMNS
+    while any(w % block_n for w in widths):
+        block_n //= 2
+    assert block_n >= 16, f"slice widths {widths} need a common power-of-two divisor >= 16"
+    block_m = _block_m(num_tokens)
+    _expand_kernel[(_pairs(num_tokens, max_loras, block_m), cdiv(out_features, block_n))](
+        partial, lora_b, out, batch.token_order, batch.slot_starts, slice_starts, num_tokens,
+        max_loras, out_features, max_rank, lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        SPLIT_K=split_k, NUM_SLICES=len(widths), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, next_power_of_2(max_rank)), SLOTS_PAD=next_power_of_2(max_loras),
+        DOT_PRECISION=_precision(out),
+    )  # fmt: skip
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def add_lora(
     out: torch.Tensor,  # [num_tokens, out_features], updated in place
     x: torch.Tensor,  # [num_tokens, in_features]
@@ -189,39 +264,6 @@ def add_lora(
     slice_starts: torch.Tensor,  # slice_bounds on the device, int32
 ) -> None:
     """out[t] += x[t] · A[slot]ᵀ · B[slot]ᵀ per slice (as `ops.add_lora_reference`)."""
-    num_tokens, in_features = x.shape
-    max_loras, total_rank, _ = lora_a.shape
-    max_rank = lora_b.shape[2]
-    num_slices = len(slice_bounds) - 1
-    x = x.contiguous()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    decode = num_tokens <= DECODE_TOKENS
-    # A prefill's groups are long: larger blocks read each adapter's A and B fewer times.
-    block_m = 16 if decode else 64
-    # At most this many (slot, block) pairs: cdiv(a, B) + cdiv(b, B) <= cdiv(a + b, B) + 1.
-    pairs = cdiv(num_tokens, block_m) + min(max_loras, num_tokens) - 1
-    slots_pad = next_power_of_2(max_loras)
-    split_k = min(32, cdiv(in_features, SHRINK_COLUMNS)) if decode else 1
-    block_k = SHRINK_BLOCK_K
-    k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
-    block_r = min(64, max(16, next_power_of_2(total_rank)))
-    r_blocks = cdiv(total_rank, block_r)
-    partial = torch.empty((split_k, num_tokens, total_rank), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(pairs, split_k * r_blocks)](
-        x, lora_a, partial, batch.token_order, batch.slot_starts, num_tokens, max_loras,
-        in_features, total_rank, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, NUM_R_BLOCKS=r_blocks,
-        SLOTS_PAD=slots_pad, DOT_PRECISION=precision,
-    )  # fmt: skip
-    widths = [hi - lo for lo, hi in itertools.pairwise(slice_bounds)]
-    block_n = 128
-    while any(w % block_n for w in widths):
-        block_n //= 2
-    assert block_n >= 16, f"slice widths {widths} need a common power-of-two divisor >= 16"
-    _expand_kernel[(pairs, cdiv(out.shape[1], block_n))](
-        partial, lora_b, out, batch.token_order, batch.slot_starts, slice_starts, num_tokens,
-        max_loras, out.shape[1], max_rank, lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        SPLIT_K=split_k, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, next_power_of_2(max_rank)), SLOTS_PAD=slots_pad,
-        DOT_PRECISION=precision,
-    )  # fmt: skip
+    partial = new_partial(x, lora_a)
+    shrink(partial, x, lora_a, batch)
+    expand(out, partial, lora_b, batch, slice_bounds, slice_starts)

@@ -112,3 +112,54 @@ def test_engine_triton_path_with_graphs_equals_torch_path(
     assert results["triton"] == results["torch"]
     tokens, base_tokens = results["torch"]
     assert tokens[1] != base_tokens  # the adapter changes the output
+
+
+def test_shrink_beside_the_matmul_equals_in_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shrink on a side stream beside the base matmul gives the bits of the shrink in line,
+    eager and replayed from a CUDA graph, with the shrink held back ~1 ms on its stream (an
+    expand that did not wait for it would read its output unwritten)."""
+    from kvfleet.engine.lora.layers import LoRAContext, LoRALinear
+
+    in_features, widths = LAYERS["qkv_proj"]
+    context = LoRAContext(use_triton=True)
+    gen = torch.Generator().manual_seed(3)
+    base = torch.nn.Linear(in_features, sum(widths), bias=False).cuda().bfloat16()
+    targets = ("q_proj", "k_proj", "v_proj")
+    layer = LoRALinear(base, 0, targets, widths, MAX_LORAS, RANK, context)
+    layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=gen) / 64)
+    layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) / 4)
+    slots = np.array(STEPS["decode-64"])
+    context.batch = LoRABatch.build(slots, MAX_LORAS, torch.device("cuda"))
+    x = torch.randn(len(slots), in_features, generator=gen).cuda().bfloat16()
+
+    def in_line(x: torch.Tensor) -> torch.Tensor:
+        context.overlap_shrink = False
+        try:
+            return layer(x)  # type: ignore[no-any-return]
+        finally:
+            context.overlap_shrink = True
+
+    shrink = triton_ops.shrink
+
+    def held_back(*args: Any) -> None:
+        torch.cuda._sleep(2_000_000)  # type: ignore[no-untyped-call]
+        shrink(*args)
+
+    monkeypatch.setattr(triton_ops, "shrink", held_back)
+    with torch.inference_mode():
+        expected = in_line(x)
+        assert torch.equal(layer(x), expected)
+        assert context._side_streams  # (it ran beside)
+        static_x = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_x)
+        for seed in range(3):
+            static_x.copy_(torch.randn(x.shape, generator=gen.manual_seed(seed)).bfloat16())
+            graph.replay()
+            assert torch.equal(static_out, in_line(static_x)), seed
