@@ -6,6 +6,7 @@ of the causal pairs it must compute, beside the bf16 matmul ceiling).
     bench/device_env.sh python3 bench/attention_steps.py --part tiles [--cache fp8] [--splits 1 2]
     bench/device_env.sh python3 bench/attention_steps.py --part mixed
     bench/device_env.sh python3 bench/attention_steps.py --part prompt
+    bench/device_env.sh python3 bench/attention_steps.py --part prompt-splits [--splits 1 2 4]
 
 To set another tree beside this one in the same call, run the script again with that tree's
 package first on PYTHONPATH (its kernels import each other: one file of it cannot be loaded
@@ -25,7 +26,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -305,6 +306,36 @@ def prompt_tiles(matmul_tflops: float) -> None:
                 )
 
 
+# Prompt steps whose keys the plan may split: (query lengths, KV lengths)
+SPLIT_STEPS = {"one 512 prompt": ([512], [512]), "one 1,024 prompt": ([1024], [1024]),
+               "one 2,048 prompt": ([2048], [2048]), "2 x 1,024 prompts": ([1024] * 2, [1024] * 2),
+               "32 new tokens after 3,000 cached": ([32], [3032]),
+               "a 512 chunk after 2,048 cached": ([512], [2560])}  # fmt: skip
+
+
+def prompt_splits(splits: tuple[int, ...], matmul_tflops: float) -> None:
+    """The prompt kernel at the plan's splits of the keys and at `splits`: us, TFLOP/s."""
+    for name, (query_lens, seq_lens) in SPLIT_STEPS.items():
+        flops = causal_flops(query_lens, seq_lens)
+        for fp8 in (False, True):
+            step = make_step(query_lens, seq_lens, fp8)
+            scales = step["scales"] if fp8 else None
+            call = functools.partial(triton_prompt.paged_attention, step["q"], step["cache"],
+                                     step["metadata"], 0.088, kv_scales=scales)  # fmt: skip
+            expected = call()
+            for count in (None, *splits):
+
+                def run(call: Callable[[], torch.Tensor] = call, count: int | None = count) -> Any:
+                    with triton_prompt.splits_forced(count) if count else nullcontext():
+                        return call()
+
+                differs = (run().float() - expected.float()).abs().max().item()
+                us = graph_us(run)
+                cache = f"{'fp8' if fp8 else 'bf16'} cache, splits {count or 'plan'}"
+                print(f"{name}, {cache}: {us:8.1f} us, {flops / us / 1e6:6.1f} TFLOP/s (of "
+                      f"{matmul_tflops:.0f}), max |diff| {differs:.1e}")  # fmt: skip
+
+
 def _with_tile(tile: tuple[int, int, int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
     """The prompt kernel with `tile` for steps of every kind but "short"."""
     shipped = dict(triton_prompt.PROMPT_TILES)
@@ -327,11 +358,14 @@ def _step(text: str) -> tuple[int, int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--part", choices=("tiles", "mixed", "prompt"), required=True)
+    parser.add_argument(
+        "--part", choices=("tiles", "mixed", "prompt", "prompt-splits"), required=True
+    )
     parser.add_argument("--cache", choices=("both", "bf16", "fp8"), default="both",
                         help="--part tiles: the caches swept")  # fmt: skip
     parser.add_argument("--splits", type=int, nargs="*", default=[],
-                        help="--part tiles: splits of the KV tried beside the plan's")  # fmt: skip
+                        help="--part tiles, prompt-splits: splits of the KV tried beside the "
+                             "plan's")  # fmt: skip
     parser.add_argument("--min-split", type=int, nargs="*", default=[],
                         help="--part tiles: least tokens a split, tried beside 128")  # fmt: skip
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
@@ -354,6 +388,8 @@ def main() -> None:
         )  # fmt: skip
     elif args.part == "mixed":
         mixed_steps(ceilings.copy_gbps)
+    elif args.part == "prompt-splits":
+        prompt_splits(tuple(args.splits), ceilings.matmul_tflops)
     else:
         prompt_tiles(ceilings.matmul_tflops)
 
