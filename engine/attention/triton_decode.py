@@ -407,10 +407,10 @@ def _decode_merge_kernel(
     )
 
 
-def splits_to_fill(programs: int, kv_tokens: int, device: torch.device) -> int:
-    """Splits of the KV that give every SM a few of `programs` x splits programs, none
+def splits_to_fill(programs: int, kv_tokens: int, device: torch.device, per_sm: int = 4) -> int:
+    """Splits of the KV that give every SM `per_sm` of `programs` x splits programs, none
     shorter than _MIN_SPLIT_TOKENS of `kv_tokens` (1: the programs are enough already)."""
-    wanted = -(-4 * num_sms(device) // max(1, programs))
+    wanted = -(-per_sm * num_sms(device) // max(1, programs))
     return max(1, min(wanted, -(-kv_tokens // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
 
 

@@ -266,10 +266,17 @@ def paged_attention(
     block_d = max(16, next_power_of_2(head_dim))
     block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata), block_d)
     m_blocks = cdiv(metadata.max_seqlen_q, block_m)
+    # Few queries a sequence (a prefix hit's new tokens) over many keys: split the keys until
+    # every SM has a few programs. Longer queries are split only to fill the SMs once: their
+    # programs are many already, and the merge after costs more than the split wins (a lone
+    # 1,024-token prompt: 51 us a layer whole, 90 in two splits merged; bench/RESULTS.md
+    # "2026-11-29 (session 33)").
+    per_sm = 4 if metadata.max_seqlen_q <= FEW_QUERY_TOKENS else 1
+    programs = m_blocks * num_seqs * num_heads
     num_splits = (
         _forced_splits[-1]
         if _forced_splits
-        else splits_to_fill(m_blocks * num_seqs * num_heads, metadata.max_seqlen_k, q.device)
+        else splits_to_fill(programs, metadata.max_seqlen_k, q.device, per_sm)
     )
     # Partial results of split keys (whole: never touched, any tensor stands in for them)
     acc = maxes = sums = metadata.seq_lens

@@ -16,7 +16,11 @@ pytest.importorskip("triton")
 
 from kvfleet.engine.attention import metadata as attention_metadata
 from kvfleet.engine.attention import torch_backend, triton_attention, triton_decode, triton_prompt
-from kvfleet.engine.attention.metadata import SPLIT_DECODES_MIN_KV_TOKENS, decodes_to_split
+from kvfleet.engine.attention.metadata import (
+    SPLIT_DECODES_MIN_KV_TOKENS,
+    SPLIT_DECODES_MIN_PROMPT_TOKENS,
+    decodes_to_split,
+)
 from kvfleet.engine.attention.torch_backend import TorchAttention
 
 CASES = {
@@ -180,6 +184,33 @@ def test_prompt_kernel_split_over_the_keys_matches_torch(
         assert (out[first_seq:] - expected[first_seq:]).abs().max() < 1e-4
 
 
+def test_prompt_kernel_splits_the_keys_to_fill_the_sms_once_past_few_queries(
+    attention_case: Callable[..., dict[str, Any]],
+    block_layout: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Few new tokens over a long KV (a prefix hit) split the keys until every SM (4 stand in
+    for the CPU's) has four programs; longer queries only until each has one (two splits of a
+    lone 1,024-token prompt took 90 us a layer on an H200, one 51)."""
+    chosen: list[int] = []
+    plan = triton_prompt.splits_to_fill
+    monkeypatch.setattr(
+        triton_prompt, "splits_to_fill", lambda *args: chosen.append(plan(*args)) or chosen[-1]
+    )
+    reference = TorchAttention(4, 2, 32)
+    # 8 new tokens after 592: one block of queries, 4 heads: 4 programs; 100 after 300: two
+    # blocks of 64, 8 programs (the split once gave it two); a fresh 300: 20 programs.
+    for query_lens, seq_lens in (([8], [600]), ([100], [400]), ([300], [300])):
+        inputs = attention_case(query_lens, seq_lens, seed=3)
+        cache = inputs["kv_cache"].clone()
+        expected = reference.forward(
+            inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"]
+        )
+        out = triton_prompt.paged_attention(inputs["q"], cache, inputs["metadata"], reference.scale)
+        assert (out - expected).abs().max() < 1e-4
+    assert chosen == [4, 1, 1]
+
+
 def test_sliding_window(attention_case: Callable[..., dict[str, Any]], block_layout: str) -> None:
     inputs = attention_case([1, 30], [70, 50], seed=7)
     reference = TorchAttention(4, 2, 32, sliding_window=24)
@@ -294,6 +325,11 @@ def test_a_mixed_step_splits_off_its_leading_decodes_when_their_kv_pays_for_it()
     assert decodes_to_split([1, 1, 30], [least // 2, least - least // 2 - 1, 30]) == 0
     assert decodes_to_split([30, 1, 1], [30, least, least]) == 0  # (not in front)
     assert decodes_to_split([1, 7, 1], [least, 30, least]) == 1
+    # (or when the step's prompt tokens make it bound by its GPU work)
+    prompt = SPLIT_DECODES_MIN_PROMPT_TOKENS
+    assert decodes_to_split([1, 1, prompt], [900, 1200, prompt]) == 2
+    assert decodes_to_split([1, 1, prompt - 3, 2], [900, 1200, prompt, 40]) == 0
+    assert decodes_to_split([1, 1, prompt - 2, 2], [900, 1200, prompt, 40]) == 2
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
