@@ -56,26 +56,17 @@ def leading_decodes(query_lens: list[int]) -> int:
 
 
 # A mixed step's leading decodes go to the decode kernel when their KV holds at least this many
-# tokens, or when the step holds at least SPLIT_DECODES_MIN_PROMPT_TOKENS prompt tokens. Below
-# both, the varlen kernel's extra reads (~5 ns a KV token) cost less than the decode kernel's
-# launches in an eager step, which is host-bound when small (prefix hits: 6 ms later without
-# it; bench/RESULTS.md, "2026-11-27 (session 18)"). A step of a 1,024-token prompt is bound by
-# its GPU work, where each decode row in the varlen kernel is a program sweeping its whole KV
-# behind the prompt's (8 decodes beside one 1,024 prompt: 127 us a layer in the varlen kernel;
-# "2026-11-29 (session 33)").
+# tokens. Below it the varlen kernel's extra reads (~5 ns a KV token) cost less than the decode
+# kernel's two launches a layer in an eager step, which is host-bound when small (prefix hits:
+# 6 ms later without it; bench/RESULTS.md, "2026-11-27 (session 18)").
 SPLIT_DECODES_MIN_KV_TOKENS = 32768
-SPLIT_DECODES_MIN_PROMPT_TOKENS = 1024
 
 
 def decodes_to_split(query_lens: list[int], seq_lens: list[int]) -> int:
     """How many sequences at the front of a mixed step an attention backend sends to its
-    decode kernel: the leading decodes, when their KV or the step's prompt tokens are large
-    enough to pay for it."""
+    decode kernel: the leading decodes, when their KV is large enough to pay for it."""
     decodes = leading_decodes(query_lens)
-    if sum(seq_lens[:decodes]) >= SPLIT_DECODES_MIN_KV_TOKENS:
-        return decodes
-    prompt_tokens = sum(query_lens) - decodes
-    return decodes if prompt_tokens >= SPLIT_DECODES_MIN_PROMPT_TOKENS else 0
+    return decodes if sum(seq_lens[:decodes]) >= SPLIT_DECODES_MIN_KV_TOKENS else 0
 
 
 class AttentionLayer(abc.ABC):

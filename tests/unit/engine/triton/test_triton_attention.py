@@ -16,11 +16,7 @@ pytest.importorskip("triton")
 
 from kvfleet.engine.attention import metadata as attention_metadata
 from kvfleet.engine.attention import torch_backend, triton_attention, triton_decode, triton_prompt
-from kvfleet.engine.attention.metadata import (
-    SPLIT_DECODES_MIN_KV_TOKENS,
-    SPLIT_DECODES_MIN_PROMPT_TOKENS,
-    decodes_to_split,
-)
+from kvfleet.engine.attention.metadata import SPLIT_DECODES_MIN_KV_TOKENS, decodes_to_split
 from kvfleet.engine.attention.torch_backend import TorchAttention
 
 CASES = {
@@ -325,11 +321,6 @@ def test_a_mixed_step_splits_off_its_leading_decodes_when_their_kv_pays_for_it()
     assert decodes_to_split([1, 1, 30], [least // 2, least - least // 2 - 1, 30]) == 0
     assert decodes_to_split([30, 1, 1], [30, least, least]) == 0  # (not in front)
     assert decodes_to_split([1, 7, 1], [least, 30, least]) == 1
-    # (or when the step's prompt tokens make it bound by its GPU work)
-    prompt = SPLIT_DECODES_MIN_PROMPT_TOKENS
-    assert decodes_to_split([1, 1, prompt], [900, 1200, prompt]) == 2
-    assert decodes_to_split([1, 1, prompt - 3, 2], [900, 1200, prompt, 40]) == 0
-    assert decodes_to_split([1, 1, prompt - 2, 2], [900, 1200, prompt, 40]) == 2
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
