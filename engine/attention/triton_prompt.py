@@ -28,7 +28,7 @@ from kvfleet.engine.attention.triton_decode import (
     splits_to_fill,
     tile_positions,
 )
-from kvfleet.engine.layers.grid import cdiv, next_power_of_2
+from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the prompt kernel by (FP8 cache, kind of step): "short"
@@ -242,6 +242,20 @@ def _paged_attention_kernel(
 _PAGED_ATTENTION = CachedKernel(_paged_attention_kernel)
 
 
+def key_splits(metadata: AttentionMetadata, programs: int, device: torch.device) -> int:
+    """How many ways a step's `programs` (query blocks x sequences x heads) split their keys.
+    Few queries a sequence (a prefix hit's new tokens) over many keys: until every SM has four
+    programs. Longer queries: only where the programs would leave half the SMs idle, and then
+    until each has one; their programs are many otherwise, and the merge after costs more than
+    the split wins (a lone 1,024-token prompt on an H200: 51 us a layer whole, 90 in two splits
+    merged; bench/RESULTS.md "2026-11-29 (session 33)")."""
+    if metadata.max_seqlen_q <= FEW_QUERY_TOKENS:
+        return splits_to_fill(programs, metadata.max_seqlen_k, device, per_sm=4)
+    if 2 * programs >= num_sms(device):
+        return 1
+    return splits_to_fill(programs, metadata.max_seqlen_k, device, per_sm=1)
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -266,17 +280,10 @@ def paged_attention(
     block_d = max(16, next_power_of_2(head_dim))
     block_m, block_n, warps, stages = prompt_tile(q.dtype, fp8, prompt_step_kind(metadata), block_d)
     m_blocks = cdiv(metadata.max_seqlen_q, block_m)
-    # Few queries a sequence (a prefix hit's new tokens) over many keys: split the keys until
-    # every SM has a few programs. Longer queries are split only to fill the SMs once: their
-    # programs are many already, and the merge after costs more than the split wins (a lone
-    # 1,024-token prompt: 51 us a layer whole, 90 in two splits merged; bench/RESULTS.md
-    # "2026-11-29 (session 33)").
-    per_sm = 4 if metadata.max_seqlen_q <= FEW_QUERY_TOKENS else 1
-    programs = m_blocks * num_seqs * num_heads
     num_splits = (
         _forced_splits[-1]
         if _forced_splits
-        else splits_to_fill(programs, metadata.max_seqlen_k, q.device, per_sm)
+        else key_splits(metadata, m_blocks * num_seqs * num_heads, q.device)
     )
     # Partial results of split keys (whole: never touched, any tensor stands in for them)
     acc = maxes = sums = metadata.seq_lens

@@ -165,7 +165,7 @@ def test_prompt_kernel_split_over_the_keys_matches_torch(
     """A step with few query blocks over a long KV (a prefix hit's new tokens, a decode row,
     a short prompt) splits the keys across programs and merges them: every split count,
     with and without a window; with `first_seq`, the rows before it are left alone."""
-    monkeypatch.setattr(triton_prompt, "splits_to_fill", lambda *_: num_splits)
+    monkeypatch.setattr(triton_prompt, "key_splits", lambda *_: num_splits)
     inputs = attention_case([1, 5, 40, 3], [300, 700, 40, 260], seed=9)
     reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
     cache = inputs["kv_cache"].clone()
@@ -180,31 +180,37 @@ def test_prompt_kernel_split_over_the_keys_matches_torch(
         assert (out[first_seq:] - expected[first_seq:]).abs().max() < 1e-4
 
 
-def test_prompt_kernel_splits_the_keys_to_fill_the_sms_once_past_few_queries(
+@pytest.mark.parametrize(("sms", "expected"), [(4, [4, 1, 1, 1]), (64, [5, 8, 3, 1])])
+def test_prompt_kernel_splits_the_keys_to_fill_idle_sms_past_few_queries(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
     monkeypatch: pytest.MonkeyPatch,
+    sms: int,
+    expected: list[int],
 ) -> None:
-    """Few new tokens over a long KV (a prefix hit) split the keys until every SM (4 stand in
-    for the CPU's) has four programs; longer queries only until each has one (two splits of a
-    lone 1,024-token prompt took 90 us a layer on an H200, one 51)."""
+    """Few new tokens over a long KV (a prefix hit) split the keys until every SM has four
+    programs; longer queries only where their programs would leave half the SMs idle, until
+    each has one (two splits of a lone 1,024-token prompt took 90 us a layer on an H200, one
+    51), at most a split per 128 keys; the output is attention's, split or not."""
+    monkeypatch.setattr(triton_prompt, "num_sms", lambda _: sms)
+    monkeypatch.setattr(triton_decode, "num_sms", lambda _: sms)
     chosen: list[int] = []
-    plan = triton_prompt.splits_to_fill
+    plan = triton_prompt.key_splits
     monkeypatch.setattr(
-        triton_prompt, "splits_to_fill", lambda *args: chosen.append(plan(*args)) or chosen[-1]
+        triton_prompt, "key_splits", lambda *args: chosen.append(plan(*args)) or chosen[-1]
     )
     reference = TorchAttention(4, 2, 32)
-    # 8 new tokens after 592: one block of queries, 4 heads: 4 programs; 100 after 300: two
-    # blocks of 64, 8 programs (the split once gave it two); a fresh 300: 20 programs.
-    for query_lens, seq_lens in (([8], [600]), ([100], [400]), ([300], [300])):
+    # 8 new tokens after 592: one block of queries, 4 heads: 4 programs; 100 after 1,100: two
+    # blocks of 64, 8 programs; a fresh 300: 20 programs; a fresh 600: 40, half of 64 SMs busy.
+    for query_lens, seq_lens in (([8], [600]), ([100], [1200]), ([300], [300]), ([600], [600])):
         inputs = attention_case(query_lens, seq_lens, seed=3)
         cache = inputs["kv_cache"].clone()
-        expected = reference.forward(
+        reference_out = reference.forward(
             inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"]
         )
         out = triton_prompt.paged_attention(inputs["q"], cache, inputs["metadata"], reference.scale)
-        assert (out - expected).abs().max() < 1e-4
-    assert chosen == [4, 1, 1]
+        assert (out - reference_out).abs().max() < 1e-4
+    assert chosen == expected
 
 
 def test_sliding_window(attention_case: Callable[..., dict[str, Any]], block_layout: str) -> None:
