@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from kvfleet.bench.ceilings import median_seconds
+from kvfleet.bench.ceilings import captured, median_seconds
 
 if TYPE_CHECKING:
     from kvfleet.engine.parallel.peer import PeerAllReduce
@@ -51,16 +51,7 @@ def _time_us(fn: Callable[[], object], count: int) -> float:
 
 
 def _graph(fn: Callable[[], object], count: int) -> Callable[[], object]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(count):
-            fn()
-    return graph.replay
+    return captured(lambda: [fn() for _ in range(count)])
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.attention import triton_attention, triton_decode, triton_prompt
 from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
 
@@ -120,16 +120,8 @@ def make_step(
 def graph_us(fn: Callable[[], object], replays: int = 8) -> float:
     """Device time of `fn` in microseconds, without the host's launch gaps: `replays` calls
     captured in one CUDA graph, the graph's median replay time divided among them."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # (compiles the kernels before capture)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    return median_seconds(graph.replay, torch.device("cuda"), repeats=10) / replays * 1e6
+    replay = captured(lambda: [fn() for _ in range(replays)])
+    return median_seconds(replay, torch.device("cuda"), repeats=10) / replays * 1e6
 
 
 def kv_bytes(seq_lens: list[int], fp8: bool, kv_heads: int = KV_HEADS) -> int:

@@ -38,6 +38,20 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return sorted(times)[len(times) // 2]
 
 
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn` captured in a CUDA graph (run once first on a side stream, so that Triton compiles
+    outside the capture); replaying it, the returned callable, runs what `fn` launched."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     big = (1 << 30) if device.type == "cuda" else (1 << 26)  # elements
     src = torch.randn(big // 2, device=device, dtype=torch.float32)

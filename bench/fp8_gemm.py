@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvfleet.bench.ceilings import fp8_matmul_tflops, measure_ceilings
-from kvfleet.bench.fp8_linear import graphed, replay_us
+from kvfleet.bench.ceilings import captured, fp8_matmul_tflops, measure_ceilings
+from kvfleet.bench.fp8_linear import replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import fp8_gemm
 from kvfleet.engine.layers.triton_gemv import MMA_MAX_ROWS, fp8_mma_plan, fp8_rows_mma
@@ -78,7 +78,7 @@ def main() -> None:
                                         out_dtype=torch.bfloat16)  # fmt: skip
 
             want = cublas(*weights[0]).float()
-            us = replay_us(graphed(lambda: [cublas(w, s) for w, s in weights]), COPIES)
+            us = replay_us(captured(lambda: [cublas(w, s) for w, s in weights]), COPIES)
             line = f"{name:8s} M={m:5d}: floor {floor_us:7.1f} | cuBLASLt {us:7.1f}"
             gemms = [("triton", None)] + [("/".join(map(str, t)), t) for t in TILINGS]
             for label, tiles in gemms:
@@ -109,8 +109,8 @@ def _timed(
     try:
         got = run(*weights[0]).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
-        graph = graphed(lambda: [run(w, s) for w, s in weights])
-        return f" | {label} {replay_us(graph, COPIES):7.1f} ({err:.0e})"
+        replay = captured(lambda: [run(w, s) for w, s in weights])
+        return f" | {label} {replay_us(replay, COPIES):7.1f} ({err:.0e})"
     except Exception as exc:  # (a tiling that does not fit: say so, go on)
         return f" | {label} failed {type(exc).__name__}"
 

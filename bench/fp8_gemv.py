@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfleet.bench.ceilings import measure_ceilings
-from kvfleet.bench.fp8_linear import graphed, replay_us
+from kvfleet.bench.ceilings import captured, measure_ceilings
+from kvfleet.bench.fp8_linear import replay_us
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
 from kvfleet.engine.layers.triton_gemv import fp8_gemv_mma, fp8_mma_plan, gemv
@@ -52,16 +52,16 @@ def main() -> None:
                 return out
 
             want = unfused()[0].float()
-            bf16_us = replay_us(graphed(lambda: [F.linear(x, w) for w in bf16]), COPIES)
-            unfused_us = replay_us(graphed(unfused), COPIES)
+            bf16_us = replay_us(captured(lambda: [F.linear(x, w) for w in bf16]), COPIES)
+            unfused_us = replay_us(captured(unfused), COPIES)
             line = (
                 f"{name:8s} M={m}: floor {floor_us:5.1f} | bf16 {bf16_us:6.1f} "
                 f"(floor {2 * floor_us:5.1f}) | quant+scaled_mm {unfused_us:6.1f}"
             )
             static = torch.ones(1, device=device)  # (a checkpoint's input scale: no amax)
             for label, x_scale in (("shipped", None), ("static scale", static)):
-                graph = graphed(lambda: [gemv(x, w, s, x_scale=x_scale) for w, s in weights])
-                line += f" | {label}: {replay_us(graph, COPIES):5.1f}"
+                replay = captured(lambda: [gemv(x, w, s, x_scale=x_scale) for w, s in weights])
+                line += f" | {label}: {replay_us(replay, COPIES):5.1f}"
             for mma in MMA_TILINGS:
                 for split in MMA_SPLITS:
                     plan = fp8_mma_plan(n, k, device, mma, split)
@@ -69,20 +69,19 @@ def main() -> None:
                         continue
                     got = fp8_gemv_mma(x, *weights[0], tiles=mma, split=split).float()
                     err = ((got - want).abs().max() / want.abs().max()).item()
-                    graph = graphed(
+                    replay = captured(
                         lambda: [fp8_gemv_mma(x, w, s, tiles=mma, split=split) for w, s in weights]
                     )
                     label = "/".join(map(str, mma))
-                    line += (
-                        f" | mma {label} split {split}: {replay_us(graph, COPIES):5.1f} ({err:.0e})"
-                    )
+                    us = replay_us(replay, COPIES)
+                    line += f" | mma {label} split {split}: {us:5.1f} ({err:.0e})"
             for bn, bk, warps, stages in TILINGS:
                 tiles = (bn, bk, warps, stages)
                 got = gemv(x, *weights[0], tiles=tiles).float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
-                graph = graphed(lambda: [gemv(x, w, s, tiles=tiles) for w, s in weights])
+                replay = captured(lambda: [gemv(x, w, s, tiles=tiles) for w, s in weights])
                 line += (
-                    f" | {bn}/{bk}/{warps}/{stages}: {replay_us(graph, COPIES):5.1f} ({err:.0e})"
+                    f" | {bn}/{bk}/{warps}/{stages}: {replay_us(replay, COPIES):5.1f} ({err:.0e})"
                 )
             print(line)
 

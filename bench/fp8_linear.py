@@ -9,10 +9,12 @@ weight, FP8: 1). Each timing runs 20 copies of the weights (no cache reuse) in a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, fp8_linear_reference, quantize_rows
 from kvfleet.engine.layers.quantization.triton_fp8 import quantize_rows_triton
 
@@ -21,28 +23,17 @@ TOKENS = (1, 16, 64, 256, 2048)
 COPIES = 20
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, copies: int, repeats: int = 15) -> float:
-    """The median of `repeats` replays of `graph`, in microseconds per one of its `copies`."""
+def replay_us(replay: Callable[[], None], copies: int, repeats: int = 15) -> float:
+    """The median of `repeats` replays of a graph, in microseconds per one of its `copies`."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / copies)
     return sorted(times)[len(times) // 2]
-
-
-def graphed(fn: object) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # type: ignore[operator]
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        fn()  # type: ignore[operator]
-    return graph
 
 
 def main() -> None:
@@ -65,12 +56,12 @@ def main() -> None:
             err = (layers[0](x).float() - ref).abs().max().item() / ref.abs().max().item()
             exact = F.linear(x.float(), linears[0].weight.float())
             rel = ((layers[0](x).float() - exact).norm() / exact.norm()).item()
-            bf16 = graphed(lambda: [F.linear(x, w.weight) for w in linears])  # noqa: B023
-            fp8 = graphed(lambda: [layer(x) for layer in layers])  # noqa: B023
-            quant = graphed(lambda: [quantize_rows_triton(x) for _ in layers])  # noqa: B023
+            bf16 = captured(lambda: [F.linear(x, w.weight) for w in linears])  # noqa: B023
+            fp8 = captured(lambda: [layer(x) for layer in layers])  # noqa: B023
+            quant = captured(lambda: [quantize_rows_triton(x) for _ in layers])  # noqa: B023
             times = {
-                label: median_seconds(graph.replay, device) / COPIES * 1e6
-                for label, graph in (("bf16", bf16), ("fp8", fp8), ("quant", quant))
+                label: median_seconds(replay, device) / COPIES * 1e6
+                for label, replay in (("bf16", bf16), ("fp8", fp8), ("quant", quant))
             }
             floor_bf16 = n * k * 2 / (copy_gbps * 1e9) * 1e6
             print(

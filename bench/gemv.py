@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.layers.triton_gemv import gemv
 
 # name: (out_features, in_features) per rank
@@ -43,17 +43,8 @@ def replay_us(
     fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], device: torch.device
 ) -> float:
     """us a call of fn over COPIES weights in one CUDA graph (median replay)."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
-    return median_seconds(graph.replay, device, repeats=20) * 1e6 / len(weights)
+    replay = captured(lambda: [fn(w) for w in weights])
+    return median_seconds(replay, device, repeats=20) * 1e6 / len(weights)
 
 
 def main() -> None:

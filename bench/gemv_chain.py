@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
-from kvfleet.bench.fp8_linear import graphed
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.layers import dependent_launch as pdl
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
@@ -109,12 +108,12 @@ def main() -> None:
         line = f"{kind:5s} floor {floor:6.1f}"
         for on in ("0", "1"):
             os.environ[pdl.ENV_SWITCH] = on
-            graph = graphed(step)
-            us = median_seconds(graph.replay, device, repeats=20) / LAYERS * 1e6
+            replay = captured(step)
+            us = median_seconds(replay, device, repeats=20) / LAYERS * 1e6
             line += f" | dependent={on}: {us:6.1f} ({floor / us:5.1%} of floor)"
         if kind != "int4":
-            graph = graphed(fused_step)
-            us = median_seconds(graph.replay, device, repeats=20) / LAYERS * 1e6
+            replay = captured(fused_step)
+            us = median_seconds(replay, device, repeats=20) / LAYERS * 1e6
             line += f" | fused: {us:6.1f} ({floor / us:5.1%} of floor)"
         print(line, flush=True)
 

@@ -13,12 +13,12 @@ cuBLAS; each checked against the reference first. `--group 32`: 4-bit values in 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
-from kvfleet.bench.fp8_linear import graphed
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.layers.quantization.packed import (
     PackedWeights,
     pack_rows,
@@ -76,8 +76,8 @@ def main() -> None:
             weights = [quantize_rtn(w, group, torch.bfloat16) for w in dense]
             floor = (n * k / 2 + 2 * 2 * n * (k // group)) / copy * 1e6
 
-        def timed(fn: object) -> float:
-            return median_seconds(graphed(fn).replay, device, repeats=15) / COPIES * 1e6
+        def timed(fn: Callable[[], object]) -> float:
+            return median_seconds(captured(fn), device, repeats=15) / COPIES * 1e6
 
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)

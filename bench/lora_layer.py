@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.lora import triton_ops
 from kvfleet.engine.lora.ops import LoRABatch
 
@@ -83,18 +83,6 @@ def _step(
     return step
 
 
-def _graph(fn: Callable[[], None]) -> Callable[[], None]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # (compiles the kernels before capture)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _whole_step(
     weights: list[tuple[str, torch.Tensor, torch.Tensor]], context: LoRAContext, tokens: int
 ) -> Callable[[], None]:
@@ -139,7 +127,7 @@ def _whole(weights: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.
     for label, lora, overlap, columns in runs:
         context.batch, context.overlap_shrink = lora, overlap
         triton_ops.EXPAND_COLUMNS = columns
-        us = median_seconds(_graph(step), device, repeats=50) * 1e6
+        us = median_seconds(captured(step), device, repeats=50) * 1e6
         print(f"decode {tokens} tokens, 128 projections whole, {label}: {us:.0f} us a step")
     triton_ops.EXPAND_COLUMNS = EXPAND_SWEEP[0]
 
@@ -158,7 +146,7 @@ def main() -> None:
     decode = _step(tokens, np.arange(tokens) % LORAS, weights)
     for columns, block_k in DECODE_SWEEP:
         triton_ops.SHRINK_COLUMNS, triton_ops.SHRINK_BLOCK_K = columns, block_k
-        us = median_seconds(_graph(decode), device, repeats=50) * 1e6
+        us = median_seconds(captured(decode), device, repeats=50) * 1e6
         print(
             f"decode {tokens} tokens, {LORAS} adapters round robin, shrink columns {columns} "
             f"block_k {block_k}: {us:.0f} us a step ({us / calls:.1f} a projection), floor "

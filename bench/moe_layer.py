@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from kvfleet.bench.ceilings import measure_ceilings, median_seconds
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.layers import triton_moe, triton_moe_gemv
 from kvfleet.engine.layers.moe import experts_reference, route
 
@@ -88,17 +88,7 @@ def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
 
 def _layer_graph(fn: Callable[[int], object]) -> Callable[[], None]:
     """A CUDA graph of `fn(copy)` for every weight copy in turn; replaying it runs them all."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for copy in range(COPIES):  # (compiles the kernels before capture)
-            fn(copy)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for copy in range(COPIES):
-            fn(copy)
-    return graph.replay
+    return captured(lambda: [fn(copy) for copy in range(COPIES)])
 
 
 def main() -> None:
