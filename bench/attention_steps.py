@@ -34,6 +34,7 @@ import torch
 from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
 from kvfleet.engine.attention import triton_attention, triton_decode, triton_prompt
 from kvfleet.engine.attention.metadata import AttentionMetadata, leading_decodes
+from kvfleet.engine.protocol.arguments import int_in
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
@@ -355,10 +356,10 @@ def main() -> None:
     )
     parser.add_argument("--cache", choices=("both", "bf16", "fp8"), default="both",
                         help="--part tiles: the caches swept")  # fmt: skip
-    parser.add_argument("--splits", type=int, nargs="*", default=[],
+    parser.add_argument("--splits", type=int_in(1), nargs="*", default=[],
                         help="--part tiles, prompt-splits: splits of the KV tried beside the "
                              "plan's")  # fmt: skip
-    parser.add_argument("--min-split", type=int, nargs="*", default=[],
+    parser.add_argument("--min-split", type=int_in(1), nargs="*", default=[],
                         help="--part tiles: least tokens a split, tried beside 128")  # fmt: skip
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
                         help="--part tiles: KV heads (query heads: 32)")  # fmt: skip

@@ -27,7 +27,7 @@ class LoRAContext:
     # On a GPU the shrink runs on a side stream beside the base layer's matmul (both only read
     # the input); the expand, which adds into the matmul's output, waits for both.
     overlap_shrink: bool = True
-    _side_streams: dict[int, torch.cuda.Stream] = field(default_factory=dict)
+    _side_streams: dict[int, torch.cuda.Stream] = field(default_factory=dict, init=False)
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The stream the shrinks run on for `device`; None where they run in line."""

@@ -230,7 +230,8 @@ class PrefillGraphs:
             attention.calibrate_kv = False
         for backend in self.backends:
             backend.graph_break = graph_break
-        if self.lora is not None and self.static_lora is not None:
+        if self.lora is not None:
+            assert self.static_lora is not None
             self.lora[0].batch = self.static_lora.batch(bucket) if with_lora else None
         try:
             hidden = self.model(
