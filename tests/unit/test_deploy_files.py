@@ -75,6 +75,17 @@ def test_lock_files_pin_every_package(repo_root: Path, component: str) -> None:
     assert not names & {"kvfleet", "torch", "triton"}
     if component != "engine":
         assert not names & {"numpy", "sympy", "transformers"}, "no engine weight in " + component
+    # every direct dependency of the component's extra is in its image (the engine's uvloop
+    # and httptools among them: without them uvicorn serves through h11 and asyncio's loop)
+    import tomllib
+
+    project = tomllib.loads((repo_root / "pyproject.toml").read_text())
+    wanted = {
+        re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        for dep in project["project"]["optional-dependencies"][component]
+    } - {"torch", "triton"}
+    locked = {name.replace("_", "-") for name in names}
+    assert wanted <= locked, f"{component}/requirements.lock lacks {sorted(wanted - locked)}"
 
 
 @pytest.mark.parametrize("path", sorted(DOCKERFILES))
