@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.layers.compile_watch import WHILE_SERVING
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.lora.adapter import LoRANotFoundError
 from kvfleet.engine.protocol.body_work import BodyWork
@@ -128,6 +129,7 @@ class _State:
             spec_decode=stats.spec_decode,
             num_step_failures=self.engine.num_step_errors,
             num_requests_isolated=self.engine.num_isolated,
+            num_kernel_compiles=WHILE_SERVING.count,
         )
 
     def body_work(self) -> BodyWork[Tokenizer]:
@@ -168,6 +170,7 @@ def create_app(
             state.load_error = exc
             return
         engine = AsyncEngine(core, on_finished=state.metrics.observe_finished)
+        WHILE_SERVING.start()  # (the engine is warm: a kernel compiled from now on stalls a step)
         state.describe_model(core)
         engine.start()
         load_tokenizer = None

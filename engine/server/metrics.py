@@ -99,6 +99,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
     num_step_failures: int = 0  # steps that raised (recovered from, or fatal)
     num_requests_isolated: int = 0  # requests failed alone for making steps fail
+    num_kernel_compiles: int = 0  # Triton kernels compiled while serving (`compile_watch`)
 
 
 class _EngineCollector(Collector):
@@ -154,6 +155,11 @@ class _EngineCollector(Collector):
                         "requests_isolated",
                         "Requests failed alone for making engine steps fail.",
                         stats.num_requests_isolated,
+                    ),
+                    (
+                        "kernel_compiles_while_serving",
+                        "Triton kernels compiled after the warm-up (each stalls its step).",
+                        stats.num_kernel_compiles,
                     ),
                 ]
             for name, doc, value in counters:

@@ -1,0 +1,77 @@
+"""CompileWatch (engine/layers/compile_watch.py): Triton compiles after the warm-up are logged
+with the variant, counted and scraped; Triton's hook is taken and given back. (On a GPU,
+tests/gpu/test_engine_cuda.py's serving steps run under it and must meet no compile.)"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvfleet.engine.layers.compile_watch import CompileWatch
+from kvfleet.engine.server.metrics import EngineStats, _EngineCollector
+
+knobs = pytest.importorskip("triton").knobs
+
+
+def _compile_of(name: str, arg_names: list[str], constants: dict[Any, Any]) -> dict[str, Any]:
+    """The keywords Triton's `jit_cache_hook` gets before it compiles `name`."""
+    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(arg_names=arg_names))
+    return {"key": ("k",), "repr": name, "fn": fn, "compile": {"constants": constants}}
+
+
+def test_a_compile_while_watched_is_logged_counted_and_passed_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    before: list[str] = []
+    knobs.runtime.jit_cache_hook = lambda **hook: before.append(hook["fn"].name) or False
+    watch = CompileWatch()
+    try:
+        assert watch.start()
+        hook = knobs.runtime.jit_cache_hook
+        assert hook is not None
+        with caplog.at_level(logging.WARNING, "kvfleet.engine.layers.compile_watch"):
+            compiled = _compile_of("_decode_kernel", ["q", "k", "SPLIT", "BLOCK"], {(2,): 4})
+            assert hook(**compiled) is False  # (the compile goes on)
+        assert watch.count == 1
+        assert watch.compiled == ["_decode_kernel"]
+        assert before == ["_decode_kernel"]  # the hook set before still sees it
+        (record,) = caplog.records
+        assert "_decode_kernel while serving (SPLIT=4)" in record.getMessage()
+        watch.stop()
+        assert knobs.runtime.jit_cache_hook is not hook  # given back
+        assert knobs.runtime.jit_cache_hook is not None
+    finally:
+        watch.stop()
+        knobs.runtime.jit_cache_hook = None
+
+
+def test_nothing_is_counted_outside_start_and_stop() -> None:
+    watch = CompileWatch()
+    assert knobs.runtime.jit_cache_hook is None
+    assert watch.start()
+    assert watch.start()
+    hook = knobs.runtime.jit_cache_hook
+    assert hook is not None
+    hook(**_compile_of("_gemv", ["x"], {}))
+    watch.stop()
+    assert knobs.runtime.jit_cache_hook is None
+    assert watch.count == 1
+
+
+def test_the_count_is_scraped() -> None:
+    stats = EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        num_kernel_compiles=3,
+    )
+    collector = _EngineCollector(["vllm:", "kvfleet:"], "m", lambda: stats)
+    samples = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert samples["kvfleet:kernel_compiles_while_serving_total"] == 3
+    assert "vllm:kernel_compiles_while_serving_total" not in samples
