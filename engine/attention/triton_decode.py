@@ -365,17 +365,19 @@ def _merged(
     return out / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
-@triton.jit
+# NOTE: the split count changes step to step (a prefix hit's keys are split by its queries and
+# KV): one compiled kernel for any count, or each new count would stall its step for a compile.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
-    max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32
+    acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
+    max_ptr,  # [num_seqs, num_heads, num_splits] float32
     sum_ptr,
     out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_ot,
     stride_oh,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,  # (at least num_splits)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
@@ -386,9 +388,9 @@ def _decode_merge_kernel(
     wait_for_previous(PDL)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    row = (seq * num_heads + head) * NUM_SPLITS + offs_s
+    row = (seq * num_heads + head) * num_splits + offs_s
     m = tl.load(max_ptr + row, mask=s_mask, other=float("-inf"))
     l_s = tl.load(sum_ptr + row, mask=s_mask, other=0.0)
     m_all = tl.max(m, 0)
@@ -453,6 +455,7 @@ def merge_splits(
     """out [rows, heads, D] from the splits' partial results: acc [rows, heads, splits, D]
     (unnormalized P.V), maxes and sums [rows, heads, splits] (natural-log units)."""
     rows, num_heads, num_splits, head_dim = acc.shape
+    assert num_splits <= _MAX_SPLITS
     pdl = dependent_launch_args(out.device)
     _DECODE_MERGE[(rows, num_heads)](
         acc,
@@ -462,8 +465,8 @@ def merge_splits(
         out.stride(0),
         out.stride(1),
         num_heads,
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=next_power_of_2(num_splits),
+        num_splits,
+        SPLITS_PAD=next_power_of_2(_MAX_SPLITS),
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         **pdl,

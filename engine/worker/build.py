@@ -27,6 +27,7 @@ from kvfleet.engine.worker.setup import (
     prefill_graph_tokens,
     uses_graphs,
 )
+from kvfleet.engine.worker.step_tail_warm_up import warm_up_step_tail
 from kvfleet.engine.worker.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def build_device_side(config: EngineConfig, setup: RankSetup) -> DeviceSide:
         )
     if tokens := prefill_graph_tokens(config, setup):
         runner.enable_prefill_graphs(tokens)
+    warm_up_step_tail(runner)
     if config.cache.calculate_kv_scales:  # (after the warm-up and profiling steps)
         model.calibrate_kv_scales()
     speculator = build_speculator(config, setup, model, draft, num_blocks, setup.max_model_len)

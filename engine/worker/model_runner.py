@@ -375,11 +375,15 @@ class ModelRunner:
         """The race over this rank's vocabulary shard, from the step message's rows."""
         assert step.race is not None
         tp = self.model.tp
-        vocab = tp.plan.vocab if tp is not None else None
-        first, count = (vocab.start, vocab.size) if vocab else (0, self.config.vocab_size)
         race = step.race
         reduce_max = tp.all_reduce_max if tp is not None else None
-        return RaceBatch(race.keys, race.bases, race.temperature, first, count, reduce_max)
+        return RaceBatch(race.keys, race.bases, race.temperature, *self.vocab_columns, reduce_max)
+
+    @property
+    def vocab_columns(self) -> tuple[int, int]:
+        """(the first vocabulary index, how many) of this rank's shard of the logits."""
+        vocab = self.model.tp.plan.vocab if self.model.tp is not None else None
+        return (vocab.start, vocab.size) if vocab else (0, self.config.vocab_size)
 
     @property
     def race_sampling(self) -> bool:

@@ -112,12 +112,15 @@ def test_llama3_8b_shape_dummy_bf16() -> None:
 
 
 def test_no_kernel_compiles_mid_serving() -> None:
-    """After a first greedy and a first sampled request, steps of other shapes (odd and even
-    token counts, batch sizes, a prefix-cache hit leaving 5 prompt tokens to compute, one
-    leaving 40 after 4k cached, whose keys the prompt kernel splits, a 4.2k-token prompt of
-    its "long" tiles) meet no new Triton kernel variant: none stalls its batch for a compile
-    (0.2-1.2 s each, seen on the H100 when the packed step inputs' alignment followed the
-    token count, and at the first split prefix hit before the warm-up took one)."""
+    """From the engine's first requests on (a lone greedy prompt and a lone sampled one: one
+    row's logits and the vocabulary race, warmed at startup), steps of other shapes (odd and
+    even token counts, batch sizes, a prefix-cache hit leaving 5 prompt tokens to compute, one
+    and then three at once leaving 40 after 4k cached, whose keys the prompt kernel splits 17
+    and 6 ways, a 4.2k-token prompt of its "long" tiles) meet no new Triton kernel variant:
+    none stalls its batch for a compile (0.2-1.2 s each, seen on the H100 when the packed step
+    inputs' alignment followed the token count, at the first split prefix hit before the
+    warm-up took one, and on the H200 at each new split count's merge and at a server's first
+    request)."""
     from kvfleet.engine.layers.compile_watch import CompileWatch
 
     llm = LLM(
@@ -131,15 +134,19 @@ def test_no_kernel_compiles_mid_serving() -> None:
     )
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
-    first = list(range(1000, 1100))
-    llm.generate([first, list(range(2000, 2064))], [greedy, sampled])
     watch = CompileWatch()  # (what a server counts in kvfleet:kernel_compiles_while_serving)
     assert watch.start()
     try:
+        first = list(range(1000, 1100))
+        llm.generate(first, greedy)
+        llm.generate(list(range(2000, 2064)), sampled)
+        llm.generate([first, list(range(2100, 2164))], [greedy, sampled])
         llm.generate([*first[:96], 7, 8, 9, 10, 11], greedy)  # (96 cached, 5 computed)
         long = list(range(5000, 9200))
         llm.generate(long, greedy)
         llm.generate([*long[:4096], *range(40)], greedy)  # (4,096 cached, 40 computed)
+        hits = [[*long[:4096], *range(100 * i, 100 * i + 40)] for i in range(1, 4)]
+        llm.generate(hits, greedy)  # (three such hits in one step)
         for count, length in ((3, 37), (5, 50), (2, 51), (7, 18)):
             prompts = [list(range(3000 + 100 * i, 3000 + 100 * i + length)) for i in range(count)]
             llm.generate(prompts, [greedy, sampled] * (count // 2) + [greedy] * (count % 2))
