@@ -25,6 +25,7 @@ def _compile_of(name: str, arg_names: list[str], constants: dict[Any, Any]) -> d
 def test_a_compile_while_watched_is_logged_counted_and_passed_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    saved = knobs.runtime.jit_cache_hook  # (a server started by another test may watch)
     before: list[str] = []
     knobs.runtime.jit_cache_hook = lambda **hook: before.append(hook["fn"].name) or False
     watch = CompileWatch()
@@ -45,12 +46,13 @@ def test_a_compile_while_watched_is_logged_counted_and_passed_on(
         assert knobs.runtime.jit_cache_hook is not None
     finally:
         watch.stop()
-        knobs.runtime.jit_cache_hook = None
+        knobs.runtime.jit_cache_hook = saved
 
 
 def test_nothing_is_counted_outside_start_and_stop() -> None:
     watch = CompileWatch()
-    assert knobs.runtime.jit_cache_hook is None
+    saved = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = None
     assert watch.start()
     assert watch.start()
     hook = knobs.runtime.jit_cache_hook
@@ -58,6 +60,7 @@ def test_nothing_is_counted_outside_start_and_stop() -> None:
     hook(**_compile_of("_gemv", ["x"], {}))
     watch.stop()
     assert knobs.runtime.jit_cache_hook is None
+    knobs.runtime.jit_cache_hook = saved
     assert watch.count == 1
 
 
