@@ -1,6 +1,7 @@
 """CompileWatch (engine/layers/compile_watch.py): Triton compiles after the warm-up are logged
-with the variant, counted and scraped; Triton's hook is taken and given back. (On a GPU,
-tests/gpu/test_engine_cuda.py's serving steps run under it and must meet no compile.)"""
+with the variant and counted (scraped: test_engine_metrics.py); Triton's hook is taken and given
+back. (On a GPU, tests/gpu/test_engine_cuda.py's serving steps run under it and must meet no
+compile.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Any
 import pytest
 
 from kvfleet.engine.layers.compile_watch import CompileWatch
-from kvfleet.engine.server.metrics import EngineStats, _EngineCollector
 
 knobs = pytest.importorskip("triton").knobs
 
@@ -62,19 +62,3 @@ def test_nothing_is_counted_outside_start_and_stop() -> None:
     assert knobs.runtime.jit_cache_hook is None
     knobs.runtime.jit_cache_hook = saved
     assert watch.count == 1
-
-
-def test_the_count_is_scraped() -> None:
-    stats = EngineStats(
-        num_running=0,
-        num_waiting=0,
-        kv_cache_usage=0.0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        num_preemptions=0,
-        num_kernel_compiles=3,
-    )
-    collector = _EngineCollector(["vllm:", "kvfleet:"], "m", lambda: stats)
-    samples = {s.name: s.value for family in collector.collect() for s in family.samples}
-    assert samples["kvfleet:kernel_compiles_while_serving_total"] == 3
-    assert "vllm:kernel_compiles_while_serving_total" not in samples
