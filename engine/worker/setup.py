@@ -32,6 +32,7 @@ from kvfleet.engine.spec_decode.speculator import Speculator
 from kvfleet.engine.worker.draft_model import DraftModelProposer
 from kvfleet.engine.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 from kvfleet.engine.worker.prefill_graphs import prefill_graph_bytes
+from kvfleet.engine.worker.step_tail_warm_up import warm_up_step_tail
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ def build_rank(
         runner.enable_decode_graphs(
             config.scheduler.max_num_seqs, setup.max_model_len, graph_query_len(config)
         )
+    warm_up_step_tail(runner)  # (its own shard's race: a compile would hold the others too)
     if config.cache.calculate_kv_scales:
         model.calibrate_kv_scales()
     return runner, tp
