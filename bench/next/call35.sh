@@ -4,10 +4,12 @@
 # no compile mid-serving (now through CompileWatch), then the rows with the engine logging each
 # compile while serving (`Triton is compiling ... while serving`) and counting them in
 # kvfleet:kernel_compiles_while_serving_total.
+# (call36.sh runs this with other GPU tests: TESTS, and -k TESTS_K)
 set -uo pipefail
 OUT=${OUT:?}
-timeout 150 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
-  -p no:cacheprovider tests/gpu/test_engine_cuda.py -k no_kernel_compiles 2>&1 | tail -2
+timeout 200 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
+  -p no:cacheprovider ${TESTS:-tests/gpu/test_engine_cuda.py} -k "${TESTS_K:-no_kernel_compiles}" \
+  2>&1 | grep -E "passed|failed|Error|assert" | tail -6
 for round in 1 2; do
   suite="online prefix"; [ $round = 2 ] && suite=online
   SUITE=$suite timeout 200 bench/device_env.sh bash bench/serve_suite.sh "$OUT/r$round" \
