@@ -212,7 +212,7 @@ def dependent_launch():
                            BLOCK=16384), 0),
         "merge": (triton_decode._decode_merge_kernel, {"acc_ptr": "*fp32", "max_ptr": "*fp32",
                   "sum_ptr": "*fp32", "out_ptr": "*bf16"},
-                  dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, BLOCK_D=128), 0),
+                  dict(SPLITS_PAD=32, HEAD_DIM=128, BLOCK_D=128), 0),
         "fp8 gemv": (triton_gemv._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv",
                      "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES,
