@@ -24,6 +24,5 @@ def warm_up_step_tail(runner: ModelRunner) -> None:
     logits = runner.model.compute_logits(row, gather=False)
     first, count = runner.vocab_columns
     zero = torch.zeros(1, dtype=torch.int64, device=runner.device)
-    for temperature in (0.0, 1.0):  # (greedy and sampled rows: one compiled kernel)
-        t = torch.full((1,), temperature, dtype=torch.float64, device=runner.device)
-        race(logits, t, zero, zero, first, count)
+    # (greedy and sampled rows are one compiled kernel: the temperature is read, not constant)
+    race(logits, torch.ones(1, dtype=torch.float64, device=runner.device), zero, zero, first, count)
