@@ -116,7 +116,9 @@ def test_no_kernel_compiles_mid_serving() -> None:
     row's logits and the vocabulary race, warmed at startup), steps of other shapes (odd and
     even token counts, batch sizes, a prefix-cache hit leaving 5 prompt tokens to compute, one
     and then three at once leaving 40 after 4k cached, whose keys the prompt kernel splits 17
-    and 6 ways, a 4.2k-token prompt of its "long" tiles) meet no new Triton kernel variant:
+    and 6 ways, a 4.2k-token prompt of its "long" tiles, a 6k prompt's chunks beside three and
+    then five decoding requests, whose keys the decode kernel splits 22 and 14 ways where the
+    decode graphs of 4 and 8 took 17 and 9) meet no new Triton kernel variant:
     none stalls its batch for a compile (0.2-1.2 s each, seen on the H100 when the packed step
     inputs' alignment followed the token count, at the first split prefix hit before the
     warm-up took one, and on the H200 at each new split count's merge and at a server's first
@@ -150,6 +152,10 @@ def test_no_kernel_compiles_mid_serving() -> None:
         for count, length in ((3, 37), (5, 50), (2, 51), (7, 18)):
             prompts = [list(range(3000 + 100 * i, 3000 + 100 * i + length)) for i in range(count)]
             llm.generate(prompts, [greedy, sampled] * (count // 2) + [greedy] * (count % 2))
+        longer = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        for i, count in enumerate((3, 5)):
+            shorts = [list(range(6000 + 100 * j, 6020 + 100 * j)) for j in range(count)]
+            llm.generate([*shorts, list(range(10000 + 7000 * i, 16000 + 7000 * i))], longer)
     finally:
         watch.stop()
     assert watch.compiled == []

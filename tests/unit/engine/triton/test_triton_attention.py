@@ -224,7 +224,7 @@ def test_sliding_window(attention_case: Callable[..., dict[str, Any]], block_lay
     assert (out - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 11])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 1), (2, 2)])
 def test_decode_kernel_matches_torch(
     attention_case: Callable[..., dict[str, Any]],
@@ -233,8 +233,9 @@ def test_decode_kernel_matches_torch(
     num_heads: int,
     num_kv_heads: int,
 ) -> None:
-    # Lengths around the split and block edges; one sequence far longer than the others.
-    seq_lens = [1, 17, 64, 129, 300, 700]
+    # Lengths around the split and block edges; one sequence long enough for 11 splits of at
+    # least 128 keys (the merge loads its partials triton_decode.MERGE_LOADS at a time).
+    seq_lens = [1, 17, 64, 129, 300, 1400]
     inputs = attention_case(
         [1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=11
     )
