@@ -31,11 +31,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Below this many KV tokens a split is not worth its share of the merge.
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32
-# The last split's merge loads this many splits' partials at once (a loop over those holding
-# keys, whose count is not a compile-time constant: one at a time would wait on each in turn).
-# A decode graph's launch splits the longest context's way (32 at batch 1): a short sequence
-# fills the first few, whose partials alone the merge reads.
-MERGE_LOADS = tl.constexpr(8)
 # From this many (sequence, KV head) programs an SM the decode kernel is not split: at 64 x 8
 # programs on 132 SMs a second split cost 22.5 us against 17.3 at 64 x U[129, 256] tokens and
 # gained nothing at 64 x U[3,000, 5,000] (258.8 against 259.6; bench/RESULTS.md session 29).
@@ -354,8 +349,9 @@ def _merged(
 ):  # fmt: skip
     """[rows, BLOCK_D] float32: each row's splits that hold keys (partials at first_rows +
     0..live-1, natural-log maxima; the empty ones after them add nothing) merged as
-    `_decode_merge_kernel` merges one (read past L1: other programs wrote them), MERGE_LOADS
-    partials loaded at once."""
+    `_decode_merge_kernel` merges one (read past L1: other programs wrote them). A decode
+    graph's launch splits as the longest context would (32 ways at batch 1): a short sequence
+    fills the first few splits, whose partials alone are read."""
     offs_s = tl.arange(0, SPLITS_PAD)
     at = first_rows[:, None] + offs_s[None, :]
     ok = row_mask[:, None] & (offs_s < live)[None, :]
@@ -365,15 +361,14 @@ def _merged(
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[:, None]))
     total = tl.sum(weight * l_s, 1)
     out = tl.zeros([first_rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    for first in range(0, live, MERGE_LOADS):
-        for j in tl.static_range(MERGE_LOADS):
-            part = tl.load(
-                acc_ptr + (first_rows + first + j)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=(row_mask & (first_rows * 0 + first + j < live))[:, None] & d_mask[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            out += part * tl.sum(tl.where(offs_s[None, :] == first + j, weight, 0.0), 1)[:, None]
+    for i in tl.static_range(SPLITS_PAD):  # (one round of loads, all in flight at once)
+        part = tl.load(
+            acc_ptr + (first_rows + i)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=(row_mask & (first_rows * 0 + i < live))[:, None] & d_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        out += part * tl.sum(tl.where(offs_s[None, :] == i, weight, 0.0), 1)[:, None]
     return out / tl.where(total == 0.0, 1.0, total)[:, None]
 
 

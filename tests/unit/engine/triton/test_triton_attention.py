@@ -234,7 +234,7 @@ def test_decode_kernel_matches_torch(
     num_kv_heads: int,
 ) -> None:
     # Lengths around the split and block edges; one sequence long enough for 11 splits of at
-    # least 128 keys (the merge loads its partials triton_decode.MERGE_LOADS at a time).
+    # least 128 keys (the merge reads the splits that hold keys).
     seq_lens = [1, 17, 64, 129, 300, 1400]
     inputs = attention_case(
         [1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=11
