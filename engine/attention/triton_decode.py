@@ -176,17 +176,17 @@ def fp8_query(q):
 
 
 @triton.jit
-def _split_range(seq_len, sliding_window, split, num_splits, MIN_SPLIT: tl.constexpr,
+def _split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr):  # fmt: skip
-    """([first, end) of the sequence's keys this split takes: its window cut into num_splits
-    pieces of whole BLOCK_Ns, at least MIN_SPLIT long; how many of the pieces hold keys)."""
+    """[first, end) of the sequence's keys this split takes: its window cut into NUM_SPLITS
+    pieces of whole BLOCK_Ns."""
     kv_begin = 0
     if sliding_window > 0:
         kv_begin = tl.maximum(0, seq_len - sliding_window)
-    per_split = tl.cdiv(seq_len - kv_begin, num_splits)
+    per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
     per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
     first = kv_begin + split * per_split
-    return first, tl.minimum(seq_len, first + per_split), tl.cdiv(seq_len - kv_begin, per_split)
+    return first, tl.minimum(seq_len, first + per_split)
 
 
 @triton.jit
@@ -197,22 +197,19 @@ def tile_positions(start_n, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
     return start_n + tl.arange(0, BLOCK_N)
 
 
-# NOTE: the block table's width and the split count change step to step (a mixed step's
-# decodes split by their number and the step's longest KV, counts no decode graph took): one
-# compiled kernel for any width and any count above 1, or each new one would stall its step
-# for a compile.
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+# NOTE: the block table's width changes step to step: one compiled kernel for any width.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32: KV length including this step's token
-    acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32: unnormalized P·V
-    max_ptr,  # [num_seqs, num_heads, num_splits] float32: running max of the scores
-    sum_ptr,  # [num_seqs, num_heads, num_splits] float32: sum of exp(score - max)
+    acc_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32: unnormalized P·V
+    max_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: running max of the scores
+    sum_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32: sum of exp(score - max)
     count_ptr,  # [num_seqs * num_kv_heads] int32, zero between launches (MERGE)
-    out_ptr,  # [num_seqs, num_heads, head_dim]: written directly when not SPLIT
+    out_ptr,  # [num_seqs, num_heads, head_dim]: written directly when NUM_SPLITS == 1
     kv_scales_ptr,  # [2] float32 (an FP8 cache's)
     scale,
     sliding_window,  # 0: none
@@ -228,10 +225,9 @@ def _decode_partial_kernel(
     stride_ot,
     stride_oh,
     num_heads,
-    num_splits,  # 1 when not SPLIT
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
-    SPLIT: tl.constexpr,  # num_splits > 1: partial results out, merged after
+    NUM_SPLITS: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -242,7 +238,7 @@ def _decode_partial_kernel(
     V_TOKEN_MINOR: tl.constexpr,  # (`head_major_blocks`)
     SOFTCAP: tl.constexpr,
     MERGE: tl.constexpr,  # the last split of a sequence's KV head to finish merges its heads
-    SPLITS_PAD: tl.constexpr,  # (MERGE) at least num_splits
+    SPLITS_PAD: tl.constexpr,  # (MERGE)
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
@@ -251,8 +247,7 @@ def _decode_partial_kernel(
     let_next_start(PDL)
     wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
-    first, end, live = _split_range(seq_len, sliding_window, split, num_splits, MIN_SPLIT,
-                                    BLOCK_N)  # fmt: skip
+    first, end = _split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     start = first
     if V_TOKEN_MINOR:  # (tiles from multiples of BLOCK_N: a token-minor V loads in vectors)
         start = first // BLOCK_N * BLOCK_N
@@ -308,12 +303,12 @@ def _decode_partial_kernel(
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
 
-    if not SPLIT:
+    if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
     else:
         # An empty split stores max -inf and sum 0: the merge gives it no weight.
-        row = (seq * num_heads + heads) * num_splits + split
+        row = (seq * num_heads + heads) * NUM_SPLITS + split
         tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
         tl.store(sum_ptr + row, l_i, mask=g_mask)
         tl.store(
@@ -324,9 +319,9 @@ def _decode_partial_kernel(
         if MERGE:
             tl.debug_barrier()  # (every thread's part written before the count says so)
             counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                out = _merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * num_splits,
-                              g_mask, offs_d, d_mask, live, SPLITS_PAD, HEAD_DIM)  # fmt: skip
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                out = _merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
+                              g_mask, offs_d, d_mask, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
                 _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
                              d_mask)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
@@ -344,27 +339,25 @@ def _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
 
 @triton.jit
 def _merged(
-    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask, live,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """[rows, BLOCK_D] float32: each row's splits that hold keys (partials at first_rows +
-    0..live-1, natural-log maxima; the empty ones after them add nothing) merged as
-    `_decode_merge_kernel` merges one (read past L1: other programs wrote them). A decode
-    graph's launch splits as the longest context would (32 ways at batch 1): a short sequence
-    fills the first few splits, whose partials alone are read."""
+    """[rows, BLOCK_D] float32: each row's splits (partials at first_rows + 0..NUM_SPLITS-1,
+    natural-log maxima) merged as `_decode_merge_kernel` merges one (read past L1: other
+    programs wrote them)."""
     offs_s = tl.arange(0, SPLITS_PAD)
     at = first_rows[:, None] + offs_s[None, :]
-    ok = row_mask[:, None] & (offs_s < live)[None, :]
+    ok = row_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]
     m = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
     l_s = tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
     m_all = tl.max(m, 1)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[:, None]))
     total = tl.sum(weight * l_s, 1)
     out = tl.zeros([first_rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    for i in tl.static_range(SPLITS_PAD):  # (one round of loads, all in flight at once)
+    for i in tl.static_range(NUM_SPLITS):
         part = tl.load(
             acc_ptr + (first_rows + i)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=(row_mask & (first_rows * 0 + i < live))[:, None] & d_mask[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
             other=0.0,
             cache_modifier=".cg",
         )
@@ -431,6 +424,25 @@ def num_splits_for(
     if programs >= _UNSPLIT_PROGRAMS_PER_SM * num_sms(device):
         return 1
     return splits_to_fill(programs, max_seqlen_k, device)
+
+
+# The split counts the decode kernel was launched with (a compiled variant each), by what else
+# its variant depends on. A mixed step's decodes, run eagerly beside prompts, split by their
+# number and the step's longest KV into counts no decode graph took (22 for three decodes
+# beside a 6k prompt where the graphs of 4 and 8 took 17 and 9), each compiled mid-serving
+# (~0.2 s); they take the nearest count launched before instead, most often a graph's: the
+# largest not above their own, else the smallest.
+_LAUNCHED_SPLITS: dict[tuple[object, ...], set[int]] = {}
+
+
+def launched_splits(variant: tuple[object, ...], planned: int) -> int:
+    """The split count a mixed step's decodes take: of those launched for `variant`, the
+    largest up to `planned`, else the smallest; `planned` when none was."""
+    have = _LAUNCHED_SPLITS.get(variant)
+    if not have:
+        return planned
+    below = [count for count in have if count <= planned]
+    return max(below) if below else min(have)
 
 
 _DECODE_MERGE = CachedKernel(_decode_merge_kernel)
@@ -504,17 +516,22 @@ def decode_attention(
     out = q.new_empty(q.shape) if out is None else out
     if num_seqs == 0:
         return out
-    if num_splits is None:
-        num_splits = num_splits_for(num_seqs, num_kv_heads, metadata.max_seqlen_k, q.device)
     group = num_heads // num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
+    k_cache, v_cache = cache_views(kv_cache)
+    token_minor = v_cache.stride(3) != 1
+    fp8 = kv_cache_is_fp8(kv_cache)
+    variant = (q.device, q.dtype, kv_cache.dtype, group, head_dim, block_size, token_minor,
+               sliding_window, softcap)  # fmt: skip
+    if num_splits is None:
+        num_splits = num_splits_for(num_seqs, num_kv_heads, metadata.max_seqlen_k, q.device)
+        if metadata.max_seqlen_q > 1:  # (a mixed step's decodes)
+            num_splits = launched_splits(variant, num_splits)
+    _LAUNCHED_SPLITS.setdefault(variant, set()).add(num_splits)
     partial_shape = (num_seqs, num_heads, num_splits)
     acc = q.new_empty((*partial_shape, head_dim), dtype=torch.float32)
     maxes = q.new_empty(partial_shape, dtype=torch.float32)
     sums = q.new_empty(partial_shape, dtype=torch.float32)
-    k_cache, v_cache = cache_views(kv_cache)
-    token_minor = v_cache.stride(3) != 1
-    fp8 = kv_cache_is_fp8(kv_cache)
     block_n, warps, stages, max_registers = DECODE_TILES[fp8]
     block_n = kv_tile_tokens(block_n, block_d)
     assert not token_minor or block_n % block_size == 0, "token-minor V loads whole blocks"
@@ -549,10 +566,9 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         num_heads,
-        num_splits,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
-        SPLIT=num_splits > 1,
+        NUM_SPLITS=num_splits,
         MIN_SPLIT=_MIN_SPLIT_TOKENS if num_splits > 1 else 1,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -563,7 +579,7 @@ def decode_attention(
         V_TOKEN_MINOR=token_minor,
         SOFTCAP=softcap is not None,
         MERGE=merge,
-        SPLITS_PAD=next_power_of_2(_MAX_SPLITS),
+        SPLITS_PAD=next_power_of_2(num_splits),
         **pdl,
         num_warps=warps,
         num_stages=stages,

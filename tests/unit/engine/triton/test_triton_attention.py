@@ -224,7 +224,7 @@ def test_sliding_window(attention_case: Callable[..., dict[str, Any]], block_lay
     assert (out - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 11])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 1), (2, 2)])
 def test_decode_kernel_matches_torch(
     attention_case: Callable[..., dict[str, Any]],
@@ -233,9 +233,8 @@ def test_decode_kernel_matches_torch(
     num_heads: int,
     num_kv_heads: int,
 ) -> None:
-    # Lengths around the split and block edges; one sequence long enough for 11 splits of at
-    # least 128 keys (the merge reads the splits that hold keys).
-    seq_lens = [1, 17, 64, 129, 300, 1400]
+    # Lengths around the split and block edges; one sequence far longer than the others.
+    seq_lens = [1, 17, 64, 129, 300, 700]
     inputs = attention_case(
         [1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=11
     )
@@ -248,6 +247,37 @@ def test_decode_kernel_matches_torch(
     )
     assert not out.isnan().any()
     assert (out - expected).abs().max() < 1e-4
+
+
+def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
+    attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixed step's decodes take a split count the decode kernel was launched with before
+    (a decode graph's at startup), the largest up to their own plan, else the smallest; a count
+    of their own would compile a new variant mid-serving. Their output is the reference's."""
+    monkeypatch.setattr(triton_decode, "_LAUNCHED_SPLITS", {})
+    planned = iter([5, 7, 3])
+    monkeypatch.setattr(triton_decode, "num_splits_for", lambda *args: next(planned))
+    grids: list[tuple[int, ...]] = []
+    real = triton_decode._DECODE_PARTIAL
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_decode, "_DECODE_PARTIAL", Spy())
+    layer = triton_attention.TritonAttention(4, 2, 32)
+    reference = TorchAttention(4, 2, 32)
+    for query_lens, seq_lens in (([1, 1], [300, 500]), ([1, 1, 30], [300, 500, 50]),
+                                 ([1, 1, 30], [300, 500, 50])):  # fmt: skip
+        inputs = attention_case(query_lens, seq_lens, num_heads=4, num_kv_heads=2, seed=5)
+        cache = inputs["kv_cache"].clone()
+        args = (inputs["q"], inputs["k"], inputs["v"])
+        expected = reference.forward(*args, cache, inputs["metadata"])
+        out = layer.forward(*args, inputs["kv_cache"], inputs["metadata"])
+        assert (out - expected).abs().max() < 1e-4
+    assert [grid[2] for grid in grids] == [5, 5, 5]  # (planned 5 alone; 7 and 3 in mixed steps)
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
