@@ -73,6 +73,11 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-len", type=int_in(2), default=128, help="(decode time: tokens after the first)"
     )
     parser.add_argument("--repeats", type=int_in(1), default=3)
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="TTFT of the prompt computed whole (with caching, each repeat of it is a prefix hit)",
+    )
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
         "--tensor-parallel-size",

@@ -66,6 +66,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.input_len + args.output_len + 8,
         max_num_seqs=max(args.batch_size, 1),
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
@@ -144,6 +145,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         "decode_ms_per_token": round(decode_s * 1e3, 3),
         "pct_of_floor": round(100 * floor_s / decode_s, 1),
         "ttft_ms": round(ttft_s * 1e3, 2),
+        "ttft_prefix_hit": not args.no_prefix_caching,
         "output_tok_per_s": round(args.batch_size / decode_s, 1),
     }
     emit(result, args.json)
