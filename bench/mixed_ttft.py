@@ -3,6 +3,7 @@ steps: a 1,024-token prompt joining a few requests mid-decode), in-process, each
 timed on the host, against the same prompt arriving alone.
 
     bench/device_env.sh python3 bench/mixed_ttft.py [--quantization fp8 --kv-cache-dtype fp8]
+        [--profile]
 
 Session 35 measured a lone 1,024-token prompt at 30.1 ms (bf16) and 18.2 ms (FP8 weights and
 cache) to its first token, yet the FP8 online row's TTFT p50 no better than bf16's (42.4
@@ -17,8 +18,12 @@ import time
 
 import torch
 
+from kvfleet.bench.timeline import profiled_wall
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
+
+# The host range from adding the prompt to its first token (`--profile`)
+JOIN = "join"
 
 
 def _unique_prompt(generator: torch.Generator, length: int, vocab: int) -> list[int]:
@@ -43,16 +48,17 @@ def joining_ttft(
             produced[out.request_id] = len(out.outputs[0].token_ids)
     prompt_id = f"p{round_}"
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    began = time.perf_counter()
-    engine.add_request(prompt_id, _unique_prompt(generator, input_len, vocab), first)
     steps: list[float] = []
-    while True:
-        step_began = time.perf_counter()
-        outputs = engine.step()
-        steps.append((time.perf_counter() - step_began) * 1e3)
-        if any(o.request_id == prompt_id and o.outputs[0].token_ids for o in outputs):
-            break
-    ttft = (time.perf_counter() - began) * 1e3
+    with torch.profiler.record_function(JOIN):
+        began = time.perf_counter()
+        engine.add_request(prompt_id, _unique_prompt(generator, input_len, vocab), first)
+        while True:
+            step_began = time.perf_counter()
+            outputs = engine.step()
+            steps.append((time.perf_counter() - step_began) * 1e3)
+            if any(o.request_id == prompt_id and o.outputs[0].token_ids for o in outputs):
+                break
+        ttft = (time.perf_counter() - began) * 1e3
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -68,6 +74,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="each decoding request's prompt")
     parser.add_argument("--decodes", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then one round each under the torch profiler: host lead, GPU busy, gaps, tail",
+    )
     args = parser.parse_args()
     llm = LLM(
         args.model,
@@ -91,6 +102,13 @@ def main() -> None:
             f"{', '.join(f'{s:.1f}' for s in median_steps)} ms",
             flush=True,
         )
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        for decodes in args.decodes:
+            with torch.profiler.profile(activities=activities) as prof:
+                ttft, _ = joining_ttft(llm, decodes, args.context, args.input_len, 2000 + decodes)
+            print(f"profiled, beside {decodes} decodes: TTFT {ttft:.2f} ms, "
+                  f"{profiled_wall(prof, JOIN)}", flush=True)  # fmt: skip
     llm.engine.close()
 
 

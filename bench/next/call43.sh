@@ -4,6 +4,6 @@
 # call 41's FP8 online row was no faster than bf16's, though a lone FP8 prompt is 40% faster.
 set -uo pipefail
 for q in "" "--quantization fp8 --kv-cache-dtype fp8"; do
-  timeout 140 bench/device_env.sh python3 bench/mixed_ttft.py --decodes 0 4 8 $q 2>&1 \
-    | grep -E "TTFT|Error|error" | tail -4
+  timeout 140 bench/device_env.sh python3 bench/mixed_ttft.py --decodes 0 4 8 $q ${PROFILE:-} 2>&1 \
+    | grep -E "TTFT|Error|error" | tail -8
 done
