@@ -19,15 +19,13 @@ import time
 import torch
 
 from kvfleet.bench.timeline import profiled_wall
+from kvfleet.bench.workload import random_workload
 from kvfleet.engine.llm import LLM
+from kvfleet.engine.protocol.arguments import int_in
 from kvfleet.engine.sampling_params import SamplingParams
 
 # The host range from adding the prompt to its first token (`--profile`)
 JOIN = "join"
-
-
-def _unique_prompt(generator: torch.Generator, length: int, vocab: int) -> list[int]:
-    return torch.randint(100, vocab - 100, (length,), generator=generator).tolist()
 
 
 def joining_ttft(
@@ -36,22 +34,23 @@ def joining_ttft(
     """(ms from adding the prompt to its first token, ms of each step until then) with
     `decodes` requests of `context` prompt tokens decoding when it arrives."""
     engine = llm.engine
-    generator = torch.Generator().manual_seed(round_)
     vocab = engine.model_config.vocab_size
     running = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     ids = [f"r{round_}-{i}" for i in range(decodes)]
-    for request_id in ids:
-        engine.add_request(request_id, _unique_prompt(generator, context, vocab), running)
+    contexts = random_workload(decodes, (context, context), (1, 1), vocab, seed=round_).prompts
+    for request_id, prompt in zip(ids, contexts, strict=True):
+        engine.add_request(request_id, prompt, running)
     produced: dict[str, int] = {}
     while decodes and min(produced.get(i, 0) for i in ids) < 8:  # (all decoding, none queued)
         for out in engine.step():
             produced[out.request_id] = len(out.outputs[0].token_ids)
     prompt_id = f"p{round_}"
+    (joining,) = random_workload(1, (input_len, input_len), (1, 1), vocab, seed=-1 - round_).prompts
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     steps: list[float] = []
     with torch.profiler.record_function(JOIN):
         began = time.perf_counter()
-        engine.add_request(prompt_id, _unique_prompt(generator, input_len, vocab), first)
+        engine.add_request(prompt_id, joining, first)
         while True:
             step_began = time.perf_counter()
             outputs = engine.step()
@@ -65,21 +64,27 @@ def joining_ttft(
     return ttft, steps
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--context", type=int, default=1024, help="each decoding request's prompt")
-    parser.add_argument("--decodes", type=int, nargs="+", default=[0, 4])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--input-len", type=int_in(1), default=1024)
+    parser.add_argument(
+        "--context", type=int_in(1), default=1024, help="each decoding request's prompt"
+    )
+    parser.add_argument("--decodes", type=int_in(0), nargs="+", default=[0, 4])
+    parser.add_argument("--rounds", type=int_in(1), default=5)
     parser.add_argument(
         "--profile",
         action="store_true",
         help="then one round each under the torch profiler: host lead, GPU busy, gaps, tail",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     llm = LLM(
         args.model,
         load_format="dummy",

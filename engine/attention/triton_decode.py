@@ -441,8 +441,7 @@ def launched_splits(variant: tuple[object, ...], planned: int) -> int:
     have = _LAUNCHED_SPLITS.get(variant)
     if not have:
         return planned
-    below = [count for count in have if count <= planned]
-    return max(below) if below else min(have)
+    return max((count for count in have if count <= planned), default=min(have))
 
 
 _DECODE_MERGE = CachedKernel(_decode_merge_kernel)

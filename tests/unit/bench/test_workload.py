@@ -125,3 +125,23 @@ def test_a_mixture_of_experts_is_counted_by_what_a_token_reads() -> None:
     assert weight_bytes_per_step(config, 2, 1) == pytest.approx(
         weight_bytes_per_step(config, 2) - 120 * expert_bytes
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+        (["--decodes", "0", "-2"], "--decodes: must be at least 0, got -2"),
+        (["--input-len", "0"], "--input-len: must be at least 1, got 0"),
+    ],
+)
+def test_mixed_ttft_rejects_absurd_counts(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (no rounds once meant a median of nothing)
+    from kvfleet.bench.mixed_ttft import parser
+
+    with pytest.raises(SystemExit) as stopped:
+        parser().parse_args(args)
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
