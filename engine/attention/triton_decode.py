@@ -197,6 +197,47 @@ def tile_positions(start_n, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr):
     return start_n + tl.arange(0, BLOCK_N)
 
 
+@triton.jit
+def _earlier_first_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, start, end, kv_head,
+                        offs_d, d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """What a split may load before the kernel before it has finished (`_decode_partial_kernel`
+    PRELOAD, a K-major bf16/fp16/fp32 cache): its first tile's K and V of the tokens before
+    this step's (this step's read 0), and where this step's token's K and V lie."""
+    positions = tile_positions(start, BLOCK_N, False)
+    earlier = (positions < end) & (positions < seq_len - 1)
+    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, start, positions, earlier, end,
+                        kv_head, offs_d, d_mask, stride_cb, stride_cs, stride_ch, stride_cb,
+                        stride_ch, BLOCK_SIZE, HEAD_DIM, False, False,
+                        k_cache_ptr.dtype.element_ty)  # fmt: skip
+    new_at = (
+        tl.load(block_table_ptr + (seq_len - 1) // BLOCK_SIZE).to(tl.int64) * stride_cb
+        + ((seq_len - 1) % BLOCK_SIZE) * stride_cs
+        + kv_head * stride_ch
+        + offs_d
+    )
+    return k, v, new_at
+
+
+@triton.jit
+def _first_tile_scores(q, k_first, v_first, new_at, k_cache_ptr, v_cache_ptr, seq_len, start, end,
+                       d_mask, m_i, l_i, acc, scale, softcap, qk_scale, BLOCK_N: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
+    """The running softmax after a split's first tile, its earlier tokens preloaded
+    (`_earlier_first_tile`) and this step's token read now, where it lies in the tile."""
+    if start < end:
+        positions = tile_positions(start, BLOCK_N, False)
+        is_new = (positions == seq_len - 1)[:, None]
+        k_new = tl.load(k_cache_ptr + new_at, mask=d_mask, other=0.0)
+        v_new = tl.load(v_cache_ptr + new_at, mask=d_mask, other=0.0)
+        k = tl.where(is_new, k_new[None, :], k_first)
+        v = tl.where(is_new, v_new[None, :], v_first)
+        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        s = tl.where((positions < end)[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # NOTE: the block table's width changes step to step: one compiled kernel for any width.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(
@@ -239,13 +280,17 @@ def _decode_partial_kernel(
     SOFTCAP: tl.constexpr,
     MERGE: tl.constexpr,  # the last split of a sequence's KV head to finish merges its heads
     SPLITS_PAD: tl.constexpr,  # (MERGE)
+    PRELOAD: tl.constexpr,  # the first tile's earlier tokens loaded before the wait (PDL)
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     let_next_start(PDL)
-    wait_for_previous(PDL)
+    # NOTE: before the wait, only what no kernel of the step writes: the sequence's length and
+    # block table (copied in before the step) and, PRELOAD, its earlier tokens' K and V (from
+    # earlier steps). This step's token, which the kernel before writes (the qkv projection's
+    # cache write, or RoPE's), is read after the wait.
     seq_len = tl.load(seq_lens_ptr + seq)
     first, end = _split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     start = first
@@ -258,6 +303,13 @@ def _decode_partial_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
+    block_table_ptr = block_tables_ptr + seq * stride_bt
+    if PRELOAD:
+        k_first, v_first, new_at = _earlier_first_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, start, end, kv_head, offs_d,
+            d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+        )  # fmt: skip
+    wait_for_previous(PDL)
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
@@ -270,7 +322,14 @@ def _decode_partial_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # (log2 units)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    tiles_from = start
+    if PRELOAD:
+        m_i, l_i, acc = _first_tile_scores(
+            q, k_first, v_first, new_at, k_cache_ptr, v_cache_ptr, seq_len, start, end, d_mask,
+            m_i, l_i, acc, scale, softcap, qk_scale, BLOCK_N, DOT_PRECISION, SOFTCAP,
+        )  # fmt: skip
+        tiles_from = start + BLOCK_N
+    for start_n in range(tiles_from, end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < end
         if V_TOKEN_MINOR:  # (the first tile may start before `first`)
@@ -278,7 +337,7 @@ def _decode_partial_kernel(
         k, v = load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
-            block_tables_ptr + seq * stride_bt,
+            block_table_ptr,
             start_n,
             offs_n,
             n_mask,
@@ -303,6 +362,18 @@ def _decode_partial_kernel(
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
 
+    _finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
+                  split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
+                  NUM_SPLITS, SPLITS_PAD, HEAD_DIM, MERGE)  # fmt: skip
+
+
+@triton.jit
+def _finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
+                  split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
+                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MERGE: tl.constexpr):  # fmt: skip
+    """A split's heads: the output when unsplit, else its partial results (max in natural-log
+    units, sum, unnormalized P.V), and when MERGE the last split to finish merges them."""
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
@@ -450,6 +521,12 @@ _DECODE_PARTIAL = CachedKernel(_decode_partial_kernel)
 # The last split of a sequence's KV head to finish merges its query heads (False: a merge
 # kernel after the decode kernel, as before; for A/B runs).
 FUSED_MERGE = True
+# Where a decode step's programs are at most one an SM (batch 1: latency, not bytes), a split's
+# first tile of keys and values from earlier steps is loaded before the kernel waits for the
+# one before it (launched dependent, that load overlaps the qkv projection's end), this step's
+# token read after; a bf16/fp16/fp32 cache's (an FP8 cache's token-minor V loads whole blocks).
+# False: every tile after the wait, as before (for A/B runs).
+PRELOAD_FIRST_TILE = True
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # (captured CUDA graphs may still count in them)
 
@@ -538,6 +615,15 @@ def decode_attention(
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
     merge = FUSED_MERGE and num_splits > 1
+    # (a decode step's few programs only: held across the wait, the first tile takes ~45
+    # registers more, and a mixed step's decodes keep the variants launched before)
+    preload = (
+        PRELOAD_FIRST_TILE
+        and not fp8
+        and not token_minor
+        and metadata.max_seqlen_q == 1
+        and num_seqs * num_kv_heads * num_splits <= num_sms(q.device)
+    )
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
         q,
@@ -579,6 +665,7 @@ def decode_attention(
         SOFTCAP=softcap is not None,
         MERGE=merge,
         SPLITS_PAD=next_power_of_2(num_splits),
+        PRELOAD=preload,
         **pdl,
         num_warps=warps,
         num_stages=stages,

@@ -148,6 +148,8 @@ MMA_ROWS, MMA_WARPS = 64, 4
 MMA_PROGRAMS_PER_SM = 4
 # The most rows of x `fp8_rows_mma` takes (the product's columns: 16, 32 or 64).
 MMA_MAX_ROWS = 64
+# Pipeline stages of the K loop
+MMA_STAGES = 3
 
 
 @triton.jit
@@ -315,13 +317,14 @@ def fp8_gemv_mma(
     tiles: tuple[int, int, int] | None = None,
     split: int | None = None,
     rotary: RotaryWrite | None = None,
+    stages: int = MMA_STAGES,
 ) -> torch.Tensor:
     """`gemv` over an e4m3 weight on the tensor cores; `tiles`: (BLOCK_N, BLOCK_K, warps),
     `split`: about how many parts K is cut into (default: enough programs an SM); `rotary`
-    as `gemv`'s."""
+    as `gemv`'s; `stages`: the K loop's pipeline stages."""
     row, _ = row_and_norm(x)
     out = torch.empty((1, weight.shape[0]), dtype=row.dtype, device=row.device)
-    _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split, rotary)
+    _launch_mma(x, None, weight, weight_scale, bias, x_scale, out, tiles, split, rotary, stages)
     return out
 
 
@@ -360,6 +363,7 @@ def _launch_mma(
     tiles: tuple[int, int, int] | None,
     split: int | None,
     rotary: RotaryWrite | None = None,
+    stages: int = MMA_STAGES,
 ) -> None:
     row, norm = row_and_norm(x)
     m, k = row.shape
@@ -383,7 +387,7 @@ def _launch_mma(
         COLS=max(16, next_power_of_2(m)), SPAN=min(block_k, SUM_SPAN), NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **rotary_constants, **pdl, num_warps=warps,
-        num_stages=3,
+        num_stages=stages,
     )  # fmt: skip
 
 

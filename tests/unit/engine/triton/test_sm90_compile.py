@@ -60,7 +60,7 @@ def decode(q_type, cache_type):
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
                      HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
-                     MERGE=True, SPLITS_PAD=2, PDL=True)
+                     MERGE=True, SPLITS_PAD=2, PRELOAD=not fp8, PDL=True)
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
 
 

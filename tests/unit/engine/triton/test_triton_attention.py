@@ -307,6 +307,56 @@ def test_the_splits_merge_in_the_kernel_or_after_it_alike(
         assert not triton_decode.split_counters(out.device, 8)[:8].any()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_splits_first_tile_loaded_before_the_wait_gives_the_same_output(
+    attention_case: Callable[..., dict[str, Any]],
+    block_layout: str,
+    monkeypatch: pytest.MonkeyPatch,
+    num_splits: int,
+) -> None:
+    """A decode step of few programs (PRELOAD: the first tile's earlier tokens loaded before
+    the wait for the kernel before, this step's token after) gives, bit for bit, the output of
+    every tile loaded after the wait, and the reference's: this step's token in the first tile
+    or a later one, alone, windowed or not. Not with V token-minor (head-major blocks), nor
+    where the programs outnumber the SMs."""
+    launched: list[bool] = []
+    real = triton_decode._DECODE_PARTIAL
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                launched.append(kwargs["PRELOAD"])
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_DECODE_PARTIAL", Spy())
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 1 << 10)
+    seq_lens = [1, 5, 64, 65, 300]
+    inputs = attention_case([1] * 5, seq_lens, num_heads=4, num_kv_heads=2, seed=21)
+    for window in (None, 48):
+        reference = TorchAttention(4, 2, 32, sliding_window=window)
+        cache = inputs["kv_cache"].clone()
+        expected = reference.forward(
+            inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"]
+        )
+        outs = []
+        for preload in (True, False):
+            monkeypatch.setattr(triton_decode, "PRELOAD_FIRST_TILE", preload)
+            out = torch.full_like(inputs["q"], float("nan"))
+            triton_decode.decode_attention(
+                inputs["q"], cache, inputs["metadata"], reference.scale, window, out, num_splits
+            )
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert (outs[0] - expected).abs().max() < 1e-4
+    assert launched == [block_layout != "head-major", False] * 2
+    monkeypatch.setattr(triton_decode, "PRELOAD_FIRST_TILE", True)
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 4)  # (5 x 2 programs or more)
+    triton_decode.decode_attention(inputs["q"], cache, inputs["metadata"], reference.scale)
+    assert launched[-1] is False
+
+
 def test_decode_kernel_sliding_window_and_float16(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
