@@ -503,7 +503,9 @@ def num_splits_for(
 # beside a 6k prompt where the graphs of 4 and 8 took 17 and 9), each compiled mid-serving
 # (~0.2 s); they take the nearest count launched before instead, most often a graph's: the
 # largest not above their own, else the smallest.
-_LAUNCHED_SPLITS: dict[tuple[object, ...], set[int]] = {}
+# (variant -> {split count: whether its first launch preloaded, `PRELOAD_FIRST_TILE`}: a mixed
+# step's decodes launch the count as it was launched, a variant compiled before)
+_LAUNCHED_SPLITS: dict[tuple[object, ...], dict[int, bool]] = {}
 
 
 def launched_splits(variant: tuple[object, ...], planned: int) -> int:
@@ -521,7 +523,7 @@ _DECODE_PARTIAL = CachedKernel(_decode_partial_kernel)
 # The last split of a sequence's KV head to finish merges its query heads (False: a merge
 # kernel after the decode kernel, as before; for A/B runs).
 FUSED_MERGE = True
-# Where a decode step's programs are at most one an SM (batch 1: latency, not bytes), a split's
+# Where the decode kernel's programs are at most one an SM (batch 1: latency, not bytes), a split's
 # first tile of keys and values from earlier steps is loaded before the kernel waits for the
 # one before it (launched dependent, that load overlaps the qkv projection's end), this step's
 # token read after; a bf16/fp16/fp32 cache's (an FP8 cache's token-minor V loads whole blocks).
@@ -603,7 +605,7 @@ def decode_attention(
         num_splits = num_splits_for(num_seqs, num_kv_heads, metadata.max_seqlen_k, q.device)
         if metadata.max_seqlen_q > 1:  # (a mixed step's decodes)
             num_splits = launched_splits(variant, num_splits)
-    _LAUNCHED_SPLITS.setdefault(variant, set()).add(num_splits)
+    launched = _LAUNCHED_SPLITS.setdefault(variant, {})
     partial_shape = (num_seqs, num_heads, num_splits)
     acc = q.new_empty((*partial_shape, head_dim), dtype=torch.float32)
     maxes = q.new_empty(partial_shape, dtype=torch.float32)
@@ -615,15 +617,16 @@ def decode_attention(
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
     merge = FUSED_MERGE and num_splits > 1
-    # (a decode step's few programs only: held across the wait, the first tile takes ~45
-    # registers more, and a mixed step's decodes keep the variants launched before)
+    # (few programs only: held across the wait, the first tile takes ~45 registers more)
     preload = (
         PRELOAD_FIRST_TILE
         and not fp8
         and not token_minor
-        and metadata.max_seqlen_q == 1
         and num_seqs * num_kv_heads * num_splits <= num_sms(q.device)
     )
+    if metadata.max_seqlen_q > 1:  # (as the count was launched before: no compile)
+        preload = launched.get(num_splits, preload)
+    launched.setdefault(num_splits, preload)
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
         q,

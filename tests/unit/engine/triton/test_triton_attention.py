@@ -253,18 +253,28 @@ def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
     attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A mixed step's decodes take a split count the decode kernel was launched with before
-    (a decode graph's at startup), the largest up to their own plan, else the smallest; a count
-    of their own would compile a new variant mid-serving. Their output is the reference's."""
+    (a decode graph's at startup), the largest up to their own plan, else the smallest, and
+    that launch's PRELOAD; a count or flag of their own would compile a new variant
+    mid-serving. Their output is the reference's."""
     monkeypatch.setattr(triton_decode, "_LAUNCHED_SPLITS", {})
     planned = iter([5, 7, 3])
     monkeypatch.setattr(triton_decode, "num_splits_for", lambda *args: next(planned))
+    sms = [1 << 10]  # (the first launch preloads; the others' own rule would not)
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: sms[0])
     grids: list[tuple[int, ...]] = []
+    preloads: list[bool] = []
     real = triton_decode._DECODE_PARTIAL
 
     class Spy:
         def __getitem__(self, grid: tuple[int, ...]) -> Any:
             grids.append(grid)
-            return real[grid]
+
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                preloads.append(kwargs["PRELOAD"])
+                sms[0] = 1
+                return real[grid](*args, **kwargs)
+
+            return launch
 
     monkeypatch.setattr(triton_decode, "_DECODE_PARTIAL", Spy())
     layer = triton_attention.TritonAttention(4, 2, 32)
@@ -278,6 +288,7 @@ def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
         out = layer.forward(*args, inputs["kv_cache"], inputs["metadata"])
         assert (out - expected).abs().max() < 1e-4
     assert [grid[2] for grid in grids] == [5, 5, 5]  # (planned 5 alone; 7 and 3 in mixed steps)
+    assert preloads == [True, True, True]
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
