@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
-from kvfleet.bench.gemv_chain import HIDDEN, LAYERS, SHAPES, fused_chain
+from kvfleet.bench.ceilings import measure_ceilings
+from kvfleet.bench.gemv_chain import HIDDEN, LAYERS, SHAPES, fused_chain, layer_us, random_layers
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.layers.triton_gemv import gemv
 
@@ -28,8 +28,7 @@ def main() -> None:
     copy = measure_ceilings(device, torch.bfloat16).copy_gbps * 1e9
     x = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
     norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
-    layers = [{name: quantize_rows(torch.randn(n, k, device=device) * 0.02)
-               for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]  # fmt: skip
+    layers = random_layers(quantize_rows, device)
     floor = sum(n * k for n, k in SHAPES.values()) / copy * 1e6
     by_shape: dict[tuple[int, ...], str] = {shape: name for name, shape in SHAPES.items()}
 
@@ -40,8 +39,7 @@ def main() -> None:
         def step() -> torch.Tensor:
             return fused_chain(layers, linear, x, norm)
 
-        us = median_seconds(captured(step), device, repeats=20) / LAYERS * 1e6
-        return us, step().float()
+        return layer_us(step, device), step().float()
 
     print(f"copy {copy / 1e9:.0f} GB/s; floor {floor:.1f} us a layer (median replay / {LAYERS})")
     base_us, base_out = timed({})

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
+from kvfleet.bench.ceilings import captured, measure_ceilings
 from kvfleet.bench.fp8_linear import replay_us
-from kvfleet.bench.gemv_chain import HIDDEN, LAYERS, SHAPES, fused_chain
+from kvfleet.bench.gemv_chain import HIDDEN, SHAPES, fused_chain, layer_us, random_layers
 from kvfleet.engine.layers import triton_gemv
 from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import quantize_rows
@@ -85,31 +85,32 @@ def sweep(name: str, n: int, k: int, copy_gbps: float) -> Config:
 
 
 def chain(configs: dict[tuple[int, int], Config], copy_gbps: float) -> None:
+    """The fused chain with every layer at its fastest `sweep` choice, against `gemv` as
+    shipped (each of the chain's layers on the tensor-core GEMV, without rotary), alternating."""
     device = torch.device("cuda")
     x = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
     norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
-    layers = [{name: quantize_rows(torch.randn(n, k, device=device) * 0.02)
-               for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]  # fmt: skip
+    layers = random_layers(quantize_rows, device)
     floor = sum(n * k for n, k in SHAPES.values()) / (copy_gbps * 1e9) * 1e6
-    shipped_mma = triton_gemv.fp8_gemv_mma
 
-    def tuned_mma(x: Any, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        block_k, split, stages = configs[tuple(weight.shape)]  # type: ignore[index]
-        kwargs.update(tiles=(64, block_k, 4), split=split, stages=stages)
-        return shipped_mma(x, weight, *args, **kwargs)
+    def tuned(x: Any, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        block_k, split, stages = configs[(w[0].shape[0], w[0].shape[1])]
+        return triton_gemv.fp8_gemv_mma(x, *w, tiles=(64, block_k, 4), split=split, stages=stages)
 
-    def step() -> torch.Tensor:
-        return fused_chain(layers, lambda x, w: triton_gemv.gemv(x, *w), x, norm)
+    def shipped(x: Any, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return triton_gemv.gemv(x, *w)
 
     outputs = {}
     for round_ in range(3):
-        for label, mma in (("tuned", tuned_mma), ("shipped", shipped_mma)):
-            triton_gemv.fp8_gemv_mma = mma  # (what `gemv` calls)
-            us = median_seconds(captured(step), device, repeats=20) / LAYERS * 1e6
+        for label, linear in (("tuned", tuned), ("shipped", shipped)):
+
+            def step(linear: Any = linear) -> torch.Tensor:
+                return fused_chain(layers, linear, x, norm)
+
+            us = layer_us(step, device)
             outputs[label] = step().float()
             print(f"chain round {round_}, {label:7s}: {us:6.1f} us a layer "
                   f"({floor / us:5.1%} of {floor:.1f})", flush=True)  # fmt: skip
-    triton_gemv.fp8_gemv_mma = shipped_mma
     diff = (outputs["tuned"] - outputs["shipped"]).norm() / outputs["shipped"].norm()
     print(f"chain output, tuned against shipped: relative difference {diff.item():.1e}")
 

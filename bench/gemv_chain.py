@@ -62,6 +62,20 @@ def fused_chain(
     return hidden
 
 
+def random_layers(quantize: Callable[[torch.Tensor], Any], device: torch.device) -> list[Any]:
+    """LAYERS layers of distinct random weights at SHAPES ({name: quantize(weight)} each), so
+    that a chain over them reads its weights from HBM."""
+    return [
+        {name: quantize(torch.randn(n, k, device=device) * 0.02) for name, (n, k) in SHAPES.items()}
+        for _ in range(LAYERS)
+    ]
+
+
+def layer_us(step: Callable[[], object], device: torch.device) -> float:
+    """us a layer of `step`, a chain over LAYERS layers, replayed from a CUDA graph (median)."""
+    return median_seconds(captured(step), device, repeats=20) / LAYERS * 1e6
+
+
 def _bf16_layer(weight: torch.Tensor) -> Linear:
     n, k = weight.shape
     layer = Linear(k, n, bias=False, device=weight.device, dtype=torch.bfloat16)
@@ -85,13 +99,7 @@ def main() -> None:
     }
     print(f"copy {copy / 1e9:.0f} GB/s; us per layer (median graph replay / {LAYERS})")
     for kind, (quantize, linear, nbytes) in kinds.items():
-        layers = [
-            {
-                name: quantize(torch.randn(n, k, device=device) * 0.02)
-                for name, (n, k) in SHAPES.items()
-            }
-            for _ in range(LAYERS)
-        ]
+        layers = random_layers(quantize, device)
 
         def step(
             layers: list[dict[str, Any]] = layers, linear: Callable[..., Any] = linear
@@ -108,12 +116,10 @@ def main() -> None:
         line = f"{kind:5s} floor {floor:6.1f}"
         for on in ("0", "1"):
             os.environ[pdl.ENV_SWITCH] = on
-            replay = captured(step)
-            us = median_seconds(replay, device, repeats=20) / LAYERS * 1e6
+            us = layer_us(step, device)
             line += f" | dependent={on}: {us:6.1f} ({floor / us:5.1%} of floor)"
         if kind != "int4":
-            replay = captured(fused_step)
-            us = median_seconds(replay, device, repeats=20) / LAYERS * 1e6
+            us = layer_us(fused_step, device)
             line += f" | fused: {us:6.1f} ({floor / us:5.1%} of floor)"
         print(line, flush=True)
 

@@ -6,20 +6,28 @@ kernel name and grid, per decode step (the trace's ten steps).
     python3 bench/next/trace_path.py trace-fp8.json
 """
 
+import argparse
 import collections
 import json
 import re
-import sys
 from pathlib import Path
 
 STEPS = 10
 
 
 def main() -> None:
-    events = json.loads(Path(sys.argv[1]).read_text())["traceEvents"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path, help="a Chrome trace (profile_decode.py --trace)")
+    trace = parser.parse_args().trace
+    try:
+        events = json.loads(trace.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"{trace}: not a readable Chrome trace ({type(exc).__name__}: {exc})")
     kernels = sorted(
         (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
     )
+    if not kernels:
+        parser.error(f"{trace}: no GPU kernels in it (profiled on a CUDA device?)")
     path: dict[str, float] = collections.defaultdict(float)
     busy: dict[str, float] = collections.defaultdict(float)
     gaps: dict[str, float] = collections.defaultdict(float)

@@ -16,16 +16,15 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
-from kvfleet.engine.attention.triton_decode import (
+from kvfleet.engine.attention.triton_decode import merge_splits, splits_to_fill
+from kvfleet.engine.attention.triton_tiles import (
     LN2,
     fp8_query,
     kv_tile_tokens,
     load_kv_tile,
-    merge_splits,
     online_softmax,
     score_scale,
     scores,
-    splits_to_fill,
     tile_positions,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
@@ -70,7 +69,7 @@ def prompt_tile(
 ) -> tuple[int, int, int, int]:
     """PROMPT_TILES' tile for queries of `dtype` and heads padded to `block_d` (float32 ones
     take "chunks" tiles for "long" steps: 128 x 128 float32 tiles would need 320 KB of shared
-    memory; heads past 128 fewer tokens a tile: `triton_decode.kv_tile_tokens`)."""
+    memory; heads past 128 fewer tokens a tile: `triton_tiles.kv_tile_tokens`)."""
     if kind == "long" and dtype == torch.float32:
         kind = "chunks"
     block_m, block_n, warps, stages = PROMPT_TILES[fp8, kind]

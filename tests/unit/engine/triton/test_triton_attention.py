@@ -15,7 +15,13 @@ import torch
 pytest.importorskip("triton")
 
 from kvfleet.engine.attention import metadata as attention_metadata
-from kvfleet.engine.attention import torch_backend, triton_attention, triton_decode, triton_prompt
+from kvfleet.engine.attention import (
+    torch_backend,
+    triton_attention,
+    triton_decode,
+    triton_prompt,
+    triton_tiles,
+)
 from kvfleet.engine.attention.metadata import SPLIT_DECODES_MIN_KV_TOKENS, decodes_to_split
 from kvfleet.engine.attention.torch_backend import TorchAttention
 
@@ -125,9 +131,9 @@ def test_heads_of_256_take_fewer_tokens_a_tile_and_match_torch(
     128 prompt tiles and the FP8 decode tile take 64 tokens (128 x 128 FP8 prompt tiles asked
     the H100 for more shared memory than it has); the prompt and decode kernels at those tiles
     match the torch backend reading the same cache (float32 or e4m3)."""
-    assert triton_decode.kv_tile_tokens(128, 128) == 128
-    assert triton_decode.kv_tile_tokens(128, 256) == 64
-    assert triton_decode.kv_tile_tokens(64, 256) == 64
+    assert triton_tiles.kv_tile_tokens(128, 128) == 128
+    assert triton_tiles.kv_tile_tokens(128, 256) == 64
+    assert triton_tiles.kv_tile_tokens(64, 256) == 64
     if kind == "long":
         monkeypatch.setattr(triton_prompt, "LONG_KV_TOKENS", 64)
         assert triton_prompt.prompt_tile(torch.float16, fp8, "long", 256)[:2] == (128, 64)
