@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -79,10 +80,28 @@ def random_cache(pool: int, fp8: bool) -> torch.Tensor:
     return torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
 
+def layer_gemms(rows: int) -> Callable[[], object]:
+    """A Llama-3-8B layer's four FP8 GEMMs at `rows` rows (qkv, o, gate_up, down through
+    cuBLASLt with row and column scales), as a decode step runs them between attentions."""
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    mats = []
+    for n, k in shapes:
+        x = torch.randn(rows, k, device="cuda").to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, device="cuda") * 0.1).to(torch.float8_e4m3fn)
+        mats.append((x, w, torch.ones(rows, 1, device="cuda"), torch.ones(1, n, device="cuda")))
+
+    def run() -> None:
+        for x, w, x_scale, w_scale in mats:
+            torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+
+    return run
+
+
 def layer_times(
-    lens: list[int], caches: list[torch.Tensor], placement: str, prompt_len: int
+    lens: list[int], caches: list[torch.Tensor], placement: str, prompt_len: int, gemms: bool
 ) -> tuple[float, float]:
-    """(us of one layer's call timed again and again, us a call over every layer in turn)."""
+    """(us of one layer's call timed again and again, us a call over every layer in turn;
+    with `gemms`, each call after a layer's four FP8 GEMMs, their own time taken out)."""
     num_seqs, pool = len(lens), caches[0].shape[1]
     metadata = AttentionMetadata(
         slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device="cuda"),
@@ -99,10 +118,16 @@ def layer_times(
         triton_decode.decode_attention, q, out=torch.empty_like(q), metadata=metadata,
         scale=0.088, kv_scales=torch.ones(2, device="cuda"),
     )  # fmt: skip
-    same = graph_us(lambda: call(kv_cache=caches[0]), replays=len(caches))
+    before = layer_gemms(num_seqs) if gemms else (lambda: None)
+    alone = graph_us(before, replays=len(caches)) if gemms else 0.0
+    same = graph_us(lambda: (before(), call(kv_cache=caches[0])), replays=len(caches))
     turn = itertools.count()  # (each layer's cache in turn)
-    spread = graph_us(lambda: call(kv_cache=caches[next(turn) % len(caches)]), len(caches))
-    return same, spread
+    spread = graph_us(
+        lambda: (before(), call(kv_cache=caches[next(turn) % len(caches)])), len(caches)
+    )
+    if gemms:
+        print(f"  the four FP8 GEMMs of a layer at {num_seqs} rows alone: {alone:.1f} us")
+    return same - alone, spread - alone
 
 
 def main() -> None:
@@ -120,6 +145,11 @@ def main() -> None:
     )
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--cache", choices=("bf16", "fp8"), default="fp8")
+    parser.add_argument(
+        "--gemms",
+        action="store_true",
+        help="each call after a layer's FP8 GEMMs (their time taken out)",
+    )
     args = parser.parse_args()
     fp8 = args.cache == "fp8"
     copy_gbps = measure_ceilings(torch.device("cuda"), torch.bfloat16).copy_gbps
@@ -134,7 +164,7 @@ def main() -> None:
             pool = max(asked, need)
             caches = [random_cache(pool, fp8) for _ in range(args.layers)]
             for placement in args.placement:
-                same, spread = layer_times(lens, caches, placement, args.prompt_len)
+                same, spread = layer_times(lens, caches, placement, args.prompt_len, args.gemms)
                 print(
                     f"{num_seqs} x [{shortest}, {longest}] pool {pool} blocks {placement:10s}: "
                     f"one layer again {same:6.1f} us ({floor_us / same:5.1%}), "
