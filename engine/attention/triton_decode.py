@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
+from kvfleet.engine.attention.triton_decode_e4m3 import decode_e4m3, takes_e4m3_products
+from kvfleet.engine.attention.triton_splits import finish_split, split_range
 from kvfleet.engine.attention.triton_tiles import (
-    LN2,
     fp8_query,
     kv_tile_tokens,
     load_kv_tile,
@@ -52,20 +53,6 @@ DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
     False: (64, 4, 3, None),
     True: (128, 4, 3, 128),
 }
-
-
-@triton.jit
-def _split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
-    """[first, end) of the sequence's keys this split takes: its window cut into NUM_SPLITS
-    pieces of whole BLOCK_Ns."""
-    kv_begin = 0
-    if sliding_window > 0:
-        kv_begin = tl.maximum(0, seq_len - sliding_window)
-    per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
-    per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    first = kv_begin + split * per_split
-    return first, tl.minimum(seq_len, first + per_split)
 
 
 @triton.jit
@@ -164,7 +151,7 @@ def _decode_partial_kernel(
     # earlier steps). This step's token, which the kernel before writes (the qkv projection's
     # cache write, or RoPE's), is read after the wait.
     seq_len = tl.load(seq_lens_ptr + seq)
-    first, end = _split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    first, end = split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     start = first
     if V_TOKEN_MINOR:  # (tiles from multiples of BLOCK_N: a token-minor V loads in vectors)
         start = first // BLOCK_N * BLOCK_N
@@ -234,78 +221,9 @@ def _decode_partial_kernel(
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
 
-    _finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
+    finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
                   split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
                   NUM_SPLITS, SPLITS_PAD, HEAD_DIM, MERGE)  # fmt: skip
-
-
-@triton.jit
-def _finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
-                  split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
-                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MERGE: tl.constexpr):  # fmt: skip
-    """A split's heads: the output when unsplit, else its partial results (max in natural-log
-    units, sum, unnormalized P.V), and when MERGE the last split to finish merges them."""
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
-    else:
-        # An empty split stores max -inf and sum 0: the merge gives it no weight.
-        row = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
-        tl.store(sum_ptr + row, l_i, mask=g_mask)
-        tl.store(
-            acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=g_mask[:, None] & d_mask[None, :],
-        )
-        if MERGE:
-            tl.debug_barrier()  # (every thread's part written before the count says so)
-            counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                out = _merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
-                              g_mask, offs_d, d_mask, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
-                _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
-                             d_mask)  # fmt: skip
-                tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask):
-    """out [heads, BLOCK_D] (float32) into a sequence's rows of the output, in its dtype."""
-    tl.store(
-        out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
-
-
-@triton.jit
-def _merged(
-    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """[rows, BLOCK_D] float32: each row's splits (partials at first_rows + 0..NUM_SPLITS-1,
-    natural-log maxima) merged as `_decode_merge_kernel` merges one (read past L1: other
-    programs wrote them)."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    at = first_rows[:, None] + offs_s[None, :]
-    ok = row_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]
-    m = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, 1)
-    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[:, None]))
-    total = tl.sum(weight * l_s, 1)
-    out = tl.zeros([first_rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    for i in tl.static_range(NUM_SPLITS):
-        part = tl.load(
-            acc_ptr + (first_rows + i)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=row_mask[:, None] & d_mask[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        out += part * tl.sum(tl.where(offs_s[None, :] == i, weight, 0.0), 1)[:, None]
-    return out / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 # NOTE: the split count changes step to step (a prefix hit's keys are split by its queries and
@@ -401,6 +319,10 @@ FUSED_MERGE = True
 # token read after; a bf16/fp16/fp32 cache's (an FP8 cache's token-minor V loads whole blocks).
 # False: every tile after the wait, as before (for A/B runs).
 PRELOAD_FIRST_TILE = True
+# An FP8 cache's decodes through `triton_decode_e4m3` (e4m3 products, no upcasts; the query
+# and softmax weights quantized) where it takes them. Off until its effect on SmolLM2's FP8-KV
+# perplexity bar is measured (issue 30); on for A/B runs.
+E4M3_PRODUCTS = False
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # (captured CUDA graphs may still count in them)
 
@@ -500,6 +422,14 @@ def decode_attention(
         preload = launched.get(num_splits, preload)
     launched.setdefault(num_splits, preload)
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
+    min_split = _MIN_SPLIT_TOKENS if num_splits > 1 else 1
+    if E4M3_PRODUCTS and takes_e4m3_products(fp8, token_minor, head_dim, group, softcap):
+        assert kv_scales is not None, "an FP8 cache has its scales"
+        decode_e4m3(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales, out,
+                    (acc, maxes, sums), counters, num_splits, min_split, merge)  # fmt: skip
+        if num_splits > 1 and not merge:
+            merge_splits(acc, maxes, sums, out)
+        return out
     _DECODE_PARTIAL[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -529,7 +459,7 @@ def decode_attention(
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
         NUM_SPLITS=num_splits,
-        MIN_SPLIT=_MIN_SPLIT_TOKENS if num_splits > 1 else 1,
+        MIN_SPLIT=min_split,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

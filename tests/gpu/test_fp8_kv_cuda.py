@@ -146,3 +146,34 @@ def test_head_major_blocks_give_the_token_major_bits(
     assert torch.equal(caches[False], caches[True])
     for token_major, by_head_out in zip(outputs[False], outputs[True], strict=True):
         assert torch.equal(token_major, by_head_out)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_e4m3_products_decode_stays_within_e4m3s_rounding(
+    attention_case: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    shape: str,
+    num_splits: int,
+) -> None:
+    """`triton_decode_e4m3` (the query and the softmax weights rounded to e4m3, products of
+    e4m3 values) against the torch backend over the same cache: within e4m3's rounding
+    (2^-4 of a value at most) of the reference, beside the upcasting kernel's error."""
+    heads = SHAPES[shape]
+    inputs = _fp8_case(attention_case, "decode-64", heads)
+    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"]
+    reference = TorchAttention(*heads.values())
+    expected = reference.forward(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(),
+                                 cache.clone(), metadata, scales)  # fmt: skip
+    errors = {}
+    for products in (False, True):
+        monkeypatch.setattr(triton_decode, "E4M3_PRODUCTS", products)
+        out = torch.full_like(inputs["q"], float("nan"))
+        triton_decode.decode_attention(inputs["q"], cache, metadata, reference.scale, out=out,
+                                       num_splits=num_splits, kv_scales=scales)  # fmt: skip
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        errors[products] = float((out.float() - expected).norm() / expected.norm())
+    print(f"relative error: upcasts {errors[False]:.2e}, e4m3 products {errors[True]:.2e}")
+    assert errors[False] < 1e-2
+    assert errors[True] < 2**-4

@@ -270,6 +270,30 @@ def dependent_launch():
         assert "griddepcontrol" not in plain, f"{name}: PDL=False still waits"
 
 
+def e4m3_decode():
+    # The FP8 cache's decode kernel with e4m3 products, at heads of 128 and 256, whole and
+    # split: both products e4m3 tensor-core ones, K and V never upcast (the only e4m3 -> f16
+    # conversions: the softmax weights' sum, a few a tile; the upcasting kernel has ~130).
+    from kvfleet.engine.attention import triton_decode_e4m3, triton_tiles
+    types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+             "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "count_ptr": "*i32",
+             "kv_scales_ptr": "*fp32", "scale": "fp32"}
+    block_n, warps, stages = triton_decode_e4m3.E4M3_TILE
+    for head_dim in (128, 256):
+        for splits in (1, 2):
+            ptx = compile_for_sm90(
+                triton_decode_e4m3._decode_e4m3_kernel, types,
+                dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=splits, MIN_SPLIT=128, BLOCK_SIZE=16,
+                     HEAD_DIM=head_dim, BLOCK_D=head_dim,
+                     BLOCK_N=triton_tiles.kv_tile_tokens(block_n, head_dim),
+                     MERGE=splits > 1, SPLITS_PAD=splits, E4M3=True, PDL=True), warps, stages)
+            products = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+            assert products and all(".e4m3.e4m3" in line for line in products), head_dim
+            upcasts = ptx.count("cvt.rn.f16x2.e4m3x2")
+            assert upcasts <= 16, f"head {head_dim}: {upcasts} e4m3 upcasts"
+
+
 def fp8_gemm():
     # The Triton FP8 GEMM at each of its shipped tilings, whole and with K split.
     from kvfleet.engine.layers.quantization import triton_fp8
@@ -304,6 +328,11 @@ if sys.argv[1:] == ["lora"]:
         lora()
     except Exception as exc:
         failed["lora"] = f"{type(exc).__name__}: {exc}"[-1500:]
+if sys.argv[1:] == ["e4m3-decode"]:
+    try:
+        e4m3_decode()
+    except Exception as exc:
+        failed["e4m3 decode"] = f"{type(exc).__name__}: {exc}"[-1500:]
 if sys.argv[1:] == ["fp8-gemm"]:
     try:
         fp8_gemm()
@@ -314,7 +343,7 @@ if sys.argv[1:] == ["dependent-launch"]:
         dependent_launch()
     except Exception as exc:
         failed["dependent launch"] = f"{type(exc).__name__}: {exc}"[-1500:]
-modes = (["dependent-launch"], ["fp8-gemm"], ["lora"])
+modes = (["dependent-launch"], ["e4m3-decode"], ["fp8-gemm"], ["lora"])
 for variant in sys.argv[1:] if sys.argv[1:] not in modes else []:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
@@ -374,6 +403,10 @@ def test_dependent_launch_kernels_wait_before_reading_what_came_before() -> None
     """engine/layers/dependent_launch.py's rule, on the compiled code: before its
     griddepcontrol.wait a kernel stores nothing and loads only its weights (the GEMVs)."""
     assert _failed_compiles("dependent-launch") == {}
+
+
+def test_the_e4m3_decode_kernel_multiplies_e4m3_without_upcasts() -> None:
+    assert _failed_compiles("e4m3-decode") == {}
 
 
 def test_the_fp8_gemm_compiles_for_sm90_whole_and_split() -> None:

@@ -1,0 +1,94 @@
+"""What a split of a sequence's keys does at its ends in both decode kernels (`triton_decode`'s
+and `triton_decode_e4m3`'s): the range of keys it takes, and its partial softmax written out,
+or, when unsplit or the last split of its KV head to finish, its query heads' output.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvfleet.engine.attention.triton_tiles import LN2
+
+
+@triton.jit
+def split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """[first, end) of the sequence's keys this split takes: its window cut into NUM_SPLITS
+    pieces of whole BLOCK_Ns."""
+    kv_begin = 0
+    if sliding_window > 0:
+        kv_begin = tl.maximum(0, seq_len - sliding_window)
+    per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
+    per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    first = kv_begin + split * per_split
+    return first, tl.minimum(seq_len, first + per_split)
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
+                 split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
+                 NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 MERGE: tl.constexpr):  # fmt: skip
+    """A split's heads: the output when unsplit, else its partial results (max in natural-log
+    units, sum, unnormalized P.V), and when MERGE the last split to finish merges them."""
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
+    else:
+        # An empty split stores max -inf and sum 0: the merge gives it no weight.
+        row = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
+        tl.store(sum_ptr + row, l_i, mask=g_mask)
+        tl.store(
+            acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+        if MERGE:
+            tl.debug_barrier()  # (every thread's part written before the count says so)
+            counter = count_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                out = merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
+                              g_mask, offs_d, d_mask, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
+                store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
+                             d_mask)  # fmt: skip
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask):
+    """out [heads, BLOCK_D] (float32) into a sequence's rows of the output, in its dtype."""
+    tl.store(
+        out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def merged(
+    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """[rows, BLOCK_D] float32: each row's splits (partials at first_rows + 0..NUM_SPLITS-1,
+    natural-log maxima) merged as `_decode_merge_kernel` merges one (read past L1: other
+    programs wrote them)."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    at = first_rows[:, None] + offs_s[None, :]
+    ok = row_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    m = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, 1)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[:, None]))
+    total = tl.sum(weight * l_s, 1)
+    out = tl.zeros([first_rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        part = tl.load(
+            acc_ptr + (first_rows + i)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        out += part * tl.sum(tl.where(offs_s[None, :] == i, weight, 0.0), 1)[:, None]
+    return out / tl.where(total == 0.0, 1.0, total)[:, None]
