@@ -8,7 +8,8 @@ how the blocks' placement in the pool and the pool's size change a layer's time.
 Placements of a sequence's blocks: `shuffled` (anywhere in the pool, as attention_steps.py
 places them), `engine` (as the engine's FIFO free list hands them out to a 1k/1k run: each
 prompt's blocks in one run, then one block a sequence in turn every 16 decode steps), and
-`contiguous` (all of a sequence's blocks in one run). Figures: microseconds a layer, median of
+`contiguous` (all of a sequence's blocks in one run). `--e4m3`: each also through the FP8
+cache's e4m3-products kernel. Figures: microseconds a layer, median of
 replays of one CUDA graph of `--layers` calls; the floor is the KV bytes at the copy bandwidth
 measured in the same run.
 """
@@ -163,10 +164,13 @@ def main() -> None:
         for asked in args.pool_blocks:
             pool = max(asked, need)
             caches = [random_cache(pool, fp8) for _ in range(args.layers)]
-            for placement in args.placement:
+            kernels = (False, True)[: 1 + args.e4m3]
+            for placement, e4m3 in itertools.product(args.placement, kernels):
+                triton_decode.E4M3_PRODUCTS = e4m3
                 same, spread = layer_times(lens, caches, placement, args.prompt_len, args.gemms)
                 print(
-                    f"{num_seqs} x [{shortest}, {longest}] pool {pool} blocks {placement:10s}: "
+                    f"{num_seqs} x [{shortest}, {longest}] pool {pool} blocks {placement:10s}"
+                    f"{' e4m3 products' if e4m3 else ''}: "
                     f"one layer again {same:6.1f} us ({floor_us / same:5.1%}), "
                     f"{args.layers} layers {spread:6.1f} us ({floor_us / spread:5.1%} of floor "
                     f"{floor_us:.1f} us)"
