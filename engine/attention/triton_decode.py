@@ -423,8 +423,8 @@ def decode_attention(
     launched.setdefault(num_splits, preload)
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     min_split = _MIN_SPLIT_TOKENS if num_splits > 1 else 1
-    if E4M3_PRODUCTS and takes_e4m3_products(fp8, token_minor, head_dim, group, softcap):
-        assert kv_scales is not None, "an FP8 cache has its scales"
+    e4m3 = E4M3_PRODUCTS and takes_e4m3_products(fp8, token_minor, head_dim, group, softcap)
+    if e4m3 and kv_scales is not None:
         decode_e4m3(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales, out,
                     (acc, maxes, sums), counters, num_splits, min_split, merge)  # fmt: skip
         if num_splits > 1 and not merge:
