@@ -147,6 +147,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--cache", choices=("bf16", "fp8"), default="fp8")
     parser.add_argument(
+        "--e4m3",
+        action="store_true",
+        help="each also through the e4m3-products kernel (triton_decode_e4m3)",
+    )
+    parser.add_argument(
         "--gemms",
         action="store_true",
         help="each call after a layer's FP8 GEMMs (their time taken out)",

@@ -161,10 +161,11 @@ def test_e4m3_products_decode_stays_within_e4m3s_rounding(
     (2^-4 of a value at most) of the reference, beside the upcasting kernel's error."""
     heads = SHAPES[shape]
     inputs = _fp8_case(attention_case, "decode-64", heads)
-    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"]
+    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"].clone()
     reference = TorchAttention(*heads.values())
+    # (the reference writes the step's keys and values into the cache, then the kernels read it)
     expected = reference.forward(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(),
-                                 cache.clone(), metadata, scales)  # fmt: skip
+                                 cache, metadata, scales)  # fmt: skip
     errors = {}
     for products in (False, True):
         monkeypatch.setattr(triton_decode, "E4M3_PRODUCTS", products)
