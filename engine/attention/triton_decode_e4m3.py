@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.attention.triton_splits import finish_split, split_range
+from kvfleet.engine.attention.triton_splits import finish_split, group_heads, program_split
 from kvfleet.engine.attention.triton_tiles import LOG2E, kv_tile_tokens, tile_positions
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
-    let_next_start,
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import next_power_of_2
@@ -121,19 +120,11 @@ def _decode_e4m3_kernel(
 ):  # fmt: skip
     """Program (sequence, KV head, split): the split's keys in BLOCK_N tiles of whole blocks
     against the group's query heads, ended as `triton_decode`'s kernel ends a split."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    let_next_start(PDL)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    first, end = split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
-    start = first // BLOCK_N * BLOCK_N  # (tiles of whole blocks from a multiple of BLOCK_N)
-    end = tl.where(first < end, end, start)  # (an empty split stays empty)
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
+    # (tiles of whole blocks from a multiple of BLOCK_N)
+    seq, kv_head, split, _, first, start, end = program_split(
+        seq_lens_ptr, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N, True, PDL
+    )
+    heads, offs_d, g_mask, d_mask = group_heads(kv_head, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     wait_for_previous(PDL)
     q_t, q_scale = _query_columns(q_ptr, seq, heads, offs_d, g_mask, d_mask, stride_qt, stride_qh,

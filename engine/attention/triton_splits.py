@@ -1,6 +1,6 @@
-"""What a split of a sequence's keys does at its ends in both decode kernels (`triton_decode`'s
-and `triton_decode_e4m3`'s): the range of keys it takes, and its partial softmax written out,
-or, when unsplit or the last split of its KV head to finish, its query heads' output.
+"""What both decode kernels (`triton_decode`'s and `triton_decode_e4m3`'s) do at a split's ends:
+the range of a sequence's keys it takes and the query heads it serves, then its partial softmax
+written out, or, when unsplit or the last split of its KV head to finish, those heads' output.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.triton_tiles import LN2
+from kvfleet.engine.layers.dependent_launch import let_next_start
 
 
 @triton.jit
@@ -23,6 +24,38 @@ def split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SP
     per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
     first = kv_begin + split * per_split
     return first, tl.minimum(seq_len, first + per_split)
+
+
+@triton.jit
+def program_split(seq_lens_ptr, sliding_window, NUM_SPLITS: tl.constexpr,
+                  MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """(seq, kv_head, split, seq_len, first, start, end) of program (sequence, KV head,
+    split), its keys as `split_range` cuts them (tiles from `start`: `first`, or when ALIGNED
+    the multiple of BLOCK_N at or below it), after letting the next kernel start (PDL).
+    NOTE: before the wait, only what no kernel of the step writes: the sequence's length
+    (copied in before the step)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    let_next_start(PDL)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first, end = split_range(seq_len, sliding_window, split, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    start = first
+    if ALIGNED:  # (tiles from a multiple of BLOCK_N; an empty split stays empty)
+        start = first // BLOCK_N * BLOCK_N
+        end = tl.where(first < end, end, start)
+    return seq, kv_head, split, seq_len, first, start, end
+
+
+@triton.jit
+def group_heads(kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """(heads, offs_d, g_mask, d_mask): a program's query heads (the GQA group of `kv_head`,
+    padded to GROUP_PAD) and its head dimensions (padded to BLOCK_D), with what is real."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    return kv_head * GROUP + offs_g, offs_d, offs_g < GROUP, offs_d < HEAD_DIM
 
 
 @triton.jit
