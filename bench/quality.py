@@ -6,7 +6,9 @@ greedy continuations and perplexity on a fixed text.
 32 prompts (bench/bf16_agreement.py's) x 32 greedy tokens: how many continuations are equal;
 where they first differ, the two tokens' logprob gap under the unquantized model. Perplexity of
 tests/data/perplexity.txt (one forward over the whole text, the engine's own model and
-attention kernels).
+attention kernels); with `--decode-perplexity` also through the decode kernels, the text fed a
+token a step as decode steps are (what a decode-only change, such as
+`triton_decode.E4M3_PRODUCTS`, costs).
 """
 
 from __future__ import annotations
@@ -59,8 +61,47 @@ def perplexity(
     return math.exp(nll.item())
 
 
-def evaluate(model: str, **engine_args: Any) -> dict[str, Any]:
-    """Greedy continuations (ids, and the first 20 logprobs of each step) and perplexity."""
+def decode_perplexity(
+    model: LlamaForCausalLM,
+    token_ids: list[int],
+    device: torch.device,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> float:
+    """`perplexity` with the text fed one token a step, each step a decode step (one query
+    token over the tokens before it in the cache): the decode attention kernels' perplexity."""
+    n = len(token_ids)
+    blocks = -(-n // _BLOCK)
+    config = model.config
+    dtype = kv_cache_dtype or model.embed_tokens.weight.dtype
+    kv = [
+        torch.zeros(2, blocks + 1, _BLOCK, config.num_key_value_heads, config.head_dim,
+                    dtype=dtype, device=device)
+        for _ in model.layers
+    ]  # fmt: skip
+    table = torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None]
+    ids = torch.tensor(token_ids, device=device)
+    nll = 0.0
+    with torch.inference_mode():
+        for t in range(n - 1):
+            metadata = AttentionMetadata(
+                slot_mapping=torch.tensor([_BLOCK + t], device=device),
+                block_tables=table,
+                cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([t + 1], dtype=torch.int32, device=device),
+                max_seqlen_q=1,
+                max_seqlen_k=t + 1,
+                query_lens_cpu=[1],
+                seq_lens_cpu=[t + 1],
+            )
+            hidden = model(ids[t : t + 1], torch.tensor([t], device=device), kv, metadata)
+            logits = model.compute_logits(hidden).float()
+            nll -= torch.log_softmax(logits[0], -1)[ids[t + 1]].item()
+    return math.exp(nll / (n - 1))
+
+
+def evaluate(model: str, decoding: bool = False, **engine_args: Any) -> dict[str, Any]:
+    """Greedy continuations (ids, and the first 20 logprobs of each step) and perplexity (and,
+    `decoding`, its `decode_perplexity`)."""
     llm = LLM(model, max_model_len=2048, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20)
     outputs = llm.generate(PROMPTS, params)
@@ -78,6 +119,13 @@ def evaluate(model: str, **engine_args: Any) -> dict[str, Any]:
         ],
         "perplexity": perplexity(
             engine.runner.model, text_ids, engine.device, engine.runner.kv_cache_dtype
+        ),
+        "decode_perplexity": (
+            decode_perplexity(
+                engine.runner.model, text_ids, engine.device, engine.runner.kv_cache_dtype
+            )
+            if decoding
+            else None
         ),
         "text_tokens": len(text_ids),
         "describe": engine.quantization.describe() if engine.quantization else "none",
@@ -104,6 +152,15 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         top = steps[at]
         other_lp = top.get(ids_b[at])
         gaps.append(None if other_lp is None else round(top[ids_a[at]] - other_lp, 4))
+    decoded = {}
+    if base["decode_perplexity"] is not None and other["decode_perplexity"] is not None:
+        decoded = {
+            "decode_perplexity": round(other["decode_perplexity"], 4),
+            "decode_perplexity_base": round(base["decode_perplexity"], 4),
+            "decode_perplexity_rise_pct": round(
+                100 * (other["decode_perplexity"] / base["decode_perplexity"] - 1), 2
+            ),
+        }
     return {
         "equal_continuations": equal,
         "prompts": len(base["continuations"]),
@@ -111,7 +168,7 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         "perplexity": round(other["perplexity"], 4),
         "perplexity_base": round(base["perplexity"], 4),
         "perplexity_rise_pct": round(100 * (other["perplexity"] / base["perplexity"] - 1), 2),
-    }
+    } | decoded
 
 
 def main() -> None:
@@ -121,11 +178,17 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="fp8, rtn, gguf, or none")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--calculate-kv-scales", action="store_true")
+    parser.add_argument(
+        "--decode-perplexity",
+        action="store_true",
+        help="also the perplexity through the decode kernels, a token a step",
+    )
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
-    base = evaluate(args.model, dtype=args.dtype)
+    base = evaluate(args.model, args.decode_perplexity, dtype=args.dtype)
     quantized = evaluate(
         args.model,
+        args.decode_perplexity,
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

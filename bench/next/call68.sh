@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device call 68 (next session): what holds the e4m3-products decode kernel off
+# (triton_decode.E4M3_PRODUCTS). SmolLM2's GGUF must be in $HOME/kvhome first (two calls while
+# the machine is warm: ../shared/DEVICE.md). Runs: its GPU test (fixed after call 67), its time
+# alone and after each layer's GEMMs beside the upcasting kernel, SmolLM2's FP8-KV quality with
+# the text also fed as decode steps (the only path the kernel changes), upcasting then e4m3
+# (the switch set on in this copy of the tree), then the FP8 1k/1k with it on.
+set -uo pipefail
+OUT=${OUT:?}
+timeout 120 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q -s \
+  tests/gpu/test_fp8_kv_cuda.py -k "e4m3" > "$OUT/tests.txt" 2>&1
+grep -E "relative error|passed|failed|Error" "$OUT/tests.txt" | tail -6
+for g in "" --gemms; do
+  timeout 150 bench/device_env.sh python3 bench/decode_layers.py --e4m3 --placement engine $g \
+    --steps 512:1500:1510 512:1025:2047 256:1025:2047 64:129:256 > "$OUT/layers$g.txt" 2>&1
+  cut -c1-200 "$OUT/layers$g.txt"
+done
+for mode in off on; do
+  [ $mode = on ] && sed -i 's/^E4M3_PRODUCTS = False/E4M3_PRODUCTS = True/' engine/attention/triton_decode.py
+  timeout 240 bench/device_env.sh python3 -m kvfleet.bench.quality --model smollm2 \
+    --kv-cache-dtype fp8 --decode-perplexity --json "$OUT/quality-kv-$mode.json" > "$OUT/quality-$mode.txt" 2>&1
+  grep -E "equal|perplexity" "$OUT/quality-$mode.txt"
+done
+L="--model llama-3-8b --load-format dummy --num-prompts 1000 --input-len 1024 --output-len 1024"
+timeout 150 bench/device_env.sh python3 -m kvfleet.cli.main bench throughput $L --quantization fp8 \
+  --kv-cache-dtype fp8 --max-num-seqs 512 --json "$OUT/fp8-on.json" > "$OUT/fp8-on.txt" 2>&1
+grep -E '"output_tok_per_s"|"mean_ms"' "$OUT/fp8-on.txt"
