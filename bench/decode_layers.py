@@ -9,9 +9,9 @@ Placements of a sequence's blocks: `shuffled` (anywhere in the pool, as attentio
 places them), `engine` (as the engine's FIFO free list hands them out to a 1k/1k run: each
 prompt's blocks in one run, then one block a sequence in turn every 16 decode steps), and
 `contiguous` (all of a sequence's blocks in one run). `--e4m3`: each also through the FP8
-cache's e4m3-products kernel. Figures: microseconds a layer, median of
-replays of one CUDA graph of `--layers` calls; the floor is the KV bytes at the copy bandwidth
-measured in the same run.
+cache's e4m3-products kernel (`--e4m3-tiles`: at these tiles too). Figures: microseconds a
+layer, median of replays of one CUDA graph of `--layers` calls; the floor is the KV bytes at
+the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from kvfleet.bench.attention_steps import (
     kv_bytes,
 )
 from kvfleet.bench.ceilings import measure_ceilings
-from kvfleet.engine.attention import triton_decode
+from kvfleet.engine.attention import triton_decode, triton_decode_e4m3
 from kvfleet.engine.attention.metadata import AttentionMetadata
 
 
@@ -69,6 +69,12 @@ def block_tables(
                     tables[row, column] = taken
                     taken += 1
     return tables
+
+
+def _tile(text: str) -> tuple[int, int, int]:
+    """BLOCK_N,WARPS,STAGES (argparse reports a bad one)."""
+    block_n, warps, stages = (int(value) for value in text.split(","))
+    return block_n, warps, stages
 
 
 def random_cache(pool: int, fp8: bool) -> torch.Tensor:
@@ -152,6 +158,13 @@ def main() -> None:
         help="each also through the e4m3-products kernel (triton_decode_e4m3)",
     )
     parser.add_argument(
+        "--e4m3-tiles",
+        type=_tile,
+        nargs="*",
+        default=[],
+        help="BLOCK_N,WARPS,STAGES tiles of the e4m3 kernel tried beside its shipped one",
+    )
+    parser.add_argument(
         "--gemms",
         action="store_true",
         help="each call after a layer's FP8 GEMMs (their time taken out)",
@@ -169,13 +182,15 @@ def main() -> None:
         for asked in args.pool_blocks:
             pool = max(asked, need)
             caches = [random_cache(pool, fp8) for _ in range(args.layers)]
-            kernels = (False, True)[: 1 + args.e4m3]
-            for placement, e4m3 in itertools.product(args.placement, kernels):
-                triton_decode.E4M3_PRODUCTS = e4m3
+            shipped = triton_decode_e4m3.E4M3_TILE
+            kernels = [None] + [shipped, *args.e4m3_tiles] * (args.e4m3 or bool(args.e4m3_tiles))
+            for placement, tile in itertools.product(args.placement, kernels):
+                triton_decode.E4M3_PRODUCTS = tile is not None
+                triton_decode_e4m3.E4M3_TILE = tile or shipped
                 same, spread = layer_times(lens, caches, placement, args.prompt_len, args.gemms)
                 print(
                     f"{num_seqs} x [{shortest}, {longest}] pool {pool} blocks {placement:10s}"
-                    f"{' e4m3 products' if e4m3 else ''}: "
+                    f"{f' e4m3 products {tile}' if tile else ''}: "
                     f"one layer again {same:6.1f} us ({floor_us / same:5.1%}), "
                     f"{args.layers} layers {spread:6.1f} us ({floor_us / spread:5.1%} of floor "
                     f"{floor_us:.1f} us)"

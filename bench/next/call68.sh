@@ -11,7 +11,8 @@ timeout 120 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=impor
   tests/gpu/test_fp8_kv_cuda.py -k "e4m3" > "$OUT/tests.txt" 2>&1
 grep -E "relative error|passed|failed|Error" "$OUT/tests.txt" | tail -6
 for g in "" --gemms; do
-  timeout 150 bench/device_env.sh python3 bench/decode_layers.py --e4m3 --placement engine $g \
+  timeout 200 bench/device_env.sh python3 bench/decode_layers.py --e4m3 --placement engine $g \
+    --e4m3-tiles 128,4,2 128,8,3 64,4,3 256,8,2 \
     --steps 512:1500:1510 512:1025:2047 256:1025:2047 64:129:256 > "$OUT/layers$g.txt" 2>&1
   cut -c1-200 "$OUT/layers$g.txt"
 done
