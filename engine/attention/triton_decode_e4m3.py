@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.attention.triton_e4m3 import E4M3_MAX, e4m3_kv_operands, e4m3_rows
 from kvfleet.engine.attention.triton_splits import finish_split, group_heads, program_split
 from kvfleet.engine.attention.triton_tiles import LOG2E, kv_tile_tokens, tile_positions
 from kvfleet.engine.layers.dependent_launch import (
@@ -35,64 +36,19 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
-# e4m3's largest finite value: each query head's largest magnitude and the softmax weight 1
-# are stored as this
-_E4M3_MAX = tl.constexpr(448.0)
-
 
 @triton.jit
 def _query_columns(q_ptr, seq, heads, offs_d, g_mask, d_mask, stride_qt, stride_qh,
                    E4M3: tl.constexpr):  # fmt: skip
-    """The group's queries as the products' narrow side q^T [BLOCK_D, GROUP_PAD] (e4m3, each
-    head divided by its scale; float32 when not E4M3) and each head's scale [GROUP_PAD]."""
+    """The group's queries as the products' narrow side q^T [BLOCK_D, GROUP_PAD] (`e4m3_rows`:
+    each head divided by its scale) and each head's scale [GROUP_PAD]."""
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     ).to(tl.float32)
-    if E4M3:
-        q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-30) / _E4M3_MAX
-        columns = tl.trans((q / q_scale[:, None]).to(tl.float8e4nv))
-    else:
-        q_scale = tl.full([heads.shape[0]], 1.0, dtype=tl.float32)
-        columns = tl.trans(q)
-    return columns, q_scale
-
-
-@triton.jit
-def _kv_operands(k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, kv_end, kv_head, offs_d,
-                 stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, E4M3: tl.constexpr):  # fmt: skip
-    """A tile's keys K [BLOCK_N, BLOCK_D] and values V^T [BLOCK_D, BLOCK_N] of one KV head, whole
-    blocks from start_n (a multiple of BLOCK_N; blocks from kv_end on read 0), as they lie in
-    the cache (float32 when not E4M3). Tokens past a sequence's end inside its last block read
-    stale, finite bytes: the caller masks their scores."""
-    # K: a block's head is [BLOCK_SIZE, HEAD_DIM] in one run (stride_cs = HEAD_DIM)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    token_ok = offs_n // BLOCK_SIZE * BLOCK_SIZE < kv_end
-    token_block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=token_ok, other=0)
-    k = tl.load(
-        k_cache_ptr + token_block.to(tl.int64)[:, None] * stride_cb
-        + (offs_n % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :],
-        mask=token_ok[:, None],
-        other=0.0,
-    )  # fmt: skip
-    blocks = start_n // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-    block_ok = blocks * BLOCK_SIZE < kv_end
-    physical = tl.load(block_table_ptr + blocks, mask=block_ok, other=0).to(tl.int64)
-    # V: a block's head is [HEAD_DIM, BLOCK_SIZE] in one run, loaded as [blocks, run]
-    run = tl.arange(0, BLOCK_D * BLOCK_SIZE)  # (dim * BLOCK_SIZE + slot)
-    v = tl.load(
-        v_cache_ptr + physical[:, None] * stride_vb + kv_head * stride_vh + run[None, :],
-        mask=block_ok[:, None],
-        other=0.0,
-    )
-    v = tl.reshape(v, (BLOCK_N // BLOCK_SIZE, BLOCK_D, BLOCK_SIZE))
-    v_t = tl.reshape(tl.permute(v, (1, 0, 2)), (BLOCK_D, BLOCK_N))
-    if not E4M3:
-        k = k.to(tl.float32)
-        v_t = v_t.to(tl.float32)
-    return k, v_t
+    rows, q_scale = e4m3_rows(q, E4M3)
+    return tl.trans(rows), q_scale
 
 
 # NOTE: the block table's width changes step to step: one compiled kernel for any width.
@@ -137,7 +93,7 @@ def _decode_e4m3_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, True)
         n_mask = (offs_n >= first) & (offs_n < end)
-        k, v_t = _kv_operands(k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, end, kv_head,
+        k, v_t = e4m3_kv_operands(k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, end, kv_head,
                               offs_d, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh,
                               BLOCK_SIZE, BLOCK_N, BLOCK_D, E4M3)  # fmt: skip
         s_t = tl.dot(k, q_t) * head_scale[None, :]  # [BLOCK_N, GROUP_PAD], log2 units
@@ -148,8 +104,8 @@ def _decode_e4m3_kernel(
         p_t = tl.exp2(s_t - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         if E4M3:
-            p_q = (p_t * _E4M3_MAX).to(tl.float8e4nv)
-            l_i = l_i * alpha + tl.sum(p_q.to(tl.float32), 0) / _E4M3_MAX
+            p_q = (p_t * E4M3_MAX).to(tl.float8e4nv)
+            l_i = l_i * alpha + tl.sum(p_q.to(tl.float32), 0) / E4M3_MAX
         else:
             p_q = p_t
             l_i = l_i * alpha + tl.sum(p_t, 0)
@@ -157,7 +113,7 @@ def _decode_e4m3_kernel(
         m_i = m_new
     v_scale = tl.load(kv_scales_ptr + 1)
     if E4M3:
-        v_scale = v_scale / _E4M3_MAX
+        v_scale = v_scale / E4M3_MAX
     acc = tl.trans(acc_t) * v_scale  # [GROUP_PAD, BLOCK_D]
     finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
                  split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
