@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Device call 68 (next session): what holds the e4m3-products decode kernel off
-# (triton_decode.E4M3_PRODUCTS). SmolLM2's GGUF must be in $HOME/kvhome first (two calls while
-# the machine is warm: ../shared/DEVICE.md). Runs: its GPU test (fixed after call 67), its time
-# alone and after each layer's GEMMs beside the upcasting kernel, SmolLM2's FP8-KV quality with
-# the text also fed as decode steps (the only path the kernel changes), upcasting then e4m3
-# (the switch set on in this copy of the tree), then the FP8 1k/1k with it on.
+# Device call 68 (next session): what holds the e4m3-products attention paths off
+# (triton_decode.E4M3_PRODUCTS, triton_prompt.E4M3_PRODUCTS). SmolLM2's GGUF must be in
+# $HOME/kvhome first (bench/next/stage_smollm2.sh: two calls while the machine is warm). Runs: their GPU tests (the decode one fixed after
+# call 67), the decode kernel's time alone and after each layer's GEMMs beside the upcasting
+# one, SmolLM2's FP8-KV quality (perplexity: the prompt path; --decode-perplexity: the decode
+# path) upcasting, then with the decode switch on, then both (set on in this copy of the tree),
+# then the FP8 1k/1k with both on.
 set -uo pipefail
 OUT=${OUT:?}
 timeout 120 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q -s \
@@ -16,8 +17,9 @@ for g in "" --gemms; do
     --steps 512:1500:1510 512:1025:2047 256:1025:2047 64:129:256 > "$OUT/layers$g.txt" 2>&1
   cut -c1-200 "$OUT/layers$g.txt"
 done
-for mode in off on; do
-  [ $mode = on ] && sed -i 's/^E4M3_PRODUCTS = False/E4M3_PRODUCTS = True/' engine/attention/triton_decode.py
+for mode in off decode both; do
+  [ $mode = decode ] && sed -i 's/^E4M3_PRODUCTS = False/E4M3_PRODUCTS = True/' engine/attention/triton_decode.py
+  [ $mode = both ] && sed -i 's/^E4M3_PRODUCTS = False/E4M3_PRODUCTS = True/' engine/attention/triton_prompt.py
   timeout 240 bench/device_env.sh python3 -m kvfleet.bench.quality --model smollm2 \
     --kv-cache-dtype fp8 --decode-perplexity --json "$OUT/quality-kv-$mode.json" > "$OUT/quality-$mode.txt" 2>&1
   grep -E "equal|perplexity" "$OUT/quality-$mode.txt"

@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.attention.triton_e4m3 import E4M3_MAX, e4m3_kv_operands, e4m3_rows
+from kvfleet.engine.attention.triton_e4m3 import (
+    E4M3_MAX,
+    e4m3_kv_operands,
+    e4m3_rows,
+    takes_e4m3,
+)
 from kvfleet.engine.attention.triton_splits import finish_split, group_heads, program_split
 from kvfleet.engine.attention.triton_tiles import LOG2E, kv_tile_tokens, tile_positions
 from kvfleet.engine.layers.dependent_launch import (
@@ -128,11 +133,9 @@ E4M3_TILE = (128, 4, 3)
 def takes_e4m3_products(
     fp8: bool, token_minor: bool, head_dim: int, group: int, softcap: float | None
 ) -> bool:
-    """Whether a decode launch can take `decode_e4m3`: an FP8 cache's head-major blocks, heads
-    whose width is a power of two from 32 (the e4m3 products take 32 inputs a step), GQA groups
-    of up to 16 query heads, no soft-capping."""
-    width_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
-    return fp8 and token_minor and width_ok and group <= 16 and softcap is None
+    """Whether a decode launch can take `decode_e4m3`: `triton_e4m3.takes_e4m3`, and GQA groups
+    of up to 16 query heads (the products' narrow side)."""
+    return takes_e4m3(fp8, token_minor, head_dim, softcap) and group <= 16
 
 
 def decode_e4m3(

@@ -16,6 +16,14 @@ import triton.language as tl
 E4M3_MAX = tl.constexpr(448.0)
 
 
+def takes_e4m3(fp8: bool, token_minor: bool, head_dim: int, softcap: float | None) -> bool:
+    """Whether an attention launch can multiply its cache's values as they lie: an FP8 cache's
+    head-major blocks, heads whose width is a power of two from 32 (e4m3 products take 32
+    inputs a step), no soft-capping (the scores' cap is the upcasting kernels')."""
+    width_ok = head_dim >= 32 and head_dim & (head_dim - 1) == 0
+    return fp8 and token_minor and width_ok and softcap is None
+
+
 @triton.jit
 def e4m3_rows(x, E4M3: tl.constexpr):
     """(x [rows, cols] float32 as e4m3, each row divided by its scale; the scales [rows], each

@@ -17,6 +17,13 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode import merge_splits, splits_to_fill
+from kvfleet.engine.attention.triton_e4m3 import (
+    E4M3_MAX,
+    e4m3_kv_operands,
+    e4m3_rows,
+    online_softmax_e4m3,
+    takes_e4m3,
+)
 from kvfleet.engine.attention.triton_tiles import (
     LN2,
     fp8_query,
@@ -53,6 +60,11 @@ PROMPT_TILES: dict[tuple[bool, str], tuple[int, int, int, int]] = {
 SHORT_QUERY_TOKENS = 16
 LONG_KV_TOKENS = 4096
 FEW_QUERY_TOKENS = 64
+# An FP8 cache's prompt steps with the products of e4m3 values as the cache holds them, the
+# queries and softmax weights quantized (`triton_e4m3`), where the tile's query rows are at
+# least the products' 64 (not "short" steps). Off until measured on the GPU against the
+# upcasting path and SmolLM2's FP8-KV perplexity bar (issue 30); on for A/B runs.
+E4M3_PRODUCTS = False
 
 
 def prompt_step_kind(metadata: AttentionMetadata) -> str:
@@ -111,6 +123,44 @@ def _key_range(first_pos, seq_len, sliding_window, split, num_splits, BLOCK_M: t
     return kv_begin, unmasked_end, kv_end
 
 
+@triton.jit
+def _tile(q, q_scale, k_cache_ptr, v_cache_ptr, table, start_n, offs_n, n_mask, kv_end, kv_head,
+          offs_d, d_mask, scale, softcap, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh,
+          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+          V_TOKEN_MINOR: tl.constexpr, SOFTCAP: tl.constexpr, E4M3_OPERANDS: tl.constexpr,
+          E4M3: tl.constexpr):  # fmt: skip
+    """A KV tile's scores [BLOCK_M, BLOCK_N] (unmasked) and its values: V [BLOCK_N, BLOCK_D]
+    upcast where FP8 (`load_kv_tile`), or V^T [BLOCK_D, BLOCK_N] as the cache holds it with
+    E4M3_OPERANDS (`e4m3_kv_operands`: whole blocks; the caller masks past kv_end)."""
+    if E4M3_OPERANDS:
+        k, v = e4m3_kv_operands(
+            k_cache_ptr, v_cache_ptr, table, start_n, kv_end, kv_head, offs_d, stride_cb,
+            stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, BLOCK_N, BLOCK_D, E4M3,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]
+    else:
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, n_mask, kv_end, kv_head, offs_d,
+            d_mask, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM,
+            FP8, V_TOKEN_MINOR, q.dtype,
+        )  # fmt: skip
+        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+    return s, v
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr,
+                  E4M3_OPERANDS: tl.constexpr, E4M3: tl.constexpr):  # fmt: skip
+    """The tile into the running softmax: `online_softmax`, or with E4M3_OPERANDS its e4m3
+    form over V^T."""
+    if E4M3_OPERANDS:
+        m_i, l_i, acc = online_softmax_e4m3(s, v, m_i, l_i, acc, qk_scale, E4M3)
+    else:
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # NOTE: the block table's width and the first sequence change step to step: one compiled
 # kernel for any.
 @triton.jit(do_not_specialize=["stride_bt", "first_seq", "num_splits"])
@@ -152,6 +202,8 @@ def _paged_attention_kernel(
     V_TOKEN_MINOR: tl.constexpr,  # (`head_major_blocks`)
     SOFTCAP: tl.constexpr,  # scores soft-capped: softcap * tanh(s / softcap)
     SPLIT: tl.constexpr,  # num_splits > 1: partial results out, for the merge
+    E4M3_OPERANDS: tl.constexpr,  # an FP8 cache's K and V multiplied as they lie (`triton_e4m3`)
+    E4M3: tl.constexpr,  # (E4M3_OPERANDS) in e4m3, the queries and weights quantized; else f32
 ):
     # (the last query blocks, which attend to the most keys, start first)
     split = tl.program_id(0) % num_splits
@@ -177,12 +229,18 @@ def _paged_attention_kernel(
     # Absolute positions of this program's queries; padding rows sit past the last one.
     q_pos = seq_len - q_len + offs_m
 
-    if FP8:
+    q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if E4M3_OPERANDS:
+        q, q_scale = e4m3_rows(q.to(tl.float32), E4M3)
+        scale *= tl.load(kv_scales_ptr)
+    elif FP8:
         q = fp8_query(q)
         scale *= tl.load(kv_scales_ptr)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = (  # (the running max, sum and P.V)
+        tl.full([BLOCK_M], float("-inf"), dtype=tl.float32),
+        tl.zeros([BLOCK_M], dtype=tl.float32),
+        tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+    )
 
     kv_begin, unmasked_end, kv_end = _key_range(
         seq_len - q_len + m_block * BLOCK_M, seq_len, sliding_window, split, num_splits,
@@ -193,32 +251,31 @@ def _paged_attention_kernel(
     # (every tile starts at a multiple of BLOCK_N, which a token-minor V's vectors rely on)
     for start_n in range(kv_begin, unmasked_end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, offs_n < unmasked_end,
-            unmasked_end, kv_head, offs_d, d_mask,
-            stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, FP8,
-            V_TOKEN_MINOR, q.dtype,
-        )  # fmt: skip
-        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        s, v = _tile(q, q_scale, k_cache_ptr, v_cache_ptr, table, start_n, offs_n,
+                     offs_n < unmasked_end, unmasked_end, kv_head, offs_d, d_mask, scale, softcap,
+                     stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM,
+                     BLOCK_N, BLOCK_D, DOT_PRECISION, FP8, V_TOKEN_MINOR, SOFTCAP, E4M3_OPERANDS,
+                     E4M3)  # fmt: skip
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                      E4M3_OPERANDS, E4M3)  # fmt: skip
     for start_n in range(tl.maximum(kv_begin, unmasked_end), kv_end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, V_TOKEN_MINOR)
         n_mask = offs_n < kv_end
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table, start_n, offs_n, n_mask, kv_end, kv_head,
-            offs_d, d_mask, stride_cb,
-            stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, FP8,
-            V_TOKEN_MINOR, q.dtype,
-        )  # fmt: skip
-        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
+        s, v = _tile(q, q_scale, k_cache_ptr, v_cache_ptr, table, start_n, offs_n, n_mask, kv_end,
+                     kv_head, offs_d, d_mask, scale, softcap, stride_cb, stride_cs, stride_ch,
+                     stride_vb, stride_vh, BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                     FP8, V_TOKEN_MINOR, SOFTCAP, E4M3_OPERANDS, E4M3)  # fmt: skip
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if sliding_window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(allowed, s, float("-inf"))
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                      E4M3_OPERANDS, E4M3)  # fmt: skip
 
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
+    if E4M3:
+        acc /= E4M3_MAX
     tokens = q_start + offs_m
     if not SPLIT:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -295,6 +352,8 @@ def paged_attention(
     token_minor = v_cache.stride(3) != 1
     assert not token_minor or block_n % kv_cache.shape[2] == 0, "token-minor V: whole blocks"
     assert not token_minor or v_cache.stride(3) == kv_cache.shape[2], "a head's V: one run"
+    e4m3 = E4M3_PRODUCTS and block_m >= 64 and takes_e4m3(fp8, token_minor, head_dim, softcap)
+    e4m3 = e4m3 and kv_scales is not None
     _PAGED_ATTENTION[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
         k_cache,
@@ -333,6 +392,8 @@ def paged_attention(
         V_TOKEN_MINOR=token_minor,
         SOFTCAP=softcap is not None,
         SPLIT=num_splits > 1,
+        E4M3_OPERANDS=e4m3,
+        E4M3=e4m3 and q.is_cuda,
         num_warps=warps,
         num_stages=stages,
     )

@@ -178,3 +178,30 @@ def test_e4m3_products_decode_stays_within_e4m3s_rounding(
     print(f"relative error: upcasts {errors[False]:.2e}, e4m3 products {errors[True]:.2e}")
     assert errors[False] < 1e-2
     assert errors[True] < 2**-4
+
+
+@pytest.mark.parametrize("case", ["chunk-after-prefix", "mixed"])
+def test_e4m3_products_prompt_kernel_stays_within_e4m3s_rounding(
+    attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The prompt kernel's E4M3_OPERANDS (each query row and the softmax weights rounded to
+    e4m3, products of e4m3 values) against the torch backend over the same cache: within
+    e4m3's rounding of the reference, beside the upcasting path's error."""
+    inputs = _fp8_case(attention_case, case)
+    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"].clone()
+    reference = TorchAttention(*HEADS.values())
+    # (the reference writes the step's keys and values into the cache, then the kernel reads it)
+    expected = reference.forward(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(),
+                                 cache, metadata, scales)  # fmt: skip
+    errors = {}
+    for products in (False, True):
+        monkeypatch.setattr(triton_prompt, "E4M3_PRODUCTS", products)
+        out = torch.full_like(inputs["q"], float("nan"))
+        triton_prompt.paged_attention(inputs["q"], cache, metadata, reference.scale, out=out,
+                                      kv_scales=scales)  # fmt: skip
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        errors[products] = float((out.float() - expected).norm() / expected.norm())
+    print(f"relative error: upcasts {errors[False]:.2e}, e4m3 products {errors[True]:.2e}")
+    assert errors[False] < 1e-2
+    assert errors[True] < 2**-4

@@ -84,7 +84,7 @@ def prompt(q_type, cache_type, kind, split):
     constants = dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
-                     SPLIT=split)
+                     SPLIT=split, E4M3_OPERANDS=False, E4M3=False)
     compile_for_sm90(triton_prompt._paged_attention_kernel, types, constants, warps, stages)
 
 
@@ -270,7 +270,7 @@ def dependent_launch():
         assert "griddepcontrol" not in plain, f"{name}: PDL=False still waits"
 
 
-def e4m3_decode():
+def e4m3():
     # The FP8 cache's decode kernel with e4m3 products, at heads of 128 and 256, whole and
     # split: both products e4m3 tensor-core ones, K and V never upcast (the only e4m3 -> f16
     # conversions: the softmax weights' sum, a few a tile; the upcasting kernel has ~130).
@@ -292,6 +292,25 @@ def e4m3_decode():
             assert products and all(".e4m3.e4m3" in line for line in products), head_dim
             upcasts = ptx.count("cvt.rn.f16x2.e4m3x2")
             assert upcasts <= 16, f"head {head_dim}: {upcasts} e4m3 upcasts"
+    # ... and the prompt kernel's E4M3_OPERANDS at the FP8 tiles of 64 query rows and more:
+    # e4m3 products, at most half the upcasting kernel's conversions (the weights' sum only)
+    types |= {"cu_seqlens_q_ptr": "*i32", "softcap": "fp32"}
+    whole = {"acc_ptr": "*i32", "max_ptr": "*i32", "sum_ptr": "*i32"}
+    for kind in ("few", "chunks", "long"):
+        for split in (False, True):
+            block_m, block_n, warps, stages = triton_prompt.prompt_tile(torch.bfloat16, True, kind)
+            ptx = {}
+            for e4m3 in (False, True):
+                ptx[e4m3] = compile_for_sm90(
+                    triton_prompt._paged_attention_kernel, types | ({} if split else whole),
+                    dict(QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128,
+                         BLOCK_M=block_m, BLOCK_N=block_n, FP8=True, V_TOKEN_MINOR=True,
+                         DOT_PRECISION="tf32", SOFTCAP=False, SPLIT=split, E4M3_OPERANDS=e4m3,
+                         E4M3=e4m3), warps, stages)
+            products = [line for line in ptx[True].splitlines() if "wgmma.mma_async" in line]
+            assert products and all(".e4m3.e4m3" in line for line in products), kind
+            upcasts = [ptx[e4m3].count("cvt.rn.f16x2.e4m3x2") for e4m3 in (False, True)]
+            assert 2 * upcasts[1] <= upcasts[0], f"prompt {kind}: {upcasts} e4m3 upcasts"
 
 
 def fp8_gemm():
@@ -328,11 +347,11 @@ if sys.argv[1:] == ["lora"]:
         lora()
     except Exception as exc:
         failed["lora"] = f"{type(exc).__name__}: {exc}"[-1500:]
-if sys.argv[1:] == ["e4m3-decode"]:
+if sys.argv[1:] == ["e4m3"]:
     try:
-        e4m3_decode()
+        e4m3()
     except Exception as exc:
-        failed["e4m3 decode"] = f"{type(exc).__name__}: {exc}"[-1500:]
+        failed["e4m3"] = f"{type(exc).__name__}: {exc}"[-1500:]
 if sys.argv[1:] == ["fp8-gemm"]:
     try:
         fp8_gemm()
@@ -343,7 +362,7 @@ if sys.argv[1:] == ["dependent-launch"]:
         dependent_launch()
     except Exception as exc:
         failed["dependent launch"] = f"{type(exc).__name__}: {exc}"[-1500:]
-modes = (["dependent-launch"], ["e4m3-decode"], ["fp8-gemm"], ["lora"])
+modes = (["dependent-launch"], ["e4m3"], ["fp8-gemm"], ["lora"])
 for variant in sys.argv[1:] if sys.argv[1:] not in modes else []:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
@@ -405,8 +424,8 @@ def test_dependent_launch_kernels_wait_before_reading_what_came_before() -> None
     assert _failed_compiles("dependent-launch") == {}
 
 
-def test_the_e4m3_decode_kernel_multiplies_e4m3_without_upcasts() -> None:
-    assert _failed_compiles("e4m3-decode") == {}
+def test_the_e4m3_attention_paths_multiply_e4m3_without_upcasts() -> None:
+    assert _failed_compiles("e4m3") == {}
 
 
 def test_the_fp8_gemm_compiles_for_sm90_whole_and_split() -> None:
