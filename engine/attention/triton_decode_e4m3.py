@@ -98,9 +98,10 @@ def _decode_e4m3_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = tile_positions(start_n, BLOCK_N, True)
         n_mask = (offs_n >= first) & (offs_n < end)
-        k, v_t = e4m3_kv_operands(k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, end, kv_head,
-                              offs_d, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh,
-                              BLOCK_SIZE, BLOCK_N, BLOCK_D, E4M3)  # fmt: skip
+        k, v_t = e4m3_kv_operands(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, end, kv_head, offs_d, stride_cb,
+            stride_cs, stride_ch, stride_vb, stride_vh, BLOCK_SIZE, BLOCK_N, BLOCK_D, E4M3,
+        )  # fmt: skip
         s_t = tl.dot(k, q_t) * head_scale[None, :]  # [BLOCK_N, GROUP_PAD], log2 units
         s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
