@@ -32,6 +32,20 @@ TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
 _BLOCK = 16
 
 
+def _scratch_cache(
+    model: LlamaForCausalLM, blocks: int, device: torch.device, dtype: torch.dtype | None
+) -> list[torch.Tensor]:
+    """Each layer's KV cache of `blocks` blocks after the null block 0, in `dtype` (None: the
+    model's)."""
+    config = model.config
+    dtype = dtype or model.embed_tokens.weight.dtype
+    return [
+        torch.zeros(2, blocks + 1, _BLOCK, config.num_key_value_heads, config.head_dim,
+                    dtype=dtype, device=device)
+        for _ in model.layers
+    ]  # fmt: skip
+
+
 def perplexity(
     model: LlamaForCausalLM,
     token_ids: list[int],
@@ -42,13 +56,7 @@ def perplexity(
     forward through `model` over a scratch KV cache (of `kv_cache_dtype`: the engine's)."""
     n = len(token_ids)
     blocks = -(-n // _BLOCK)
-    config = model.config
-    dtype = kv_cache_dtype or model.embed_tokens.weight.dtype
-    kv = [
-        torch.zeros(2, blocks + 1, _BLOCK, config.num_key_value_heads, config.head_dim,
-                    dtype=dtype, device=device)
-        for _ in model.layers
-    ]  # fmt: skip
+    kv = _scratch_cache(model, blocks, device, kv_cache_dtype)
     metadata = AttentionMetadata.one_prompt(  # (in blocks 1..; block 0 is the null block)
         torch.arange(_BLOCK, _BLOCK + n, device=device),
         torch.arange(1, blocks + 1, dtype=torch.int32, device=device),
@@ -71,13 +79,7 @@ def decode_perplexity(
     token over the tokens before it in the cache): the decode attention kernels' perplexity."""
     n = len(token_ids)
     blocks = -(-n // _BLOCK)
-    config = model.config
-    dtype = kv_cache_dtype or model.embed_tokens.weight.dtype
-    kv = [
-        torch.zeros(2, blocks + 1, _BLOCK, config.num_key_value_heads, config.head_dim,
-                    dtype=dtype, device=device)
-        for _ in model.layers
-    ]  # fmt: skip
+    kv = _scratch_cache(model, blocks, device, kv_cache_dtype)
     table = torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None]
     ids = torch.tensor(token_ids, device=device)
     nll = 0.0

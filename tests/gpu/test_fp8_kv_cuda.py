@@ -148,6 +148,33 @@ def test_head_major_blocks_give_the_token_major_bits(
         assert torch.equal(token_major, by_head_out)
 
 
+def _e4m3_errors(
+    monkeypatch: pytest.MonkeyPatch,
+    inputs: dict[str, Any],
+    heads: dict[str, int],
+    module: Any,
+    kernel: Callable[..., torch.Tensor],
+    **launch: Any,
+) -> dict[bool, float]:
+    """The relative error of `kernel` against the torch backend over the same FP8 cache,
+    `module.E4M3_PRODUCTS` off (False) and on (True)."""
+    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"].clone()
+    reference = TorchAttention(*heads.values())
+    # (the reference writes the step's keys and values into the cache, then the kernel reads it)
+    expected = reference.forward(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(),
+                                 cache, metadata, scales)  # fmt: skip
+    errors = {}
+    for products in (False, True):
+        monkeypatch.setattr(module, "E4M3_PRODUCTS", products)
+        out = torch.full_like(inputs["q"], float("nan"))
+        kernel(inputs["q"], cache, metadata, reference.scale, out=out, kv_scales=scales, **launch)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        errors[products] = float((out.float() - expected).norm() / expected.norm())
+    print(f"relative error: upcasts {errors[False]:.2e}, e4m3 products {errors[True]:.2e}")
+    return errors
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_e4m3_products_decode_stays_within_e4m3s_rounding(
@@ -161,21 +188,8 @@ def test_e4m3_products_decode_stays_within_e4m3s_rounding(
     (2^-4 of a value at most) of the reference, beside the upcasting kernel's error."""
     heads = SHAPES[shape]
     inputs = _fp8_case(attention_case, "decode-64", heads)
-    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"].clone()
-    reference = TorchAttention(*heads.values())
-    # (the reference writes the step's keys and values into the cache, then the kernels read it)
-    expected = reference.forward(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(),
-                                 cache, metadata, scales)  # fmt: skip
-    errors = {}
-    for products in (False, True):
-        monkeypatch.setattr(triton_decode, "E4M3_PRODUCTS", products)
-        out = torch.full_like(inputs["q"], float("nan"))
-        triton_decode.decode_attention(inputs["q"], cache, metadata, reference.scale, out=out,
-                                       num_splits=num_splits, kv_scales=scales)  # fmt: skip
-        torch.cuda.synchronize()
-        assert not out.isnan().any()
-        errors[products] = float((out.float() - expected).norm() / expected.norm())
-    print(f"relative error: upcasts {errors[False]:.2e}, e4m3 products {errors[True]:.2e}")
+    errors = _e4m3_errors(monkeypatch, inputs, heads, triton_decode,
+                          triton_decode.decode_attention, num_splits=num_splits)  # fmt: skip
     assert errors[False] < 1e-2
     assert errors[True] < 2**-4
 
@@ -188,20 +202,6 @@ def test_e4m3_products_prompt_kernel_stays_within_e4m3s_rounding(
     e4m3, products of e4m3 values) against the torch backend over the same cache: within
     e4m3's rounding of the reference, beside the upcasting path's error."""
     inputs = _fp8_case(attention_case, case)
-    metadata, scales, cache = inputs["metadata"], inputs["scales"], inputs["kv_cache"].clone()
-    reference = TorchAttention(*HEADS.values())
-    # (the reference writes the step's keys and values into the cache, then the kernel reads it)
-    expected = reference.forward(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(),
-                                 cache, metadata, scales)  # fmt: skip
-    errors = {}
-    for products in (False, True):
-        monkeypatch.setattr(triton_prompt, "E4M3_PRODUCTS", products)
-        out = torch.full_like(inputs["q"], float("nan"))
-        triton_prompt.paged_attention(inputs["q"], cache, metadata, reference.scale, out=out,
-                                      kv_scales=scales)  # fmt: skip
-        torch.cuda.synchronize()
-        assert not out.isnan().any()
-        errors[products] = float((out.float() - expected).norm() / expected.norm())
-    print(f"relative error: upcasts {errors[False]:.2e}, e4m3 products {errors[True]:.2e}")
+    errors = _e4m3_errors(monkeypatch, inputs, HEADS, triton_prompt, triton_prompt.paged_attention)
     assert errors[False] < 1e-2
     assert errors[True] < 2**-4
