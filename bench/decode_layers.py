@@ -183,7 +183,8 @@ def main() -> None:
             pool = max(asked, need)
             caches = [random_cache(pool, fp8) for _ in range(args.layers)]
             shipped = triton_decode_e4m3.E4M3_TILE
-            kernels = [None] + [shipped, *args.e4m3_tiles] * (args.e4m3 or bool(args.e4m3_tiles))
+            e4m3_tiles = [shipped, *args.e4m3_tiles] if args.e4m3 or args.e4m3_tiles else []
+            kernels = [None, *e4m3_tiles]  # (None: the upcasting kernel)
             for placement, tile in itertools.product(args.placement, kernels):
                 triton_decode.E4M3_PRODUCTS = tile is not None
                 triton_decode_e4m3.E4M3_TILE = tile or shipped

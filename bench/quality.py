@@ -82,13 +82,14 @@ def decode_perplexity(
     kv = _scratch_cache(model, blocks, device, kv_cache_dtype)
     table = torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None]
     ids = torch.tensor(token_ids, device=device)
-    nll = 0.0
+    one_query = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    logprobs = []  # (on the device: one sync at the end, none a step)
     with torch.inference_mode():
         for t in range(n - 1):
             metadata = AttentionMetadata(
                 slot_mapping=torch.tensor([_BLOCK + t], device=device),
                 block_tables=table,
-                cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                cu_seqlens_q=one_query,
                 seq_lens=torch.tensor([t + 1], dtype=torch.int32, device=device),
                 max_seqlen_q=1,
                 max_seqlen_k=t + 1,
@@ -97,7 +98,8 @@ def decode_perplexity(
             )
             hidden = model(ids[t : t + 1], torch.tensor([t], device=device), kv, metadata)
             logits = model.compute_logits(hidden).float()
-            nll -= torch.log_softmax(logits[0], -1)[ids[t + 1]].item()
+            logprobs.append(torch.log_softmax(logits[0], -1)[ids[t + 1]])
+    nll = -float(torch.stack(logprobs).double().sum())
     return math.exp(nll / (n - 1))
 
 

@@ -352,8 +352,12 @@ def paged_attention(
     token_minor = v_cache.stride(3) != 1
     assert not token_minor or block_n % kv_cache.shape[2] == 0, "token-minor V: whole blocks"
     assert not token_minor or v_cache.stride(3) == kv_cache.shape[2], "a head's V: one run"
-    e4m3 = E4M3_PRODUCTS and block_m >= 64 and takes_e4m3(fp8, token_minor, head_dim, softcap)
-    e4m3 = e4m3 and kv_scales is not None
+    e4m3 = (
+        E4M3_PRODUCTS
+        and block_m >= 64
+        and kv_scales is not None
+        and takes_e4m3(fp8, token_minor, head_dim, softcap)
+    )
     _PAGED_ATTENTION[(m_blocks * num_splits, num_seqs, num_heads)](
         q,
         k_cache,
