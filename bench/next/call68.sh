@@ -6,8 +6,12 @@
 # one, SmolLM2's FP8-KV quality (perplexity: the prompt path; --decode-perplexity: the decode
 # path) upcasting, then with the decode switch on, then both (set on in this copy of the tree),
 # then the FP8 1k/1k with both on.
+# `call68.sh kernels` runs the tests and the kernel timings only (no model needed), `call68.sh
+# serving` the quality and the 1k/1k; no argument both.
 set -uo pipefail
 OUT=${OUT:?}
+part=${1:-all}
+if [ "$part" != serving ]; then
 timeout 120 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q -s \
   tests/gpu/test_fp8_kv_cuda.py -k "e4m3" > "$OUT/tests.txt" 2>&1
 grep -E "relative error|passed|failed|Error" "$OUT/tests.txt" | tail -6
@@ -17,6 +21,8 @@ for g in "" --gemms; do
     --steps 512:1500:1510 512:1025:2047 256:1025:2047 64:129:256 > "$OUT/layers$g.txt" 2>&1
   cut -c1-200 "$OUT/layers$g.txt"
 done
+fi
+[ "$part" = kernels ] && exit 0
 for mode in off decode both; do
   [ $mode = decode ] && sed -i 's/^E4M3_PRODUCTS = False/E4M3_PRODUCTS = True/' engine/attention/triton_decode.py
   [ $mode = both ] && sed -i 's/^E4M3_PRODUCTS = False/E4M3_PRODUCTS = True/' engine/attention/triton_prompt.py
