@@ -75,17 +75,19 @@ def e4m3_kv_operands(k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, kv_end,
 @triton.jit
 def online_softmax_e4m3(s, v_t, m_i, l_i, acc, qk_scale, E4M3: tl.constexpr):
     """`triton_tiles.online_softmax` with the tile's values as V^T [BLOCK_D, BLOCK_N]
-    (`e4m3_kv_operands`) and, when E4M3, the weights times E4M3_MAX as e4m3, their sum taken
-    as quantized: `acc` then holds P . V times E4M3_MAX."""
+    (`e4m3_kv_operands`) and, when E4M3, the weights times E4M3_MAX as e4m3 (`acc` then holds
+    P . V times E4M3_MAX), their sum taken before they are rounded, as FlashAttention-3 takes
+    it."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     # NOTE: rows with nothing allowed yet keep m = -inf; subtract 0 there, not -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # NOTE: not the rounded weights' sum (the decode kernel's): with the e4m3 weights both
+    # summed and the products' A operand, Triton 3.6 gives sums of 0 (bench/RESULTS.md
+    # "2026-11-30 (session 39)", bench/next/e4m3_prompt_debug.py).
     if E4M3:
         p = (p * E4M3_MAX).to(tl.float8e4nv)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1) / E4M3_MAX
-    else:
-        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p, tl.trans(v_t))
     return m_new, l_i, acc
