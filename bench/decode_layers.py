@@ -174,6 +174,8 @@ def main() -> None:
     copy_gbps = measure_ceilings(torch.device("cuda"), torch.bfloat16).copy_gbps
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s")
     gen = torch.Generator().manual_seed(2)
+    shipped = triton_decode_e4m3.E4M3_TILE
+    e4m3_tiles = [shipped, *args.e4m3_tiles] if args.e4m3 or args.e4m3_tiles else []
     for num_seqs, shortest, longest in args.steps:
         drawn = torch.randint(shortest, longest + 1, (num_seqs,), generator=gen)
         lens = sorted(drawn.tolist(), reverse=True)
@@ -182,8 +184,6 @@ def main() -> None:
         for asked in args.pool_blocks:
             pool = max(asked, need)
             caches = [random_cache(pool, fp8) for _ in range(args.layers)]
-            shipped = triton_decode_e4m3.E4M3_TILE
-            e4m3_tiles = [shipped, *args.e4m3_tiles] if args.e4m3 or args.e4m3_tiles else []
             kernels = [None, *e4m3_tiles]  # (None: the upcasting kernel)
             for placement, tile in itertools.product(args.placement, kernels):
                 triton_decode.E4M3_PRODUCTS = tile is not None

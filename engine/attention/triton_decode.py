@@ -320,9 +320,11 @@ FUSED_MERGE = True
 # False: every tile after the wait, as before (for A/B runs).
 PRELOAD_FIRST_TILE = True
 # An FP8 cache's decodes through `triton_decode_e4m3` (e4m3 products, no upcasts; the query
-# and softmax weights quantized) where it takes them. Off until its effect on SmolLM2's FP8-KV
-# perplexity bar is measured (issue 30); on for A/B runs.
-E4M3_PRODUCTS = False
+# and softmax weights quantized) where it takes them: Llama-3-8B's FP8 1k/1k decode-only steps
+# 24.80 -> 23.57 ms (1,982 of them); SmolLM2's FP8-KV perplexity fed a token a step through the
+# decode kernels +0.81% over a bf16 cache's, +1.20% upcasting (bench/RESULTS.md "2026-11-30
+# (session 39)"). False: the upcasting kernel (for A/B runs).
+E4M3_PRODUCTS = True
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # (captured CUDA graphs may still count in them)
 
