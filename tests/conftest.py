@@ -300,6 +300,31 @@ def hf_greedy() -> Callable[[Any, list[int], int], list[int]]:
     return hf_greedy
 
 
+@pytest.fixture
+def kernel_launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[[Any, str], list[tuple[tuple[int, ...], dict[str, Any]]]]:
+    """`kernel_launches(module, name)`: the Triton kernel `module.name` still launched as before,
+    each launch's (grid, keyword arguments) recorded, in order, in the list returned."""
+
+    def spy(module: Any, name: str) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+        real = getattr(module, name)
+        launches: list[tuple[tuple[int, ...], dict[str, Any]]] = []
+
+        class Spy:
+            def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+                def launch(*args: Any, **kwargs: Any) -> Any:
+                    launches.append((grid, kwargs))
+                    return real[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(module, name, Spy())
+        return launches
+
+    return spy
+
+
 @pytest.fixture(params=["token-major", "head-major"])
 def block_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A cache block as a bf16 cache holds it ([slot, head, dim]), and head by head as an FP8

@@ -256,7 +256,9 @@ def test_decode_kernel_matches_torch(
 
 
 def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
-    attention_case: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+    attention_case: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    kernel_launches: Callable[..., list[tuple[tuple[int, ...], dict[str, Any]]]],
 ) -> None:
     """A mixed step's decodes take a split count the decode kernel was launched with before
     (a decode graph's at startup), the largest up to their own plan, else the smallest, and
@@ -265,24 +267,9 @@ def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
     monkeypatch.setattr(triton_decode, "_LAUNCHED_SPLITS", {})
     planned = iter([5, 7, 3])
     monkeypatch.setattr(triton_decode, "num_splits_for", lambda *args: next(planned))
-    sms = [1 << 10]  # (the first launch preloads; the others' own rule would not)
-    monkeypatch.setattr(triton_decode, "num_sms", lambda device: sms[0])
-    grids: list[tuple[int, ...]] = []
-    preloads: list[bool] = []
-    real = triton_decode._DECODE_PARTIAL
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> Any:
-            grids.append(grid)
-
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                preloads.append(kwargs["PRELOAD"])
-                sms[0] = 1
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_decode, "_DECODE_PARTIAL", Spy())
+    launches = kernel_launches(triton_decode, "_DECODE_PARTIAL")
+    # (the first launch preloads; the others' own rule would not)
+    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 1 if launches else 1 << 10)
     layer = triton_attention.TritonAttention(4, 2, 32)
     reference = TorchAttention(4, 2, 32)
     for query_lens, seq_lens in (([1, 1], [300, 500]), ([1, 1, 30], [300, 500, 50]),
@@ -293,8 +280,9 @@ def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
         expected = reference.forward(*args, cache, inputs["metadata"])
         out = layer.forward(*args, inputs["kv_cache"], inputs["metadata"])
         assert (out - expected).abs().max() < 1e-4
-    assert [grid[2] for grid in grids] == [5, 5, 5]  # (planned 5 alone; 7 and 3 in mixed steps)
-    assert preloads == [True, True, True]
+    # (planned 5 alone; 7 and 3 in mixed steps)
+    assert [grid[2] for grid, _ in launches] == [5, 5, 5]
+    assert [kwargs["PRELOAD"] for _, kwargs in launches] == [True, True, True]
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
@@ -329,6 +317,7 @@ def test_a_splits_first_tile_loaded_before_the_wait_gives_the_same_output(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
     monkeypatch: pytest.MonkeyPatch,
+    kernel_launches: Callable[..., list[tuple[tuple[int, ...], dict[str, Any]]]],
     num_splits: int,
 ) -> None:
     """A decode step of few programs (PRELOAD: the first tile's earlier tokens loaded before
@@ -336,18 +325,7 @@ def test_a_splits_first_tile_loaded_before_the_wait_gives_the_same_output(
     every tile loaded after the wait, and the reference's: this step's token in the first tile
     or a later one, alone, windowed or not. Not with V token-minor (head-major blocks), nor
     where the programs outnumber the SMs."""
-    launched: list[bool] = []
-    real = triton_decode._DECODE_PARTIAL
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> Any:
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                launched.append(kwargs["PRELOAD"])
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_decode, "_DECODE_PARTIAL", Spy())
+    launches = kernel_launches(triton_decode, "_DECODE_PARTIAL")
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: 1 << 10)
     seq_lens = [1, 5, 64, 65, 300]
     inputs = attention_case([1] * 5, seq_lens, num_heads=4, num_kv_heads=2, seed=21)
@@ -367,11 +345,12 @@ def test_a_splits_first_tile_loaded_before_the_wait_gives_the_same_output(
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
         assert (outs[0] - expected).abs().max() < 1e-4
-    assert launched == [block_layout != "head-major", False] * 2
+    preloads = [kwargs["PRELOAD"] for _, kwargs in launches]
+    assert preloads == [block_layout != "head-major", False] * 2
     monkeypatch.setattr(triton_decode, "PRELOAD_FIRST_TILE", True)
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: 4)  # (5 x 2 programs or more)
     triton_decode.decode_attention(inputs["q"], cache, inputs["metadata"], reference.scale)
-    assert launched[-1] is False
+    assert launches[-1][1]["PRELOAD"] is False
 
 
 def test_decode_kernel_sliding_window_and_float16(

@@ -24,6 +24,7 @@ from kvfleet.engine.attention.torch_backend import TorchAttention
 def test_e4m3_products_decode_matches_torch_over_an_fp8_cache(
     attention_case: Callable[..., dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
+    kernel_launches: Callable[..., list[tuple[tuple[int, ...], dict[str, Any]]]],
     num_splits: int,
     sliding_window: int | None,
     fused_merge: bool,
@@ -34,15 +35,7 @@ def test_e4m3_products_decode_matches_torch_over_an_fp8_cache(
     and split edges; on the CPU its products run in float32 (the e4m3 ones: tests/gpu)."""
     monkeypatch.setattr(triton_decode, "E4M3_PRODUCTS", True)
     monkeypatch.setattr(triton_decode, "FUSED_MERGE", fused_merge)
-    launched: list[tuple[int, ...]] = []
-    real = triton_decode_e4m3._DECODE_E4M3
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> Any:
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_decode_e4m3, "_DECODE_E4M3", Spy())
+    launches = kernel_launches(triton_decode_e4m3, "_DECODE_E4M3")
     seq_lens = [1, 17, 128, 129, 300, 700]
     inputs = attention_case([1] * 6, seq_lens, num_heads=8, num_kv_heads=2, seed=17)
     scales = torch.tensor([0.02, 0.03])
@@ -57,7 +50,7 @@ def test_e4m3_products_decode_matches_torch_over_an_fp8_cache(
                                        kv_scales=scales)  # fmt: skip
         assert not out.isnan().any()
         assert (out - expected).abs().max() < 1e-4
-    assert launched == [(6, 2, num_splits)] * 2
+    assert [grid for grid, _ in launches] == [(6, 2, num_splits)] * 2
 
 
 def test_e4m3_products_take_what_their_products_can() -> None:
@@ -90,6 +83,7 @@ def _fp8_cache(inputs: dict[str, Any], scales: torch.Tensor) -> torch.Tensor:
 def test_e4m3_products_prompt_kernel_matches_torch_over_an_fp8_cache(
     attention_case: Callable[..., dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
+    kernel_launches: Callable[..., list[tuple[tuple[int, ...], dict[str, Any]]]],
     query_lens: list[int],
     seq_lens: list[int],
     sliding_window: int | None,
@@ -100,18 +94,7 @@ def test_e4m3_products_prompt_kernel_matches_torch_over_an_fp8_cache(
     the torch backend's output over the same FP8 cache, causal masks, a sliding window and
     split keys included."""
     monkeypatch.setattr(triton_prompt, "E4M3_PRODUCTS", True)
-    launched: list[bool] = []
-    real = triton_prompt._PAGED_ATTENTION
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> Any:
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                launched.append(kwargs["E4M3_OPERANDS"])
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_prompt, "_PAGED_ATTENTION", Spy())
+    launches = kernel_launches(triton_prompt, "_PAGED_ATTENTION")
     inputs = attention_case(query_lens, seq_lens, num_heads=4, num_kv_heads=2, seed=23)
     scales = torch.tensor([0.02, 0.03])
     cache = _fp8_cache(inputs, scales)
@@ -124,4 +107,4 @@ def test_e4m3_products_prompt_kernel_matches_torch_over_an_fp8_cache(
                                       sliding_window, out=out, kv_scales=scales)  # fmt: skip
     assert not out.isnan().any()
     assert (out - expected).abs().max() < 1e-4
-    assert launched == [True]
+    assert [kwargs["E4M3_OPERANDS"] for _, kwargs in launches] == [True]
