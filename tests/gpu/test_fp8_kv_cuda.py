@@ -56,9 +56,9 @@ def test_fp8_cache_kernels_match_the_torch_backend(
     case: str,
     shape: str,
 ) -> None:
-    """The upcasting kernels (the decode kernel's e4m3 products off: they are e4m3's rounding
-    away, test_e4m3_products_decode_stays_within_e4m3s_rounding) within bf16's rounding of the
-    torch backend; the backend as it ships within e4m3's where its decodes take them."""
+    """The upcasting kernels and the backend over them (the decode kernel's e4m3 products off:
+    they are e4m3's rounding away, test_e4m3_products_decode_stays_within_e4m3s_rounding)
+    within bf16's rounding of the torch backend."""
     heads = SHAPES[shape]
     monkeypatch.setattr(triton_decode, "E4M3_PRODUCTS", False)
     inputs = _fp8_case(attention_case, case, heads)
