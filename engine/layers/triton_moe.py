@@ -42,34 +42,73 @@ def _route_rows(
     tl.store(ids_ptr + at, ids, mask=ok)
 
 
+# Experts a step of the one-token ranking (`top_k_rows`) compares each logit with
+RANK_CHUNK = tl.constexpr(32)
+
+
 @triton.jit
 def top_k_rows(
     logits_ptr, tokens, token_ok, num_experts, stride_l,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):  # fmt: skip
     """`moe.route` for the tokens [T]: softmax in float32, the top k (highest first), rescaled:
-    (weights [T, K_PAD] float32, ids [T, K_PAD] int64; slots past TOP_K 0)."""
+    (weights [T, K_PAD] float32, ids [T, K_PAD] int64; slots past TOP_K 0).
+
+    One token (a program a token, the one-token MoE GEMV): each expert's rank among the
+    token's, how many logits are higher or equal at a lower index (the softmax keeps their
+    order), counted against RANK_CHUNK logits at a time; the ranks below k are the choices, put
+    in their slots by one sum. Several tokens (a decode step's, in the grouping kernel): a
+    maximum and its lowest index a choice (a [T, E, RANK_CHUNK] comparison would not fit a
+    program's registers). (The choices one after another took 16 cross-warp reductions,
+    barrier after barrier, ahead of the one-token MoE GEMV's first weight load: sm_90 SASS,
+    Qwen3-30B-A3B's gate_up, 60 barriers -> 22.)"""
     offs = tl.arange(0, E_PAD)[None, :]
     logits = tl.load(
         logits_ptr + tokens[:, None] * stride_l + offs,
         mask=token_ok[:, None] & (offs < num_experts),
         other=float("-inf"),
     ).to(tl.float32)
+    if logits.shape[0] == 1:
+        rank = _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs)
     logits = tl.where(token_ok[:, None], logits, 0.0)  # (no -inf rows: no NaNs, not stored)
     probs = tl.exp(logits - tl.max(logits, 1)[:, None])
     probs = probs / tl.sum(probs, 1)[:, None]
     slots = tl.arange(0, K_PAD)[None, :]
-    weights = tl.zeros([probs.shape[0], K_PAD], dtype=tl.float32)
-    ids = tl.zeros([probs.shape[0], K_PAD], dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 1)[:, None]
-        chosen = tl.min(tl.where(probs == best, offs, E_PAD), 1)[:, None]
-        weights = tl.where(slots == j, best, weights)
-        ids = tl.where(slots == j, chosen, ids)
-        probs = tl.where(offs == chosen, -1.0, probs)
+    if logits.shape[0] == 1:
+        chosen = rank[:, :, None] == slots[:, None, :]  # [1, E_PAD, K_PAD]: expert e in slot s
+        weights = tl.sum(tl.where(chosen, probs[:, :, None], 0.0), 1)
+        ids = tl.sum(tl.where(chosen, offs[:, :, None], 0), 1).to(tl.int64)
+        weights = tl.where(slots < TOP_K, weights, 0.0)  # (ranks TOP_K to K_PAD: no slot)
+        ids = tl.where(slots < TOP_K, ids, 0)
+    else:
+        weights = tl.zeros([probs.shape[0], K_PAD], dtype=tl.float32)
+        ids = tl.zeros([probs.shape[0], K_PAD], dtype=tl.int64)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(probs, 1)[:, None]
+            chosen = tl.min(tl.where(probs == best, offs, E_PAD), 1)[:, None]
+            weights = tl.where(slots == j, best, weights)
+            ids = tl.where(slots == j, chosen, ids)
+            probs = tl.where(offs == chosen, -1.0, probs)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 1)[:, None]
     return weights, ids
+
+
+@triton.jit
+def _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs):
+    """Each expert's place among its token's logits [T, E_PAD] (0 the highest; equal ones by
+    index), from RANK_CHUNK of them loaded at a time."""
+    rank = tl.zeros(logits.shape, dtype=tl.int32)
+    chunk = tl.arange(0, RANK_CHUNK)[None, None, :]
+    for c in tl.static_range(0, logits.shape[1], RANK_CHUNK):
+        js = c + chunk
+        other = tl.load(logits_ptr + tokens[:, None, None] * stride_l + js,
+                        mask=token_ok[:, None, None] & (js < num_experts),
+                        other=float("-inf")).to(tl.float32)  # fmt: skip
+        mine = logits[:, :, None]
+        above = (other > mine) | ((other == mine) & (js < offs[:, :, None]))
+        rank += tl.sum(above.to(tl.int32), 2)
+    return rank
 
 
 @triton.jit

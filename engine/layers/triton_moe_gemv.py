@@ -60,6 +60,14 @@ def shipped_tiles(top_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int
 
 
 @triton.jit
+def _expert_tiles(gate_ptrs, up_ptrs, ks, row_ok, hidden):
+    """An expert's gate and up rows [BLOCK_N, BLOCK_K] at inputs ks (0 past hidden)."""
+    ok = row_ok[:, None] & (ks < hidden)[None, :]
+    gate = tl.load(gate_ptrs + ks[None, :], mask=ok, other=0.0)
+    return gate, tl.load(up_ptrs + ks[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _gate_up_gemv_kernel(
     x_ptr,  # [hidden]
     logits_ptr,  # [E] the router's
@@ -80,11 +88,7 @@ def _gate_up_gemv_kernel(
     pid_n = tl.program_id(1)
     let_next_start(PDL)
     wait_for_previous(PDL)  # (the logits: which expert, hence which weights)
-    inv_rms = 1.0
-    if NORM:
-        row = tl.arange(0, ROW_BLOCK)
-        inv_rms = inverse_rms(summed_row(x_ptr, residual_ptr, row, row < hidden, HAS_RESIDUAL),
-                              hidden, eps)  # fmt: skip
+    # The expert first, then its first tiles' loads, and the row's norm while they come in.
     token = tl.arange(0, 1)
     weights, ids = top_k_rows(
         logits_ptr, token, token >= 0, num_experts, 0, TOP_K, K_PAD, E_PAD, RENORMALIZE
@@ -92,24 +96,30 @@ def _gate_up_gemv_kernel(
     slots = tl.arange(0, K_PAD)[None, :]
     mine = slots == choice
     expert = tl.sum(tl.sum(tl.where(mine, ids, 0), 1), 0)
-    if pid_n == 0:
-        tl.store(weights_ptr + slots, weights, mask=mine)
-        tl.store(ids_ptr + slots, ids, mask=mine)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < inner
     offsets = tl.arange(0, BLOCK_K)
     gate_ptrs = w13_ptr + expert * stride_we + rows[:, None] * hidden
     up_ptrs = gate_ptrs + inner * hidden
+    w_gate, w_up = _expert_tiles(gate_ptrs, up_ptrs, offsets, row_ok, hidden)
+    inv_rms = 1.0
+    if NORM:
+        row = tl.arange(0, ROW_BLOCK)
+        inv_rms = inverse_rms(summed_row(x_ptr, residual_ptr, row, row < hidden, HAS_RESIDUAL),
+                              hidden, eps)  # fmt: skip
+    if pid_n == 0:
+        tl.store(weights_ptr + slots, weights, mask=mine)
+        tl.store(ids_ptr + slots, ids, mask=mine)
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
         ks = k + offsets
-        k_ok = ks < hidden
+        if k > 0:  # (the first tiles are loaded above)
+            w_gate, w_up = _expert_tiles(gate_ptrs, up_ptrs, ks, row_ok, hidden)
         x = row_values(x_ptr, ks, hidden, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
                        OFFSET).to(tl.float32)[None, :]  # fmt: skip
-        w_ok = row_ok[:, None] & k_ok[None, :]
-        gate += tl.load(gate_ptrs + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * x
-        up += tl.load(up_ptrs + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * x
+        gate += w_gate.to(tl.float32) * x
+        up += w_up.to(tl.float32) * x
     g = tl.sum(gate, 1)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
     tl.store(h_ptr + choice * inner + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
@@ -143,8 +153,9 @@ def _down_gemv_kernel(
     for k in range(0, inner, BLOCK_K):
         ks = k + offsets
         k_ok = ks < inner
-        h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
+        # (the weights' load first: h's waits on a layout exchange through shared memory)
         w = tl.load(w_ptrs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * h[None, :]
     part = tl.sum(acc, 1) * weight
     split_k_store(part, 0.0, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, hidden,
@@ -181,8 +192,8 @@ def _down_all_gemv_kernel(
         for choice in tl.static_range(TOP_K):
             expert = tl.load(ids_ptr + choice)
             weight = tl.load(weights_ptr + choice)
-            h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w2_ptr + expert * stride_we + tile, mask=ok, other=0.0)
+            h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * (h * weight)[None, :]
     tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=row_ok)
 

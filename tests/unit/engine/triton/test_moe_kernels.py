@@ -110,6 +110,25 @@ def test_router_renormalizes_only_when_asked() -> None:
     assert torch.allclose(weights[0], probs[:2] / probs[:2].sum())
 
 
+@pytest.mark.parametrize("num_experts", [8, 128])
+def test_equal_logits_go_to_the_lower_expert_in_both_router_forms(num_experts: int) -> None:
+    """Router logits with ties (bf16 rounds logits together): both ways the kernels choose,
+    the one-token ranking (`route_fused`, a program a token) and the choices one after another
+    (a decode step's tokens in the grouping kernel), take the experts a stable descending sort
+    gives, the lower expert first among equal logits; weights as `route`'s."""
+    logits = torch.randint(0, 5, (6, num_experts), generator=torch.Generator().manual_seed(3))
+    logits = logits.float()
+    top_k = 4
+    want = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    for renormalize in (False, True):
+        weights, _ = route(logits, top_k, renormalize)
+        one_token = route_fused(logits, top_k, renormalize)
+        in_grouping = route_and_align_fused(logits, top_k, renormalize, 16)[:2]
+        for fused_weights, fused_ids in (one_token, in_grouping):
+            assert torch.equal(fused_ids, want)
+            assert torch.allclose(fused_weights, weights, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k"), [(1, 128, 8), (5, 6, 3), (16, 8, 2)]
 )
