@@ -23,7 +23,16 @@ if [ "${1:-layer}" = layer ]; then
   done
   PYTHONPATH=/tmp/src-before:/tmp/site KVFLEET_HOME=$HOME/kvhome timeout 120 \
     python3 .stage/base/bench/moe_layer.py > "$OUT/layer-before.txt" 2>&1
-  for t in after before; do echo "== $t"; grep -iE "token|gemv|floor" "$OUT/layer-$t.txt" | head -12; done
+  # gate_up's tiles a step ahead (triton_moe_gemv.PREFETCH_NEXT_TILES; 96 registers, 72 off)
+  sed -i 's/^PREFETCH_NEXT_TILES = False/PREFETCH_NEXT_TILES = True/' engine/layers/triton_moe_gemv.py
+  timeout 120 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
+    tests/gpu/test_families_cuda.py -k one_token > "$OUT/tests-prefetch.txt" 2>&1
+  tail -1 "$OUT/tests-prefetch.txt"
+  timeout 120 bench/device_env.sh python3 bench/moe_layer.py > "$OUT/layer-prefetch.txt" 2>&1
+  sed -i 's/^PREFETCH_NEXT_TILES = True/PREFETCH_NEXT_TILES = False/' engine/layers/triton_moe_gemv.py
+  for t in after before prefetch; do
+    echo "== $t"; grep -iE "token|gemv|floor" "$OUT/layer-$t.txt" | head -12
+  done
   exit 0
 fi
 A="--load-format dummy --batch-size 1"
