@@ -49,11 +49,9 @@ from kvfleet.engine.layers.triton_moe import top_k_rows
 # against 3.69 at batch 1 end to end (bench/RESULTS.md session 32; (8, 128, 4) / (4, 256, 2)
 # made the layer 1-2 us faster but batch 1 slower, session 30). Few large experts (Mixtral,
 # k 2 of 8, inner 14336): 215.4 us split at the many-expert tiles, 184.2 over all k at
-# (4, 512, 4) both.
+# (4, 512, 4) both. Since the one-token prologue and loop order (session 40): A3B 34.1 us a
+# layer (main before: 39.3), Mixtral 174.1 (187.0); the other tiles no faster.
 MANY_EXPERTS = ((8, 256, 4), (8, 256, 4), False)
-# gate_up's next tiles loaded a step ahead (registers for two steps' tiles; off until measured:
-# bench/next/call72.sh)
-PREFETCH_NEXT_TILES = False
 FEW_EXPERTS = ((4, 512, 4), (4, 512, 4), True)
 
 
@@ -83,11 +81,10 @@ def _gate_up_gemv_kernel(
     num_experts, inner, hidden, stride_we, eps,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """NORM: the token's row is RMSNorm(x + residual), made here as the router's GEMV made it
-    (`triton_gemv.row_values`). PREFETCH: each step loads the next step's tiles before it
-    multiplies its own (two steps' tiles in registers)."""
+    (`triton_gemv.row_values`)."""
     choice = tl.program_id(0)
     pid_n = tl.program_id(1)
     let_next_start(PDL)
@@ -118,16 +115,12 @@ def _gate_up_gemv_kernel(
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
         ks = k + offsets
-        if PREFETCH:  # (the next step's tiles in flight while this step's are multiplied)
-            next_gate, next_up = _expert_tiles(gate_ptrs, up_ptrs, ks + BLOCK_K, row_ok, hidden)
-        elif k > 0:  # (the first tiles are loaded above)
+        if k > 0:  # (the first tiles are loaded above)
             w_gate, w_up = _expert_tiles(gate_ptrs, up_ptrs, ks, row_ok, hidden)
         x = row_values(x_ptr, ks, hidden, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
                        OFFSET).to(tl.float32)[None, :]  # fmt: skip
         gate += w_gate.to(tl.float32) * x
         up += w_up.to(tl.float32) * x
-        if PREFETCH:
-            w_gate, w_up = next_gate, next_up
     g = tl.sum(gate, 1)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
     tl.store(h_ptr + choice * inner + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
@@ -246,8 +239,7 @@ def one_token_moe(
         RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k // wide,
         ROW_BLOCK=next_power_of_2(hidden) if norm is not None else 1, NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, PREFETCH=PREFETCH_NEXT_TILES, **pdl,
-        num_warps=warps,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, warps = down_tiles
