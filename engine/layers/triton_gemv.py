@@ -492,6 +492,24 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
     return block_n, min(block_k, next_power_of_2(k))
 
 
+# A layer whose programs at 8 rows all fit at once, PRELOAD_PROGRAMS_PER_SM an SM, takes half
+# its inputs a tile on 8 warps (128 registers, sm_90): each program's first half of its weight
+# loaded before it waits for the kernel before (decode attention, at batch 1: the DRAM idle)
+# where a 512-input tile loaded an eighth (Qwen3-30B-A3B's o and router, bench/next/call74.sh).
+PRELOAD_HALF = True
+PRELOAD_PROGRAMS_PER_SM = 2
+
+
+def one_row_plan(n: int, k: int, weight_bytes: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row GEMV over a weight [n, k]."""
+    block_n, block_k = gemv_tiles(n, k, weight_bytes)
+    half = next_power_of_2(k) // 2
+    if (PRELOAD_HALF and weight_bytes == 2 and block_n == 8 and half > block_k
+            and cdiv(n, block_n) <= PRELOAD_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
+        return block_n, half, 8, 1
+    return block_n, block_k, 4, 3
+
+
 def takes_rotary(weight: torch.Tensor, half: int) -> bool:
     """Whether `gemv(weight, rotary=...)` takes heads of `half` pairs (d, d + half): each
     program's BLOCK_N rows are BLOCK_N / 2 pairs of one head (`triton_rope.pair_rows`)."""
@@ -532,10 +550,7 @@ def gemv(
     if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
-    block_n, block_k = gemv_tiles(n, k, weight.element_size())
-    warps, stages = 4, 3
-    if tiles is not None:
-        block_n, block_k, warps, stages = tiles
+    block_n, block_k, warps, stages = tiles or one_row_plan(n, k, weight.element_size(), row.device)
     out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out

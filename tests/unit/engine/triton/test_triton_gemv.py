@@ -5,6 +5,8 @@ the GPU: tests/gpu/test_dependent_launch_cuda.py.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
+from kvfleet.engine.layers import triton_gemv
 from kvfleet.engine.layers.triton_gemv import gemv
 
 
@@ -27,6 +30,23 @@ def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool) -> No
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("n", "planned"), [(16, (1024, 8)), (80, (512, 4))])
+def test_a_layer_whose_programs_fit_at_once_loads_half_its_inputs_a_tile(
+    n: int, planned: tuple[int, int], kernel_launches: Any
+) -> None:
+    """16 rows (2 programs, at most 2 an SM of the interpreter's 4) take half of K (2000 -> 1024
+    inputs of 2048) a tile on 8 warps; 80 rows (10 programs) keep the 512-input tile."""
+    launches = kernel_launches(triton_gemv, "_gemv_kernel")
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(n, 2000, generator=generator) * 0.1).half()
+    x = torch.randn(1, 2000, generator=generator).half()
+    out = gemv(x, weight)
+    (_, kwargs), = launches
+    assert (kwargs["BLOCK_K"], kwargs["num_warps"]) == planned
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=2e-3,
+                               atol=2e-3)  # fmt: skip
 
 
 def test_scales_go_with_e4m3_weights_only() -> None:
