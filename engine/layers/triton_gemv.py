@@ -498,6 +498,9 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
 # where a 512-input tile loaded an eighth (Qwen3-30B-A3B's o and router, bench/next/call74.sh).
 PRELOAD_HALF = True
 PRELOAD_PROGRAMS_PER_SM = 2
+# 16-row programs with twice the inputs a tile (512: 128 registers, four an SM) where those
+# still all fit at once: Qwen3-30B-A3B's and Llama-3-8B's qkv (bench/next/call75.sh)
+WIDE_QKV = True
 
 
 def one_row_plan(n: int, k: int, weight_bytes: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -507,6 +510,9 @@ def one_row_plan(n: int, k: int, weight_bytes: int, device: torch.device) -> tup
     if (PRELOAD_HALF and weight_bytes == 2 and block_n == 8 and half > block_k
             and cdiv(n, block_n) <= PRELOAD_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, half, 8, 1
+    if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048
+            and cdiv(n, block_n) <= 4 * num_sms(device)):  # fmt: skip
+        return block_n, 2 * block_k, 4, 3
     return block_n, block_k, 4, 3
 
 
