@@ -495,15 +495,21 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
 # A layer whose programs at 8 rows all fit at once, PRELOAD_PROGRAMS_PER_SM an SM, takes half
 # its inputs a tile on 8 warps (128 registers, sm_90): each program's first half of its weight
 # loaded before it waits for the kernel before (decode attention, at batch 1: the DRAM idle)
-# where a 512-input tile loaded an eighth (Qwen3-30B-A3B's o and router, bench/next/call74.sh).
+# where a 512-input tile loaded an eighth. Qwen3-30B-A3B's o (2048 x 4096) 7.27 -> 4.23 us on
+# the batch-1 path (floor 4.0), router 3.70 -> 2.96; batch 1 2.919 -> 2.813 ms, Mixtral-8x7B
+# (its router) 6.907 -> 6.806 (bench/RESULTS.md session 40, bench/next/call74.sh).
 PRELOAD_HALF = True
 PRELOAD_PROGRAMS_PER_SM = 2
-# 16-row programs with twice the inputs a tile (512: 128 registers, four an SM) where those
-# still all fit at once: Qwen3-30B-A3B's and Llama-3-8B's qkv (bench/next/call75.sh)
+# 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
+# still hold them all: a quarter of each program's weight before the wait, not an eighth.
+# Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
+# 7.060, Llama-3-8B 4.152 -> 4.153 (calls 75, 76).
 WIDE_QKV = True
 
 
-def one_row_plan(n: int, k: int, weight_bytes: int, device: torch.device) -> tuple[int, int, int, int]:
+def one_row_plan(
+    n: int, k: int, weight_bytes: int, device: torch.device
+) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the one-row GEMV over a weight [n, k]."""
     block_n, block_k = gemv_tiles(n, k, weight_bytes)
     half = next_power_of_2(k) // 2

@@ -178,8 +178,15 @@ def test_a_layer_chain_gives_the_same_bits_launched_dependent(
 
 @pytest.mark.parametrize(
     ("n", "k"),
-    [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (5120, 2048), (2048, 4096),
-     (128, 2048)],
+    [
+        (6144, 4096),
+        (4096, 4096),
+        (28672, 4096),
+        (4096, 14336),
+        (5120, 2048),
+        (2048, 4096),
+        (128, 2048),
+    ],
 )
 def test_the_bf16_gemv_matches_cublas(n: int, k: int) -> None:
     """The Triton GEMV the engine's `Linear` takes for one row of a bf16 weight, against

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers import triton_gemv
+from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.triton_gemv import gemv
 
 
@@ -43,7 +43,7 @@ def test_a_layer_whose_programs_fit_at_once_loads_half_its_inputs_a_tile(
     weight = (torch.randn(n, 2000, generator=generator) * 0.1).half()
     x = torch.randn(1, 2000, generator=generator).half()
     out = gemv(x, weight)
-    (_, kwargs), = launches
+    ((_, kwargs),) = launches
     assert (kwargs["BLOCK_K"], kwargs["num_warps"]) == planned
     torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=2e-3,
                                atol=2e-3)  # fmt: skip
