@@ -74,6 +74,12 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int_in(1), default=3)
     parser.add_argument(
+        "--max-model-len",
+        type=int_in(1),
+        help="the engine's (default: input + output + 8; a server's longer one splits decode "
+        "attention over more programs)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="TTFT of the prompt computed whole (with caching, each repeat of it is a prefix hit)",

@@ -10,6 +10,7 @@ bytes of a step.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,13 @@ from kvfleet.engine.worker.setup import freeze_startup_heap
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_model_len is not None and args.max_model_len < args.input_len + args.output_len:
+        print(
+            f"--max-model-len {args.max_model_len} is shorter than --input-len + --output-len "
+            f"({args.input_len + args.output_len})",
+            file=sys.stderr,
+        )
+        return 1
     with tempfile.TemporaryDirectory(prefix="kvfleet-loras-") as scratch:
         return _run(args, Path(scratch))
 
@@ -67,7 +75,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,
-        max_model_len=args.input_len + args.output_len + 8,
+        max_model_len=args.max_model_len or args.input_len + args.output_len + 8,
         max_num_seqs=max(args.batch_size, 1),
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
         tensor_parallel_size=args.tensor_parallel_size,
@@ -134,6 +142,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "batch_size": args.batch_size,
         "input_len": args.input_len,
+        "max_model_len": engine.max_model_len,
         "output_len": args.output_len,
         "copy_GBps": round(ceilings.copy_gbps, 1),
         "matmul_TFLOPs": round(ceilings.matmul_tflops, 1),

@@ -109,6 +109,17 @@ def test_bench_cli_rejects_absurd_counts(
     assert said in capsys.readouterr().err
 
 
+def test_bench_latency_refuses_a_context_shorter_than_its_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvfleet.cli.main import main
+
+    assert main(["bench", "latency", "--max-model-len", "200"]) == 1
+    assert "--max-model-len 200 is shorter than --input-len + --output-len (256)" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_mixture_of_experts_is_counted_by_what_a_token_reads() -> None:
     """Qwen3-30B-A3B's shape: 29.9B layer matmul weights stored, 2.7B multiplied per token
     (3.3B "active" with the embeddings and LM head, as Qwen counts); a step of one token reads
