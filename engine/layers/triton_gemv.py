@@ -493,13 +493,15 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
 
 
 # A layer whose programs at 8 rows all fit at once, PRELOAD_PROGRAMS_PER_SM an SM, takes half
-# its inputs a tile on 8 warps (128 registers, sm_90): each program's first half of its weight
+# its inputs a tile on 8 warps, up to PRELOAD_MAX_INPUTS (128 registers at [8, 2048], sm_90; [8,
+# 4096] takes 235: one an SM, not taken): each program's first half of its weight
 # loaded before it waits for the kernel before (decode attention, at batch 1: the DRAM idle)
 # where a 512-input tile loaded an eighth. Qwen3-30B-A3B's o (2048 x 4096) 7.27 -> 4.23 us on
 # the batch-1 path (floor 4.0), router 3.70 -> 2.96; batch 1 2.919 -> 2.813 ms, Mixtral-8x7B
 # (its router) 6.907 -> 6.806 (bench/RESULTS.md session 40, bench/next/call74.sh).
 PRELOAD_HALF = True
 PRELOAD_PROGRAMS_PER_SM = 2
+PRELOAD_MAX_INPUTS = 2048
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
@@ -513,7 +515,8 @@ def one_row_plan(
     """(BLOCK_N, BLOCK_K, warps, stages) of the one-row GEMV over a weight [n, k]."""
     block_n, block_k = gemv_tiles(n, k, weight_bytes)
     half = next_power_of_2(k) // 2
-    if (PRELOAD_HALF and weight_bytes == 2 and block_n == 8 and half > block_k
+    if (PRELOAD_HALF and weight_bytes == 2 and block_n == 8 and block_k < half
+            and half <= PRELOAD_MAX_INPUTS
             and cdiv(n, block_n) <= PRELOAD_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, half, 8, 1
     if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048

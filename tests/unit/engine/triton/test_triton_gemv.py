@@ -32,16 +32,19 @@ def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool) -> No
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("n", "planned"), [(16, (1024, 8)), (80, (512, 4))])
+@pytest.mark.parametrize(
+    ("n", "k", "planned"), [(16, 2000, (1024, 8)), (80, 2000, (512, 4)), (16, 5000, (512, 4))]
+)
 def test_a_layer_whose_programs_fit_at_once_loads_half_its_inputs_a_tile(
-    n: int, planned: tuple[int, int], kernel_launches: Any
+    n: int, k: int, planned: tuple[int, int], kernel_launches: Any
 ) -> None:
     """16 rows (2 programs, at most 2 an SM of the interpreter's 4) take half of K (2000 -> 1024
-    inputs of 2048) a tile on 8 warps; 80 rows (10 programs) keep the 512-input tile."""
+    inputs of 2048) a tile on 8 warps; 80 rows (10 programs) keep the 512-input tile, and so
+    does a K whose half passes 2048 (its registers would leave one program an SM)."""
     launches = kernel_launches(triton_gemv, "_gemv_kernel")
     generator = torch.Generator().manual_seed(5)
-    weight = (torch.randn(n, 2000, generator=generator) * 0.1).half()
-    x = torch.randn(1, 2000, generator=generator).half()
+    weight = (torch.randn(n, k, generator=generator) * 0.1).half()
+    x = torch.randn(1, k, generator=generator).half()
     out = gemv(x, weight)
     ((_, kwargs),) = launches
     assert (kwargs["BLOCK_K"], kwargs["num_warps"]) == planned
