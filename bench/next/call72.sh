@@ -41,6 +41,4 @@ timeout 240 bash bench/ab.sh .stage/base 2 "$OUT/a3b" bench latency --model qwen
   > "$OUT/ab-a3b.txt" 2>&1
 timeout 300 bash bench/ab.sh .stage/base 1 "$OUT/mixtral" bench latency --model mixtral-8x7b $A \
   > "$OUT/ab-mixtral.txt" 2>&1
-for f in "$OUT"/a3b/*.json "$OUT"/mixtral/*.json; do
-  python3 -c "import json; d=json.load(open('$f')); print('$f'.split('/')[-2:], d.get('decode_ms_per_token'), d.get('pct_of_floor'))"
-done
+python3 bench/next/summary.py "$OUT"

@@ -16,6 +16,4 @@ timeout 120 bash bench/ab.sh /tmp/narrow 1 "$OUT/a3b" bench latency --model qwen
   > "$OUT/ab-a3b.txt" 2>&1
 timeout 120 bash bench/ab.sh /tmp/narrow 1 "$OUT/llama" bench latency --model llama-3-8b $A \
   > "$OUT/ab-llama.txt" 2>&1
-for f in "$OUT"/a3b/*.json "$OUT"/llama/*.json; do
-  python3 -c "import json; d=json.load(open('$f')); print('$f'.split('/')[-2:], d.get('decode_ms_per_token'), d.get('pct_of_floor'))"
-done
+python3 bench/next/summary.py "$OUT"

@@ -10,6 +10,4 @@ for m in qwen3-8b gemma-3-12b; do
   timeout 140 bash bench/ab.sh /tmp/narrow 1 "$OUT/$m" bench latency --model $m $A \
     > "$OUT/ab-$m.txt" 2>&1
 done
-for f in "$OUT"/*/*.json; do
-  python3 -c "import json; d=json.load(open('$f')); print('$f'.split('/')[-2:], d.get('decode_ms_per_token'), d.get('pct_of_floor'))"
-done
+python3 bench/next/summary.py "$OUT"
