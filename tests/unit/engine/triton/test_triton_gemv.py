@@ -52,6 +52,26 @@ def test_a_layer_whose_programs_fit_at_once_loads_half_its_inputs_a_tile(
                                atol=2e-3)  # fmt: skip
 
 
+@pytest.mark.parametrize(("sms", "planned"), [(65, (512, 4)), (64, (256, 4))])
+def test_sixteen_row_programs_take_512_inputs_where_four_an_sm_hold_them_all(
+    sms: int, planned: tuple[int, int], kernel_launches: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4,112 rows (16 a program: 257 programs) of 2,048 inputs take 512 inputs a tile where 65
+    SMs hold them all, four each (a quarter of each program's weight before its wait), 256
+    where 64 SMs would not; the output is the linear layer's either way."""
+    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: sms)
+    launches = kernel_launches(triton_gemv, "_gemv_kernel")
+    generator = torch.Generator().manual_seed(6)
+    weight = (torch.randn(4112, 2048, generator=generator) * 0.05).half()
+    x = torch.randn(1, 2048, generator=generator).half()
+    out = gemv(x, weight)
+    ((grid, kwargs),) = launches
+    assert grid == (257,)
+    assert (kwargs["BLOCK_K"], kwargs["num_warps"]) == planned
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=2e-3,
+                               atol=2e-3)  # fmt: skip
+
+
 def test_scales_go_with_e4m3_weights_only() -> None:
     with pytest.raises(AssertionError, match="e4m3"):
         gemv(torch.ones(1, 8), torch.ones(4, 8), torch.ones(4, 1))
