@@ -15,7 +15,12 @@ import torch
 
 from kvfleet.bench.quality import TEXT, perplexity
 from kvfleet.engine.layers.linear import Linear
-from kvfleet.engine.layers.quantization.fp8 import FP8_MAX, quantize_rows
+from kvfleet.engine.layers.quantization.block_fp8 import (
+    dequantize_blocks,
+    quantize_blocks,
+    quantize_groups,
+)
+from kvfleet.engine.layers.quantization.fp8 import quantize_rows
 from kvfleet.engine.llm import LLM
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
@@ -28,24 +33,23 @@ def per_row(t: torch.Tensor) -> torch.Tensor:
 
 
 def per_group(group: int) -> Rounding:
-    """The round trip with one scale per `group` inputs of a row."""
+    """The round trip with one scale per `group` inputs of a row (`quantize_groups`)."""
 
     def rounded(t: torch.Tensor) -> torch.Tensor:
-        rows, cols = t.shape
-        return per_row(t.reshape(rows * cols // group, group)).reshape(rows, cols)
+        values, scales = quantize_groups(t, group)
+        return values.float() * scales.repeat_interleave(group, dim=1)
 
     return rounded
 
 
 def per_block(t: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """The round trip with one scale per [block, block] tile (the block-FP8 checkpoints')."""
+    """The round trip with one scale per [block, block] tile (`quantize_blocks`, the block-FP8
+    checkpoints'; the inputs padded with zeros to whole tiles)."""
     rows, cols = t.shape
-    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block)
-    padded[:rows, :cols] = t.float()
-    tiles = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
-    scales = tiles.abs().amax((1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
-    rounded = ((tiles / scales).to(torch.float8_e4m3fn).float() * scales).reshape(padded.shape)
-    return rounded[:rows, :cols]
+    padded = torch.zeros(rows, -(-cols // block) * block)
+    padded[:, :cols] = t.float()
+    values, scales = quantize_blocks(padded, (block, block))
+    return dequantize_blocks(values, scales, (block, block))[:, :cols]
 
 
 def _rounding_inputs(forward: Rounding) -> Rounding:

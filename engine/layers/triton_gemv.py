@@ -507,6 +507,7 @@ PRELOAD_MAX_INPUTS = 2048
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
 # 7.060, Llama-3-8B 4.152 -> 4.153 (calls 75, 76).
 WIDE_QKV = True
+WIDE_PROGRAMS_PER_SM = 4
 
 
 def one_row_plan(
@@ -520,7 +521,7 @@ def one_row_plan(
             and cdiv(n, block_n) <= PRELOAD_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, half, 8, 1
     if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048
-            and cdiv(n, block_n) <= 4 * num_sms(device)):  # fmt: skip
+            and cdiv(n, block_n) <= WIDE_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, 2 * block_k, 4, 3
     return block_n, block_k, 4, 3
 
