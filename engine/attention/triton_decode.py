@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode_e4m3 import decode_e4m3, takes_e4m3_products
-from kvfleet.engine.attention.triton_splits import finish_split, split_range
+from kvfleet.engine.attention.triton_splits import finish_split, live_splits, split_range
 from kvfleet.engine.attention.triton_tiles import (
     fp8_query,
     kv_tile_tokens,
@@ -221,8 +221,9 @@ def _decode_partial_kernel(
     if FP8:
         acc *= tl.load(kv_scales_ptr + 1)
 
+    live = live_splits(seq_len, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
-                  split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
+                  split, live, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
                   NUM_SPLITS, SPLITS_PAD, HEAD_DIM, MERGE)  # fmt: skip
 
 

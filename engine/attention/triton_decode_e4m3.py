@@ -32,7 +32,12 @@ from kvfleet.engine.attention.triton_e4m3 import (
     e4m3_rows,
     takes_e4m3,
 )
-from kvfleet.engine.attention.triton_splits import finish_split, group_heads, program_split
+from kvfleet.engine.attention.triton_splits import (
+    finish_split,
+    group_heads,
+    live_splits,
+    program_split,
+)
 from kvfleet.engine.attention.triton_tiles import LOG2E, kv_tile_tokens, tile_positions
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
@@ -82,7 +87,7 @@ def _decode_e4m3_kernel(
     """Program (sequence, KV head, split): the split's keys in BLOCK_N tiles of whole blocks
     against the group's query heads, ended as `triton_decode`'s kernel ends a split."""
     # (tiles of whole blocks from a multiple of BLOCK_N)
-    seq, kv_head, split, _, first, start, end = program_split(
+    seq, kv_head, split, seq_len, first, start, end = program_split(
         seq_lens_ptr, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N, True, PDL
     )
     heads, offs_d, g_mask, d_mask = group_heads(kv_head, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D)
@@ -121,8 +126,9 @@ def _decode_e4m3_kernel(
     if E4M3:
         v_scale = v_scale / E4M3_MAX
     acc = tl.trans(acc_t) * v_scale  # [GROUP_PAD, BLOCK_D]
+    live = live_splits(seq_len, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
-                 split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
+                 split, live, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
                  NUM_SPLITS, SPLITS_PAD, HEAD_DIM, MERGE)  # fmt: skip
 
 

@@ -13,17 +13,34 @@ from kvfleet.engine.layers.dependent_launch import let_next_start
 
 
 @triton.jit
-def split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+def _split_size(seq_len, sliding_window, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
                 BLOCK_N: tl.constexpr):  # fmt: skip
-    """[first, end) of the sequence's keys this split takes: its window cut into NUM_SPLITS
-    pieces of whole BLOCK_Ns."""
+    """(kv_begin, per_split): the first key of the sequence's window and the keys a split takes
+    (whole BLOCK_Ns, at least MIN_SPLIT)."""
     kv_begin = 0
     if sliding_window > 0:
         kv_begin = tl.maximum(0, seq_len - sliding_window)
     per_split = tl.cdiv(seq_len - kv_begin, NUM_SPLITS)
-    per_split = tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    return kv_begin, tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
+
+
+@triton.jit
+def split_range(seq_len, sliding_window, split, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """[first, end) of the sequence's keys this split takes: its window cut into NUM_SPLITS
+    pieces of whole BLOCK_Ns."""
+    kv_begin, per_split = _split_size(seq_len, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     first = kv_begin + split * per_split
     return first, tl.minimum(seq_len, first + per_split)
+
+
+@triton.jit
+def live_splits(seq_len, sliding_window, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """How many of the sequence's splits hold keys (the first ones; at least 1): at a short
+    context most of a graph's NUM_SPLITS (cut for its longest) are empty."""
+    kv_begin, per_split = _split_size(seq_len, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    return tl.maximum(1, tl.cdiv(seq_len - kv_begin, per_split))
 
 
 @triton.jit
@@ -60,33 +77,58 @@ def group_heads(kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM:
 
 @triton.jit
 def finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
-                 split, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
+                 split, live, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                  MERGE: tl.constexpr):  # fmt: skip
     """A split's heads: the output when unsplit, else its partial results (max in natural-log
-    units, sum, unnormalized P.V), and when MERGE the last split to finish merges them."""
+    units, sum, unnormalized P.V), and when MERGE the last split to finish merges them. MERGE
+    counts only the `live` splits (`live_splits`): the empty ones store and count nothing, and
+    one live split writes the output itself (the same bits: the merge of one split divides
+    its sum by its weight, 1)."""
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
-    else:
-        # An empty split stores max -inf and sum 0: the merge gives it no weight.
-        row = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
-        tl.store(sum_ptr + row, l_i, mask=g_mask)
-        tl.store(
-            acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=g_mask[:, None] & d_mask[None, :],
-        )
-        if MERGE:
-            tl.debug_barrier()  # (every thread's part written before the count says so)
-            counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                out = merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
-                              g_mask, offs_d, d_mask, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
-                store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
-                             d_mask)  # fmt: skip
-                tl.atomic_xchg(counter, 0)
+        _store_output(acc, l_i, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
+    elif not MERGE:
+        # An empty split stores max -inf and sum 0: the merge kernel gives it no weight.
+        _store_partial(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, seq, split, heads, offs_d,
+                       g_mask, d_mask, num_heads, NUM_SPLITS, HEAD_DIM)  # fmt: skip
+    elif live == 1:
+        if split == 0:
+            _store_output(acc, l_i, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
+                          d_mask)  # fmt: skip
+    elif split < live:
+        _store_partial(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, seq, split, heads, offs_d,
+                       g_mask, d_mask, num_heads, NUM_SPLITS, HEAD_DIM)  # fmt: skip
+        tl.debug_barrier()  # (every thread's part written before the count says so)
+        counter = count_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
+            out = merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
+                         g_mask, offs_d, d_mask, live, NUM_SPLITS, SPLITS_PAD,
+                         HEAD_DIM)  # fmt: skip
+            store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
+                        d_mask)  # fmt: skip
+            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _store_output(acc, l_i, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask):
+    """The heads' output from one split's sums: P.V over the softmax's denominator."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
+
+
+@triton.jit
+def _store_partial(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, seq, split, heads, offs_d, g_mask,
+                   d_mask, num_heads, NUM_SPLITS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):  # fmt: skip
+    """A split's partial results for the merge: max (natural-log units), sum, unnormalized P.V."""
+    row = (seq * num_heads + heads) * NUM_SPLITS + split
+    tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
+    tl.store(sum_ptr + row, l_i, mask=g_mask)
+    tl.store(
+        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        acc,
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
 
 
 @triton.jit
@@ -101,15 +143,15 @@ def store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, 
 
 @triton.jit
 def merged(
-    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask,
+    acc_ptr, max_ptr, sum_ptr, first_rows, row_mask, offs_d, d_mask, live,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """[rows, BLOCK_D] float32: each row's splits (partials at first_rows + 0..NUM_SPLITS-1,
-    natural-log maxima) merged as `_decode_merge_kernel` merges one (read past L1: other
-    programs wrote them)."""
+    """[rows, BLOCK_D] float32: each row's first `live` splits (partials at first_rows +
+    0..live-1, natural-log maxima) merged as `_decode_merge_kernel` merges one (read past L1:
+    other programs wrote them)."""
     offs_s = tl.arange(0, SPLITS_PAD)
     at = first_rows[:, None] + offs_s[None, :]
-    ok = row_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    ok = row_mask[:, None] & (offs_s < live)[None, :]
     m = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
     l_s = tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
     m_all = tl.max(m, 1)
@@ -119,7 +161,7 @@ def merged(
     for i in tl.static_range(NUM_SPLITS):
         part = tl.load(
             acc_ptr + (first_rows + i)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=row_mask[:, None] & d_mask[None, :],
+            mask=tl.where(i < live, row_mask, False)[:, None] & d_mask[None, :],
             other=0.0,
             cache_modifier=".cg",
         )
