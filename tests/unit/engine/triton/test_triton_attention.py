@@ -285,27 +285,32 @@ def test_a_mixed_steps_decodes_split_as_a_launch_before_them(
     assert [kwargs["PRELOAD"] for _, kwargs in launches] == [True, True, True]
 
 
+@pytest.mark.parametrize("sliding_window", [None, 150])
 @pytest.mark.parametrize("fused_merge", [True, False])
 def test_the_splits_merge_in_the_kernel_or_after_it_alike(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
     monkeypatch: pytest.MonkeyPatch,
     fused_merge: bool,
+    sliding_window: int | None,
 ) -> None:
     """The last split of each sequence's KV head merges its heads (FUSED_MERGE) or the merge
     kernel does, to the same result; launched twice, the fused way finds its counters reset
-    (a stale count would leave rows unmerged: NaN)."""
+    (a stale count would leave rows unmerged: NaN). Of the 5 splits (128 keys at least) 1, 2,
+    3 and 5 hold keys, in a window of 150 at most 2: only those count and merge, one alone
+    writes the output itself."""
     monkeypatch.setattr(triton_decode, "FUSED_MERGE", fused_merge)
     seq_lens = [1, 129, 300, 700]
     inputs = attention_case([1] * 4, seq_lens, num_heads=4, num_kv_heads=2, seed=13)
-    reference = TorchAttention(4, 2, 32)
+    reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
     cache = inputs["kv_cache"].clone()
     expected = reference.forward(inputs["q"], inputs["k"], inputs["v"], cache, inputs["metadata"])
     for _ in range(2):
         out = torch.full_like(inputs["q"], float("nan"))
         triton_decode.decode_attention(
-            inputs["q"], cache, inputs["metadata"], reference.scale, out=out, num_splits=5
-        )
+            inputs["q"], cache, inputs["metadata"], reference.scale, sliding_window, out=out,
+            num_splits=5,
+        )  # fmt: skip
         assert not out.isnan().any()
         assert (out - expected).abs().max() < 1e-4
     if fused_merge:
