@@ -34,6 +34,4 @@ else
       --max-model-len 8192 > "$OUT/ab-$m-min256.txt" 2>&1
   done
 fi
-for f in "$OUT"/*/*.json; do
-  python3 -c "import json; d=json.load(open('$f')); print('$f'.split('/')[-2:], d.get('decode_ms_per_token'), d.get('pct_of_floor'))"
-done
+python3 bench/next/summary.py "$OUT"
