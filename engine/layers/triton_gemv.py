@@ -502,6 +502,9 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
 PRELOAD_HALF = True
 PRELOAD_PROGRAMS_PER_SM = 2
 PRELOAD_MAX_INPUTS = 2048
+# ... and the whole of K where that fits PRELOAD_MAX_INPUTS (A3B's router, 128 x 2048: none of
+# its weight left to load after the wait; bench/next/call78.sh full)
+PRELOAD_WHOLE = True
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
@@ -519,7 +522,8 @@ def one_row_plan(
     if (PRELOAD_HALF and weight_bytes == 2 and block_n == 8 and block_k < half
             and half <= PRELOAD_MAX_INPUTS
             and cdiv(n, block_n) <= PRELOAD_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
-        return block_n, half, 8, 1
+        whole = PRELOAD_WHOLE and 2 * half <= PRELOAD_MAX_INPUTS
+        return block_n, 2 * half if whole else half, 8, 1
     if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048
             and cdiv(n, block_n) <= WIDE_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, 2 * block_k, 4, 3

@@ -33,14 +33,16 @@ def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool) -> No
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "planned"), [(16, 2000, (1024, 8)), (80, 2000, (512, 4)), (16, 5000, (512, 4))]
+    ("n", "k", "planned"),
+    [(16, 4000, (2048, 8)), (16, 2000, (2048, 8)), (80, 2000, (512, 4)), (16, 5000, (512, 4))],
 )
 def test_a_layer_whose_programs_fit_at_once_loads_half_its_inputs_a_tile(
     n: int, k: int, planned: tuple[int, int], kernel_launches: Any
 ) -> None:
-    """16 rows (2 programs, at most 2 an SM of the interpreter's 4) take half of K (2000 -> 1024
-    inputs of 2048) a tile on 8 warps; 80 rows (10 programs) keep the 512-input tile, and so
-    does a K whose half passes 2048 (its registers would leave one program an SM)."""
+    """16 rows (2 programs, at most 2 an SM of the interpreter's 4) take half of K a tile on 8
+    warps (4000 -> 2048 inputs of 4096), or all of it where it fits 2048 (2000); 80 rows (10
+    programs) keep the 512-input tile, and so does a K whose half passes 2048 (its registers
+    would leave one program an SM)."""
     launches = kernel_launches(triton_gemv, "_gemv_kernel")
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(n, k, generator=generator) * 0.1).half()
