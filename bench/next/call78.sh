@@ -16,7 +16,8 @@ OUT=${OUT:?}
 A="--load-format dummy --batch-size 1"
 if [ "${1:-ab}" = ab ]; then
   timeout 200 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
-    tests/gpu/test_triton_cuda.py tests/gpu/test_fp8_kv_cuda.py -k "decode or e4m3 or graph" \
+    tests/gpu/test_triton_cuda.py tests/gpu/test_fp8_kv_cuda.py \
+    tests/gpu/test_dependent_launch_cuda.py -k "decode or e4m3 or graph or gemv" \
     > "$OUT/tests.txt" 2>&1
   grep -aE "passed|failed|error" "$OUT/tests.txt" | tail -2
   for m in llama-3-8b qwen3-30b-a3b; do
