@@ -79,16 +79,14 @@ def _earlier_first_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, star
 
 
 @triton.jit
-def _first_tile_scores(q, k_first, v_first, new_at, k_cache_ptr, v_cache_ptr, seq_len, start, end,
-                       d_mask, m_i, l_i, acc, scale, softcap, qk_scale, BLOCK_N: tl.constexpr,
+def _first_tile_scores(q, k_first, v_first, k_new, v_new, seq_len, start, end, m_i, l_i, acc,
+                       scale, softcap, qk_scale, BLOCK_N: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
     """The running softmax after a split's first tile, its earlier tokens preloaded
-    (`_earlier_first_tile`) and this step's token read now, where it lies in the tile."""
+    (`_earlier_first_tile`), this step's token's (k_new, v_new) where it lies in the tile."""
     if start < end:
         positions = tile_positions(start, BLOCK_N, False)
         is_new = (positions == seq_len - 1)[:, None]
-        k_new = tl.load(k_cache_ptr + new_at, mask=d_mask, other=0.0)
-        v_new = tl.load(v_cache_ptr + new_at, mask=d_mask, other=0.0)
         k = tl.where(is_new, k_new[None, :], k_first)
         v = tl.where(is_new, v_new[None, :], v_first)
         s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
@@ -174,6 +172,9 @@ def _decode_partial_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if PRELOAD:  # (this step's token's K and V with q, their loads in flight together)
+        k_new = tl.load(k_cache_ptr + new_at, mask=d_mask, other=0.0)
+        v_new = tl.load(v_cache_ptr + new_at, mask=d_mask, other=0.0)
     if FP8:
         q = fp8_query(q)
         scale *= tl.load(kv_scales_ptr)
@@ -184,8 +185,8 @@ def _decode_partial_kernel(
     tiles_from = start
     if PRELOAD:
         m_i, l_i, acc = _first_tile_scores(
-            q, k_first, v_first, new_at, k_cache_ptr, v_cache_ptr, seq_len, start, end, d_mask,
-            m_i, l_i, acc, scale, softcap, qk_scale, BLOCK_N, DOT_PRECISION, SOFTCAP,
+            q, k_first, v_first, k_new, v_new, seq_len, start, end, m_i, l_i, acc, scale,
+            softcap, qk_scale, BLOCK_N, DOT_PRECISION, SOFTCAP,
         )  # fmt: skip
         tiles_from = start + BLOCK_N
     for start_n in range(tiles_from, end, BLOCK_N):
