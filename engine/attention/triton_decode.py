@@ -37,7 +37,11 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import next_power_of_2, num_sms
 from kvfleet.engine.layers.launch_cache import CachedKernel
 
-# Below this many KV tokens a split is not worth its share of the merge.
+# The fewest KV tokens a split takes: one tile (BLOCK_N), which at batch 1 is loaded before the
+# wait (PRELOAD_FIRST_TILE), so a split's work after it is this step's token and the merge. Its
+# tiles after the wait cost more than the merge: batch 1 at 129-256 keys, Llama-3-8B 4.192 ms at
+# 128 (two splits), 4.230 at 256 (one, no merge), 4.118 at 64 (three or four); Qwen3-30B-A3B
+# 2.704 -> 2.638 from 128 to 64 (bench/RESULTS.md "2026-11-30 (session 41)").
 _MIN_SPLIT_TOKENS = 64
 _MAX_SPLITS = 32
 # From this many (sequence, KV head) programs an SM the decode kernel is not split: at 64 x 8
@@ -315,12 +319,15 @@ _DECODE_PARTIAL = CachedKernel(_decode_partial_kernel)
 # The last split of a sequence's KV head to finish merges its query heads (False: a merge
 # kernel after the decode kernel, as before; for A/B runs).
 FUSED_MERGE = True
-# Where the decode kernel's programs are at most one an SM (batch 1: latency, not bytes), a split's
-# first tile of keys and values from earlier steps is loaded before the kernel waits for the
-# one before it (launched dependent, that load overlaps the qkv projection's end), this step's
-# token read after; a bf16/fp16/fp32 cache's (an FP8 cache's token-minor V loads whole blocks).
-# False: every tile after the wait, as before (for A/B runs).
+# Where the decode kernel's programs are at most PRELOAD_PROGRAMS_PER_SM an SM (batch 1:
+# latency, not bytes), a split's first tile of keys and values from earlier steps is loaded
+# before the kernel waits for the one before it (launched dependent, that load overlaps the qkv
+# projection's end), this step's token read after; a bf16/fp16/fp32 cache's (an FP8 cache's
+# token-minor V loads whole blocks). False: every tile after the wait, as before (for A/B runs).
+# Two an SM, not one: batch 1 under an 8k context (8 KV heads x 32 splits) Llama-3-8B 4.213 ->
+# 4.166 ms, Qwen3-8B 4.445 -> 4.407 (bench/RESULTS.md "2026-11-30 (session 41)").
 PRELOAD_FIRST_TILE = True
+PRELOAD_PROGRAMS_PER_SM = 2
 # An FP8 cache's decodes through `triton_decode_e4m3` (e4m3 products, no upcasts; the query
 # and softmax weights quantized) where it takes them: Llama-3-8B's FP8 1k/1k decode-only steps
 # 24.80 -> 23.57 ms (1,982 of them); SmolLM2's FP8-KV perplexity fed a token a step through the
@@ -420,7 +427,7 @@ def decode_attention(
         PRELOAD_FIRST_TILE
         and not fp8
         and not token_minor
-        and num_seqs * num_kv_heads * num_splits <= num_sms(q.device)
+        and num_seqs * num_kv_heads * num_splits <= PRELOAD_PROGRAMS_PER_SM * num_sms(q.device)
     )
     if metadata.max_seqlen_q > 1:  # (as the count was launched before: no compile)
         preload = launched.get(num_splits, preload)
