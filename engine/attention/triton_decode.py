@@ -276,11 +276,14 @@ def _decode_merge_kernel(
     )
 
 
-def splits_to_fill(programs: int, kv_tokens: int, device: torch.device, per_sm: int = 4) -> int:
+def splits_to_fill(
+    programs: int, kv_tokens: int, device: torch.device, per_sm: int = 4,
+    min_tokens: int = _MIN_SPLIT_TOKENS,
+) -> int:  # fmt: skip
     """Splits of the KV that give every SM `per_sm` of `programs` x splits programs, none
-    shorter than _MIN_SPLIT_TOKENS of `kv_tokens` (1: the programs are enough already)."""
+    shorter than `min_tokens` of `kv_tokens` (1: the programs are enough already)."""
     wanted = -(-per_sm * num_sms(device) // max(1, programs))
-    return max(1, min(wanted, -(-kv_tokens // _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    return max(1, min(wanted, -(-kv_tokens // min_tokens), _MAX_SPLITS))
 
 
 def num_splits_for(

@@ -89,6 +89,9 @@ def prompt_tile(
     return block_m, kv_tile_tokens(block_n, block_d), warps, stages
 
 
+# The fewest keys a split of the prompt kernel's takes (the decode kernel's take fewer:
+# `triton_decode._MIN_SPLIT_TOKENS`, one tile, where a split's work after its wait is what counts).
+MIN_SPLIT_TOKENS = 128
 # Split counts forced by `splits_forced` (innermost last).
 _forced_splits: list[int] = []
 
@@ -307,10 +310,10 @@ def key_splits(metadata: AttentionMetadata, programs: int, device: torch.device)
     the split wins (a lone 1,024-token prompt on an H200: 51 us a layer whole, 90 in two splits
     merged; bench/RESULTS.md "2026-11-29 (session 33)")."""
     if metadata.max_seqlen_q <= FEW_QUERY_TOKENS:
-        return splits_to_fill(programs, metadata.max_seqlen_k, device, per_sm=4)
+        return splits_to_fill(programs, metadata.max_seqlen_k, device, 4, MIN_SPLIT_TOKENS)
     if 2 * programs >= num_sms(device):
         return 1
-    return splits_to_fill(programs, metadata.max_seqlen_k, device, per_sm=1)
+    return splits_to_fill(programs, metadata.max_seqlen_k, device, 1, MIN_SPLIT_TOKENS)
 
 
 def paged_attention(

@@ -329,7 +329,7 @@ def test_a_splits_first_tile_loaded_before_the_wait_gives_the_same_output(
     the wait for the kernel before, this step's token after) gives, bit for bit, the output of
     every tile loaded after the wait, and the reference's: this step's token in the first tile
     or a later one, alone, windowed or not. Not with V token-minor (head-major blocks), nor
-    where the programs outnumber the SMs."""
+    past PRELOAD_PROGRAMS_PER_SM programs an SM."""
     launches = kernel_launches(triton_decode, "_DECODE_PARTIAL")
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: 1 << 10)
     seq_lens = [1, 5, 64, 65, 300]
@@ -353,9 +353,13 @@ def test_a_splits_first_tile_loaded_before_the_wait_gives_the_same_output(
     preloads = [kwargs["PRELOAD"] for _, kwargs in launches]
     assert preloads == [block_layout != "head-major", False] * 2
     monkeypatch.setattr(triton_decode, "PRELOAD_FIRST_TILE", True)
-    monkeypatch.setattr(triton_decode, "num_sms", lambda device: 4)  # (5 x 2 programs or more)
-    triton_decode.decode_attention(inputs["q"], cache, inputs["metadata"], reference.scale)
-    assert launches[-1][1]["PRELOAD"] is False
+    # (5 x 2 programs, unsplit: two an SM on 5 SMs, more on 4)
+    for sms, preloaded in ((5, block_layout != "head-major"), (4, False)):
+        monkeypatch.setattr(triton_decode, "num_sms", lambda device, sms=sms: sms)
+        triton_decode.decode_attention(
+            inputs["q"], cache, inputs["metadata"], reference.scale, num_splits=1
+        )
+        assert launches[-1][1]["PRELOAD"] is preloaded
 
 
 def test_decode_kernel_sliding_window_and_float16(
@@ -484,9 +488,10 @@ def test_soft_capped_scores_and_another_scale_match_torch(
 
 def test_the_decode_kernel_splits_only_what_leaves_the_multiprocessors_short() -> None:
     """Splits fill the device (4 programs an SM) for few (sequence, KV head) programs and long
-    KV; from 3 programs an SM, or at most 128 KV tokens, one program each is the plan."""
+    KV; from 3 programs an SM, or at most 64 KV tokens (a tile), one program each is the plan."""
     cpu = torch.device("cpu")  # the interpreter's device: 4 SMs
     assert triton_decode.num_splits_for(1, 2, 4096, cpu) == 8
     assert triton_decode.num_splits_for(5, 2, 4096, cpu) == 2
     assert triton_decode.num_splits_for(6, 2, 4096, cpu) == 1
-    assert triton_decode.num_splits_for(1, 2, 128, cpu) == 1
+    assert triton_decode.num_splits_for(1, 2, 64, cpu) == 1
+    assert triton_decode.num_splits_for(1, 2, 65, cpu) == 2
