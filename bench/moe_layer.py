@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
-from kvfleet.engine.layers import triton_moe, triton_moe_gemv
+from kvfleet.engine.layers import triton_moe, triton_moe_gemv, triton_route
 from kvfleet.engine.layers.moe import experts_reference, route
 
 # (experts, top k, hidden, inner) of one layer
@@ -58,7 +58,7 @@ class _Layer:
         return F.linear(self.x, self.gates[c])
 
     def fused(self, c: int) -> torch.Tensor:
-        weights, ids = triton_moe.route_fused(self.router(c), self.top_k, True)
+        weights, ids = triton_route.route_fused(self.router(c), self.top_k, True)
         return triton_moe.fused_experts(self.x, self.w13[c], self.w2[c], weights, ids)
 
     def gemvs(

@@ -6,8 +6,8 @@ expert's gate rows, then its up rows) and `w2` [E, hidden, inner]. Under tensor 
 every rank holds every expert with a slice of its inner dimension, so the layer's output is a
 partial sum, reduced like a row-parallel layer's (output identical to one rank's).
 
-The torch references (any device) of `triton_moe`'s kernels: `route`, `align_rows` (the rows
-grouped by expert) and `experts_reference`.
+The torch references (any device) of `triton_route`'s and `triton_moe`'s kernels: `route`,
+`align_rows` (the rows grouped by expert) and `experts_reference`.
 """
 
 from __future__ import annotations

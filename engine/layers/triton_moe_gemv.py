@@ -38,7 +38,7 @@ from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 from kvfleet.engine.layers.triton_gemv import norm_args, row_and_norm, row_values
 from kvfleet.engine.layers.triton_layers import inverse_rms, summed_row
-from kvfleet.engine.layers.triton_moe import top_k_rows
+from kvfleet.engine.layers.triton_route import top_k_rows
 
 # (BLOCK_N, BLOCK_K, warps) of the gate_up and the down GEMV, bf16/fp16 weights (a float32
 # weight halves BLOCK_K: a tile holds the same bytes), and whether down takes all k experts in

@@ -23,15 +23,14 @@ from kvfleet.engine.layers.moe import (  # noqa: E402
     experts_reference,
     route,
 )
-from kvfleet.engine.layers.triton_moe import (  # noqa: E402
+from kvfleet.engine.layers.triton_moe import block_m_for, fused_experts  # noqa: E402
+from kvfleet.engine.layers.triton_moe_gemv import one_token_moe  # noqa: E402
+from kvfleet.engine.layers.triton_route import (  # noqa: E402
     ROUTE_IN_ALIGN_TOKENS,
     align_rows_fused,
-    block_m_for,
-    fused_experts,
     route_and_align_fused,
     route_fused,
 )
-from kvfleet.engine.layers.triton_moe_gemv import one_token_moe  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.unit.engine.triton.test_moe_kernels import by_run  # noqa: E402

@@ -12,16 +12,14 @@ import torch
 pytest.importorskip("triton")
 
 from kvfleet.engine.layers.moe import align_rows, experts_reference, max_padded_rows, route
-from kvfleet.engine.layers.triton_moe import (
+from kvfleet.engine.layers.triton_moe import block_m_for, fused_experts, fused_moe
+from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
+from kvfleet.engine.layers.triton_route import (
     ROUTE_IN_ALIGN_TOKENS,
     align_rows_fused,
-    block_m_for,
-    fused_experts,
-    fused_moe,
     route_and_align_fused,
     route_fused,
 )
-from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
 
 
 def by_run(sorted_rows: torch.Tensor, run_ends: torch.Tensor) -> torch.Tensor:
