@@ -24,8 +24,8 @@ from kvfleet.engine.attention.triton_e4m3 import (
     online_softmax_e4m3,
     takes_e4m3,
 )
+from kvfleet.engine.attention.triton_splits import store_partials
 from kvfleet.engine.attention.triton_tiles import (
-    LN2,
     fp8_query,
     kv_tile_tokens,
     load_kv_tile,
@@ -289,14 +289,9 @@ def _paged_attention_kernel(
             mask=m_mask[:, None] & d_mask[None, :],
         )
     else:  # (an empty split stores max -inf and sum 0: the merge gives it no weight)
-        row = (tokens * tl.num_programs(2) + head) * num_splits + split
-        tl.store(max_ptr + row, m_i * LN2, mask=m_mask)
-        tl.store(sum_ptr + row, l_i, mask=m_mask)
-        tl.store(
-            acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=m_mask[:, None] & d_mask[None, :],
-        )
+        rows = (tokens * tl.num_programs(2) + head) * num_splits + split
+        store_partials(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, rows, m_mask, offs_d, d_mask,
+                       HEAD_DIM)  # fmt: skip
 
 
 _PAGED_ATTENTION = CachedKernel(_paged_attention_kernel)

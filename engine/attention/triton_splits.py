@@ -120,14 +120,23 @@ def _store_output(acc, l_i, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g
 def _store_partial(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, seq, split, heads, offs_d, g_mask,
                    d_mask, num_heads, NUM_SPLITS: tl.constexpr,
                    HEAD_DIM: tl.constexpr):  # fmt: skip
-    """A split's partial results for the merge: max (natural-log units), sum, unnormalized P.V."""
-    row = (seq * num_heads + heads) * NUM_SPLITS + split
-    tl.store(max_ptr + row, m_i * LN2, mask=g_mask)
-    tl.store(sum_ptr + row, l_i, mask=g_mask)
+    """A decode split's partial results for its heads (`store_partials`)."""
+    rows = (seq * num_heads + heads) * NUM_SPLITS + split
+    store_partials(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, rows, g_mask, offs_d, d_mask,
+                   HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def store_partials(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, rows, row_mask, offs_d, d_mask,
+                   HEAD_DIM: tl.constexpr):  # fmt: skip
+    """A split's partial results for the merge at `rows` of the partials (decode and prompt
+    kernels alike): max (natural-log units, from m_i's log2 ones), sum, unnormalized P.V."""
+    tl.store(max_ptr + rows, m_i * LN2, mask=row_mask)
+    tl.store(sum_ptr + rows, l_i, mask=row_mask)
     tl.store(
-        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
         acc,
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
     )
 
 

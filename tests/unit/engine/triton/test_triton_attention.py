@@ -296,8 +296,8 @@ def test_the_splits_merge_in_the_kernel_or_after_it_alike(
 ) -> None:
     """The last split of each sequence's KV head merges its heads (FUSED_MERGE) or the merge
     kernel does, to the same result; launched twice, the fused way finds its counters reset
-    (a stale count would leave rows unmerged: NaN). Of the 5 splits (128 keys at least) 1, 2,
-    3 and 5 hold keys, in a window of 150 at most 2: only those count and merge, one alone
+    (a stale count would leave rows unmerged: NaN). Of the 5 splits (64 keys at least) 1, 3,
+    5 and 4 hold keys, in a window of 150 at most 3: only those count and merge, one alone
     writes the output itself."""
     monkeypatch.setattr(triton_decode, "FUSED_MERGE", fused_merge)
     seq_lens = [1, 129, 300, 700]
