@@ -12,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from kvfleet.engine.layers.linear import UnnormalizedRow
+    from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow
     from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
     from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding
 
@@ -154,10 +154,13 @@ class AttentionLayer(abc.ABC):
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
-    ) -> torch.Tensor | None:
+        out_proj: nn.Module | None = None,
+    ) -> torch.Tensor | SplitRows | None:
         """The attention of one token whose q, k and v `qkv_proj` makes, normalizes (each head
         by `qk_norms`), rotates and writes into the cache in one kernel; None where this
-        backend or this step cannot: the caller projects, then `forward_rotary`."""
+        backend or this step cannot: the caller projects, then `forward_rotary`. `out_proj`:
+        the layer the output goes into, which may be handed the output as `SplitRows` where
+        its one-row GEMV merges them (`linear.takes_splits`)."""
         return None
 
     def forward_rotary(

@@ -20,10 +20,10 @@ from kvfleet.engine.attention.metadata import (
     cache_views,
     kv_cache_is_fp8,
 )
-from kvfleet.engine.attention.triton_decode import decode_attention
+from kvfleet.engine.attention.triton_decode import decode_attention, decode_leaving_splits
 from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
-from kvfleet.engine.layers.linear import UnnormalizedRow
+from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow, takes_splits
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
 from kvfleet.engine.layers.triton_rope import (
     QKNorm,
@@ -145,10 +145,13 @@ class TritonAttention(AttentionLayer):
         metadata: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
-    ) -> torch.Tensor | None:
+        out_proj: nn.Module | None = None,
+    ) -> torch.Tensor | SplitRows | None:
         """One token through the one-row Triton GEMV of a bf16/fp16 or e4m3 qkv projection
         (`forward_rotated`), which normalizes, rotates q and writes k and v into the cache as
-        `rotary_and_write_kv` would (one kernel fewer a layer at batch 1). Not 4/8-bit
+        `rotary_and_write_kv` would (one kernel fewer a layer at batch 1); its decode
+        attention's splits left to `out_proj`'s GEMV to merge where it takes them
+        (`takes_splits`; not between the pieces of a prompt graph). Not 4/8-bit
         weights: their GEMV's programs take contiguous columns of the packed words, and
         pairs (d, d + half) across a head made Llama-3-8B's batch 1 2.665 -> 3.045 ms on the
         H200 (bench/RESULTS.md session 31)."""
@@ -175,6 +178,14 @@ class TritonAttention(AttentionLayer):
         if qkv is None:
             return None
         q = qkv[:, : self.num_heads * self.head_dim]
+        leave = 0
+        if out_proj is not None and self.graph_break is None and metadata.max_seqlen_q == 1:
+            leave = takes_splits(out_proj, q)
+        if leave:
+            return decode_leaving_splits(
+                q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, self.scale,
+                self.sliding_window, None, None, kv_scales, self.softcap, leave,
+            )  # fmt: skip
         return self.attend_or_break(
             q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, kv_scales
         )

@@ -36,6 +36,7 @@ from kvfleet.engine.layers.dependent_launch import (
 )
 from kvfleet.engine.layers.grid import next_power_of_2, num_sms
 from kvfleet.engine.layers.launch_cache import CachedKernel
+from kvfleet.engine.layers.linear import SplitRows
 
 # The fewest KV tokens a split takes: one tile (BLOCK_N), which at batch 1 is loaded before the
 # wait (PRELOAD_FIRST_TILE), so a split's work after it is this step's token and the merge. Its
@@ -140,6 +141,7 @@ def _decode_partial_kernel(
     V_TOKEN_MINOR: tl.constexpr,  # (`head_major_blocks`)
     SOFTCAP: tl.constexpr,
     MERGE: tl.constexpr,  # the last split of a sequence's KV head to finish merges its heads
+    LEAVE: tl.constexpr,  # (MERGE, one sequence) up to LEAVE live splits left unmerged
     SPLITS_PAD: tl.constexpr,  # (MERGE)
     PRELOAD: tl.constexpr,  # the first tile's earlier tokens loaded before the wait (PDL)
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
@@ -229,7 +231,7 @@ def _decode_partial_kernel(
     live = live_splits(seq_len, sliding_window, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
                   split, live, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
-                  NUM_SPLITS, SPLITS_PAD, HEAD_DIM, MERGE)  # fmt: skip
+                  NUM_SPLITS, SPLITS_PAD, HEAD_DIM, MERGE, LEAVE)  # fmt: skip
 
 
 # NOTE: the split count changes step to step (a prefix hit's keys are split by its queries and
@@ -378,6 +380,17 @@ def merge_splits(
     )
 
 
+def _splits_left(
+    leave: int, num_splits: int, num_seqs: int, metadata: AttentionMetadata, e4m3: bool
+) -> int:
+    """How many splits `decode_attention(leave=...)` leaves unmerged (`SplitRows`): none but in
+    a decode-only step of one sequence whose keys are split and merged in the kernel
+    (FUSED_MERGE), not the e4m3 one."""
+    if not (leave and FUSED_MERGE and num_splits > 1 and num_seqs == 1):
+        return 0
+    return 0 if metadata.max_seqlen_q > 1 or e4m3 else min(leave, num_splits)
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -392,16 +405,37 @@ def decode_attention(
     """q [num_seqs, Hq, D], one query token per sequence, against its cached K/V (an FP8
     cache's times `kv_scales`; scores soft-capped at `softcap`): the step's first num_seqs
     sequences, each of one query token."""
+    result = decode_leaving_splits(
+        q, kv_cache, metadata, scale, sliding_window, out, num_splits, kv_scales, softcap, 0
+    )
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+def decode_leaving_splits(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+    num_splits: int | None,
+    kv_scales: torch.Tensor | None,
+    softcap: float | None,
+    leave: int,
+) -> torch.Tensor | SplitRows:
+    """`decode_attention`, which where `leave` (a decode-only step of one sequence, its keys
+    split and merged in the kernel, not the e4m3 one) leaves up to that many splits holding
+    keys unmerged: a `SplitRows` for the one-row GEMV after to merge (past that many, the
+    kernel merges as before, into the SplitRows' first row)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if metadata.max_seqlen_q == 1:
         assert metadata.seq_lens.shape[0] == num_seqs
     else:
         assert num_seqs <= metadata.num_decodes, "one query token per sequence"
-    # (q may be a strided view of the fused QKV output; the result is contiguous)
-    out = q.new_empty(q.shape) if out is None else out
     if num_seqs == 0:
-        return out
+        return q.new_empty(q.shape) if out is None else out
     group = num_heads // num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
     k_cache, v_cache = cache_views(kv_cache)
@@ -413,6 +447,17 @@ def decode_attention(
         num_splits = num_splits_for(num_seqs, num_kv_heads, metadata.max_seqlen_k, q.device)
         if metadata.max_seqlen_q > 1:  # (a mixed step's decodes)
             num_splits = launched_splits(variant, num_splits)
+    merge = FUSED_MERGE and num_splits > 1
+    e4m3 = (
+        kv_scales is not None
+        and E4M3_PRODUCTS
+        and takes_e4m3_products(fp8, token_minor, head_dim, group, softcap)
+    )
+    left = _splits_left(leave, num_splits, num_seqs, metadata, e4m3)
+    assert not left or out is None, "the splits are left in their own rows"
+    # (q may be a strided view of the fused QKV output; the result is contiguous)
+    if out is None:
+        out = q.new_empty((left, num_heads, head_dim) if left else q.shape)
     launched = _LAUNCHED_SPLITS.setdefault(variant, {})
     partial_shape = (num_seqs, num_heads, num_splits)
     acc = q.new_empty((*partial_shape, head_dim), dtype=torch.float32)
@@ -424,7 +469,6 @@ def decode_attention(
     assert not token_minor or v_cache.stride(3) == block_size, "a head's token-minor V: one run"
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
-    merge = FUSED_MERGE and num_splits > 1
     # (few programs only: held across the wait, the first tile takes ~45 registers more)
     preload = (
         PRELOAD_FIRST_TILE
@@ -437,8 +481,8 @@ def decode_attention(
     launched.setdefault(num_splits, preload)
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     min_split = _MIN_SPLIT_TOKENS if num_splits > 1 else 1
-    e4m3 = E4M3_PRODUCTS and takes_e4m3_products(fp8, token_minor, head_dim, group, softcap)
-    if e4m3 and kv_scales is not None:
+    if e4m3:
+        assert kv_scales is not None
         decode_e4m3(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales, out,
                     (acc, maxes, sums), counters, num_splits, min_split, merge)  # fmt: skip
         if num_splits > 1 and not merge:
@@ -483,6 +527,7 @@ def decode_attention(
         V_TOKEN_MINOR=token_minor,
         SOFTCAP=softcap is not None,
         MERGE=merge,
+        LEAVE=left,
         SPLITS_PAD=next_power_of_2(num_splits),
         PRELOAD=preload,
         **pdl,
@@ -490,6 +535,8 @@ def decode_attention(
         num_stages=stages,
         **limits,
     )
+    if left:
+        return SplitRows(out.view(left, num_heads * head_dim), maxes[0], head_dim)
     if num_splits > 1 and not merge:
         merge_splits(acc, maxes, sums, out)
     return out

@@ -79,18 +79,32 @@ def group_heads(kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM:
 def finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, seq, kv_head,
                  split, live, heads, offs_d, g_mask, d_mask, stride_ot, stride_oh, num_heads,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MERGE: tl.constexpr):  # fmt: skip
+                 MERGE: tl.constexpr, LEAVE: tl.constexpr = 0):  # fmt: skip
     """A split's heads: the output when unsplit, else its partial results (max in natural-log
     units, sum, unnormalized P.V), and when MERGE the last split to finish merges them. MERGE
     counts only the `live` splits (`live_splits`): the empty ones store and count nothing, and
     one live split writes the output itself (the same bits: the merge of one split divides
-    its sum by its weight, 1)."""
+    its sum by its weight, 1).
+
+    LEAVE (one sequence, MERGE): the merge is left to the kernel after (`SplitRows`, the one-row
+    GEMV's) where at most LEAVE splits hold keys: split s < LEAVE writes its heads' output
+    (P.V over its own sum) into out's row s and their log-sum-exp into max_ptr's (head, s)
+    (-inf where it holds no keys); no counter. Past LEAVE live splits the last merges as
+    before, into row 0 with log-sum-exp 0 and -inf in the other LEAVE - 1."""
     if NUM_SPLITS == 1:
         _store_output(acc, l_i, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask, d_mask)
     elif not MERGE:
         # An empty split stores max -inf and sum 0: the merge kernel gives it no weight.
         _store_partial(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, seq, split, heads, offs_d,
                        g_mask, d_mask, num_heads, NUM_SPLITS, HEAD_DIM)  # fmt: skip
+    elif LEAVE > 0 and live <= LEAVE:
+        if split < LEAVE:
+            lse = tl.where(split < live, m_i * LN2 + tl.log(tl.where(l_i > 0.0, l_i, 1.0)),
+                           float("-inf"))  # fmt: skip
+            tl.store(max_ptr + heads * NUM_SPLITS + split, lse, mask=g_mask)
+            if split < live:
+                _store_output(acc, l_i, out_ptr, split, heads, offs_d, stride_ot, stride_oh,
+                              g_mask, d_mask)  # fmt: skip
     elif live == 1:
         if split == 0:
             _store_output(acc, l_i, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
@@ -101,11 +115,16 @@ def finish_split(acc, m_i, l_i, acc_ptr, max_ptr, sum_ptr, count_ptr, out_ptr, s
         tl.debug_barrier()  # (every thread's part written before the count says so)
         counter = count_ptr + seq * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
-            out = merged(acc_ptr, max_ptr, sum_ptr, (seq * num_heads + heads) * NUM_SPLITS,
-                         g_mask, offs_d, d_mask, live, NUM_SPLITS, SPLITS_PAD,
-                         HEAD_DIM)  # fmt: skip
+            first_rows = (seq * num_heads + heads) * NUM_SPLITS
+            out = merged(acc_ptr, max_ptr, sum_ptr, first_rows, g_mask, offs_d, d_mask, live,
+                         NUM_SPLITS, SPLITS_PAD, HEAD_DIM)  # fmt: skip
             store_heads(out, out_ptr, seq, heads, offs_d, stride_ot, stride_oh, g_mask,
                         d_mask)  # fmt: skip
+            if LEAVE > 0:  # (the merge has read the maxima: their places take the lse now)
+                slots = tl.arange(0, SPLITS_PAD)[None, :]
+                tl.store(max_ptr + first_rows[:, None] + slots,
+                         tl.where(slots == 0, 0.0, float("-inf")),
+                         mask=g_mask[:, None] & (slots < LEAVE))  # fmt: skip
             tl.atomic_xchg(counter, 0)
 
 

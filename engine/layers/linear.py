@@ -32,6 +32,11 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # of up to NORM_GEMV_MAX_INPUTS values (each program holds the whole row once).
 NORM_IN_GEMV = True
 NORM_GEMV_MAX_INPUTS = 8192
+# Decode attention's splits at batch 1 left unmerged, up to this many holding keys, for the
+# output projection's one-row GEMV to merge as it reads its row (`SplitRows`; 0: the attention
+# kernel's last split merges them, as before; for A/B runs): their partials, counter and merge
+# took 4.5 us of the attention's 8.65 a layer at Qwen3-30B-A3B (bench/RESULTS.md session 41).
+SPLITS_IN_GEMV = 4
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,27 @@ class UnnormalizedRow:
         return self.x.shape
 
 
+@dataclass(frozen=True)
+class SplitRows:
+    """One row handed to a linear layer as decode attention left it (`decode_attention`'s
+    `leave`): its heads' outputs over up to `splits` ranges of the keys, unmerged, for the
+    layer's one-row GEMV to merge as it reads them. Row s of `parts` [splits, K] is range s's
+    output (each head's P.V over its own softmax sum), lse[head, s] (float32, [heads, >= splits])
+    its log-sum-exp, -inf where the range holds no keys: row = sum over s of exp(lse_s - LSE)
+    parts_s, head by head, LSE the log of the sum of the exp(lse_s)."""
+
+    parts: torch.Tensor  # [splits, K] contiguous
+    lse: torch.Tensor  # [K // head_dim, stride] float32, its rows contiguous
+    head_dim: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((1, self.parts.shape[1]))
+
+
 class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor | UnnormalizedRow) -> torch.Tensor:
-        if isinstance(x, UnnormalizedRow):  # (`takes_norm` said this layer's GEMV takes it)
+    def forward(self, x: torch.Tensor | UnnormalizedRow | SplitRows) -> torch.Tensor:
+        if isinstance(x, (UnnormalizedRow, SplitRows)):  # (`takes_norm`, `takes_splits`)
             from kvfleet.engine.layers.triton_gemv import gemv
 
             return gemv(x, self.weight, bias=self.bias)
@@ -117,6 +140,15 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and dependent_launch(x.device)
     )
+
+
+def takes_splits(layer: nn.Module, x: torch.Tensor) -> int:
+    """How many unmerged decode-attention splits `layer` may be handed for its input `x` (one
+    row) as `SplitRows` (0: none): SPLITS_IN_GEMV where `forward(x)` runs the one-row bf16/fp16
+    GEMV (a `Linear`, not wrapped, e.g. by LoRA, which needs the merged row)."""
+    if not (SPLITS_IN_GEMV and type(layer) is Linear and x.is_cuda):
+        return 0
+    return SPLITS_IN_GEMV if layer.uses_triton_gemv(x) else 0
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from kvfleet.engine.layers.dependent_launch import (
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2, num_sms
-from kvfleet.engine.layers.linear import UnnormalizedRow
+from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow
 from kvfleet.engine.layers.quantization.fp8 import _MIN_SCALE, FP8, FP8_MAX
 from kvfleet.engine.layers.quantization.triton_fp8 import SUM_SPAN, scaled_to_e4m3
 from kvfleet.engine.layers.quantization.triton_packed import (
@@ -76,7 +76,9 @@ def split_k_rotary(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [K]
+    x_ptr,  # [K], or SPLITS rows [SPLITS, K] (`SplitRows`' parts)
+    lse_ptr,  # [K // SPLIT_HEAD_DIM, lse_stride] float32 (SPLITS: `SplitRows`' lse)
+    lse_stride,
     w_ptr,  # [N, K] contiguous: e4m3 (QUANTIZE) or the model dtype
     w_scale_ptr,  # [N] float32 (QUANTIZE)
     x_scale_ptr,  # [1] float32 (QUANTIZE and STATIC: the checkpoint's input scale)
@@ -94,15 +96,17 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
-    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
+    SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out [N] = x . w^T (+ bias). QUANTIZE: x quantized to e4m3 as `quantize_rows` does (its
-    largest magnitude found first: x is small and stays in L2; or the static scale), times both
-    scales (products of e4m3 values are exact in float32). NORM: the row multiplied is
-    RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here; the first program
-    writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x HALF): q rotated
-    into out, k rotated and v written into the KV cache (`triton_rope.rotary_write_pairs`),
-    k and v left out of out."""
+    """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
+    by head as they are read (`_merged_values`). QUANTIZE: x quantized to e4m3 as
+    `quantize_rows` does (its largest magnitude found first: x is small and stays in L2; or the
+    static scale), times both scales (products of e4m3 values are exact in float32). NORM: the
+    row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here;
+    the first program writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x
+    HALF): q rotated into out, k rotated and v written into the KV cache
+    (`triton_rope.rotary_write_pairs`), k and v left out of out."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,12 +121,14 @@ def _gemv_kernel(
                                   HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
     acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
-                    norm_w_ptr, inv_rms, QUANTIZE, NORM, HAS_RESIDUAL, OFFSET)  # fmt: skip
+                    norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
+                    OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         ks = k + offsets
         w = _weight_tile(w_ptr, cols, col_ok, ks, K)
         acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, residual_ptr, norm_w_ptr,
-                         inv_rms, QUANTIZE, NORM, HAS_RESIDUAL, OFFSET)  # fmt: skip
+                         inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL, OFFSET,
+                         SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -471,13 +477,41 @@ def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, f
 
 
 @triton.jit
+def _merged_values(parts_ptr, lse_ptr, lse_stride, ks, K, SPLITS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):  # fmt: skip
+    """float32: the row's inputs `ks` (0 past K) from decode attention's unmerged splits
+    (`SplitRows`): each split's rows weighted by exp(lse_s - LSE) of its head, a running
+    maximum over the splits (`triton_splits.merged`'s weights). One split holding keys gives its
+    row as it is (weight 1, the others 0); a split holding none is not read into the sum."""
+    ok = ks < K
+    lse_at = lse_ptr + (ks // HEAD_DIM) * lse_stride
+    top = tl.full([ks.shape[0]], float("-inf"), tl.float32)
+    total = tl.zeros([ks.shape[0]], tl.float32)
+    x = tl.zeros([ks.shape[0]], tl.float32)
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(lse_at + s, mask=ok, other=0.0)
+        part = tl.load(parts_ptr + s * K + ks, mask=ok, other=0.0).to(tl.float32)
+        new_top = tl.maximum(top, lse)
+        fade = tl.where(top == float("-inf"), 0.0, tl.exp(top - new_top))
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - new_top))
+        total = total * fade + weight
+        x = x * fade + tl.where(weight > 0.0, weight * part, 0.0)
+        top = new_top
+    return x / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
 def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr, norm_w_ptr,
-              inv_rms, QUANTIZE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              OFFSET: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`row_values`; quantized to e4m3 when
-    QUANTIZE) times the weight tile w."""
-    x = row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
-                    OFFSET).to(tl.float32)  # fmt: skip
+              inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr, NORM: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, SPLITS: tl.constexpr,
+              SPLIT_HEAD_DIM: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`row_values`, or SPLITS
+    `_merged_values`; quantized to e4m3 when QUANTIZE) times the weight tile w."""
+    if SPLITS > 0:
+        x = _merged_values(x_ptr, lse_ptr, lse_stride, ks, K, SPLITS, SPLIT_HEAD_DIM)
+    else:
+        x = row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
+                       OFFSET).to(tl.float32)  # fmt: skip
     if QUANTIZE:
         x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
@@ -501,6 +535,10 @@ def gemv_tiles(n: int, k: int, weight_bytes: int) -> tuple[int, int]:
 # (its router) 6.907 -> 6.806 (bench/RESULTS.md session 40, bench/next/call74.sh).
 PRELOAD_HALF = True
 PRELOAD_PROGRAMS_PER_SM = 2
+# (the registers a program of 8 warps may take for two an SM; merging decode attention's splits
+# as it reads its row, `SplitRows`, it would take 164-170 uncapped, no stack at 3-4 splits
+# capped, sm_90)
+PRELOAD_REGISTERS = 65536 // (PRELOAD_PROGRAMS_PER_SM * 8 * 32)
 PRELOAD_MAX_INPUTS = 2048
 # ... and the whole of K where that fits PRELOAD_MAX_INPUTS (A3B's router, 128 x 2048: none of
 # its weight left to load after the wait; bench/next/call78.sh full)
@@ -542,7 +580,7 @@ def takes_rotary(weight: torch.Tensor, half: int) -> bool:
 
 
 def gemv(
-    x: torch.Tensor | UnnormalizedRow,
+    x: torch.Tensor | UnnormalizedRow | SplitRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
@@ -558,17 +596,25 @@ def gemv(
     the row multiplied is its RMSNorm, made inside as `triton_layers.add_rms_norm` makes it,
     x + residual written to its `residual_out` (one kernel fewer). `rotary`: the weight is a
     qkv projection's, [q | k | v] heads; q comes out rotated and k, v go into the cache as
-    `rotary_and_write_kv` would put them (its columns of the output are left unwritten)."""
-    row, norm = row_and_norm(x)
+    `rotary_and_write_kv` would put them (its columns of the output are left unwritten). A
+    `SplitRows` (bf16/fp16 weights): the row is decode attention's splits, merged as read."""
+    if isinstance(x, SplitRows):
+        left: SplitRows | None = x
+        row, norm = x.parts, None
+    else:
+        left = None
+        row, norm = row_and_norm(x)
     m, k = row.shape
     n = weight.shape[0]
-    assert m == 1
+    assert m == 1 or left is not None
     assert row.is_contiguous()
     assert weight.is_contiguous()
     quantize = weight.dtype == FP8
     assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
+    assert left is None or not (quantize or rotary), "split rows into bf16/fp16 weights only"
     if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
+        assert not isinstance(x, SplitRows)
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
     block_n, block_k, warps, stages = tiles or one_row_plan(n, k, weight.element_size(), row.device)
     out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)
@@ -577,8 +623,11 @@ def gemv(
     whole_row = norm is not None or (quantize and x_scale is None)
     counters = shared_workspace(row.device, 0, rotary.heads).counters if rotary else out
     rotary_args, rotary_constants = rotary_arguments(rotary, n, block_n, counters)
+    lse = left.lse if left is not None else placeholder
+    limits = {"maxnreg": PRELOAD_REGISTERS} if left is not None and warps == 8 else {}
     _gemv_kernel[(cdiv(n, block_n),)](
-        row, weight, placeholder, x_scale if x_scale is not None else placeholder,
+        row, lse, lse.stride(0), weight, placeholder,
+        x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, *norm_args(norm, row),
         *rotary_args, n, k, FP8_MAX,
         _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
@@ -586,7 +635,8 @@ def gemv(
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
         NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, **rotary_constants, **pdl, num_warps=warps,
-        num_stages=stages,
+        OFFSET=norm is not None and norm.offset, **rotary_constants,
+        SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
+        num_warps=warps, num_stages=stages, **limits,
     )  # fmt: skip
     return out

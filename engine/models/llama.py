@@ -19,7 +19,7 @@ from torch import nn
 
 from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
-from kvfleet.engine.layers.linear import UnnormalizedRow, float32_logits
+from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow, float32_logits
 from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
 from kvfleet.engine.layers.quantization.linear import (
@@ -132,7 +132,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             norms = (self.q_norm, self.k_norm)  # (the backend may fuse them into RoPE)
         args = (self.qkv_proj, hidden, self.rotary, positions, kv_cache, metadata, self.kv_scales)
-        out = self.backend.attend_projected(*args, norms)
+        out = self.backend.attend_projected(*args, norms, self.o_proj if self.tp is None else None)
+        if isinstance(out, SplitRows):  # (its splits merged by o's GEMV)
+            merged: torch.Tensor = self.o_proj(out)
+            return merged
         if out is not None:  # (one token: its norms, RoPE and cache write made by the GEMV)
             return row_parallel(self.o_proj, out.view(num_tokens, self.q_size), self.tp)
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -287,3 +287,53 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
         assert tokens == want_tokens
         bound = 0.1 if quantization == "fp8" else 1e-2
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
+
+
+@pytest.mark.parametrize("family", ["llama-3-8b", "gemma-2-9b", "qwen3-30b-a3b"])
+def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode (two layers of the shipped shape; Gemma 2's windows and soft-caps) with
+    decode attention's splits left to the o projection's GEMV to merge (`SplitRows`,
+    `linear.SPLITS_IN_GEMV`) and merged by the attention kernel: the same tokens, logprobs
+    within 1e-2 (each split's output rounded to bf16 before the merge, not after it). Prompts
+    of 7, 150 and 600 tokens under 16 splits: one split holding keys, three, and past four
+    (the kernel merges: the GEMV reads its one row)."""
+    from kvfleet.engine.attention import triton_attention
+    from kvfleet.engine.layers import linear
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
+    config = (
+        dict(GEMMA2_9B)
+        if family == "gemma-2-9b"
+        else json.loads((CONFIGS / f"{family}.json").read_text())
+    )
+    config["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    left = []
+    leaving = triton_attention.decode_leaving_splits
+    monkeypatch.setattr(
+        triton_attention,
+        "decode_leaving_splits",
+        lambda *args: left.append(args[-1]) or leaving(*args),
+    )
+    runs = {}
+    for splits in (4, 0):
+        monkeypatch.setattr(linear, "SPLITS_IN_GEMV", splits)
+        left.clear()
+        llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+                  skip_tokenizer_init=True, num_blocks=256, max_model_len=1024,
+                  max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
+        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        runs[splits] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
+        assert bool(left) == bool(splits)
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs[4], runs[0], strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-2

@@ -24,6 +24,8 @@ from kvfleet.engine.attention import (
 )
 from kvfleet.engine.attention.metadata import SPLIT_DECODES_MIN_KV_TOKENS, decodes_to_split
 from kvfleet.engine.attention.torch_backend import TorchAttention
+from kvfleet.engine.layers.linear import SplitRows
+from kvfleet.engine.layers.triton_gemv import gemv
 
 CASES = {
     "decode-only": ([1, 1, 1], [5, 40, 77]),
@@ -315,6 +317,37 @@ def test_the_splits_merge_in_the_kernel_or_after_it_alike(
         assert (out - expected).abs().max() < 1e-4
     if fused_merge:
         assert not triton_decode.split_counters(out.device, 8)[:8].any()
+
+
+@pytest.mark.parametrize("sliding_window", [None, 150])
+def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
+    attention_case: Callable[..., dict[str, Any]],
+    block_layout: str,
+    sliding_window: int | None,
+) -> None:
+    """One sequence's decode leaving up to 4 splits holding keys unmerged (`SplitRows`): the
+    one-row GEMV merging them as it reads them multiplies the kernel's merged output, and with
+    an identity weight gives it back; one split holding keys, the same bits. Past 4 the kernel
+    merges into the first row (8 splits: 1, 2, 4 and 6 hold keys at these lengths, at most 3
+    in a window of 150), run after and before shorter ones (stale rows must not count)."""
+    k = 4 * 32
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(48, k, generator=gen)
+    for seq_len in (700, 60, 100, 250, 700, 100):
+        inputs = attention_case([1], [seq_len], num_heads=4, num_kv_heads=2, seed=seq_len)
+        reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
+        cache = inputs["kv_cache"].clone()
+        args = (inputs["q"], cache, inputs["metadata"], reference.scale, sliding_window)
+        expected = triton_decode.decode_attention(*args, num_splits=8).view(1, k)
+        left = triton_decode.decode_leaving_splits(*args, None, 8, None, None, 4)
+        assert isinstance(left, SplitRows)
+        assert left.parts.shape == (4, k)
+        merged = gemv(left, torch.eye(k))
+        if seq_len <= 64 or (sliding_window is None and seq_len > 250):
+            assert torch.equal(merged, expected)  # (one split's row, or the kernel's merge)
+        assert (merged - expected).abs().max() < 1e-5
+        product = gemv(left, weight)
+        assert (product - gemv(expected, weight)).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
