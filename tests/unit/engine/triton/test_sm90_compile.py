@@ -50,7 +50,7 @@ def compile_for_sm90(kernel, types, constants, warps, stages):
     return compiled.asm["ptx"]
 
 
-def decode(q_type, cache_type):
+def decode(q_type, cache_type, leave=0):
     fp8 = cache_type == "*fp8e4nv"
     types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -60,7 +60,7 @@ def decode(q_type, cache_type):
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
                      HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
-                     MERGE=True, SPLITS_PAD=2, PRELOAD=not fp8, PDL=True)
+                     MERGE=True, LEAVE=leave, SPLITS_PAD=2, PRELOAD=not fp8, PDL=True)
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
 
 
@@ -112,6 +112,7 @@ def dependent_launch():
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
     no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False, QK_NORM=False,
                      QK_OFFSET=False)
+    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1)
     rotary_only = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64",
                    "slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
                    "v_cache_ptr": "*fp8e4nv", "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
@@ -219,7 +220,7 @@ def dependent_launch():
                      "out_ptr": "*bf16", "fp8_max": "fp32", "min_scale": "fp32"} | NORM_TYPES,
                      dict(QUANTIZE=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                           BLOCK_K=512, ROW_BLOCK=16384)
-                     | no_norm | no_rotary, 1),
+                     | no_norm | no_rotary | no_splits, 1),
         "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                    dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096,
@@ -243,19 +244,25 @@ def dependent_launch():
                                    | no_norm | no_rotary, 1),
         "bf16 gemv": (triton_gemv._gemv_kernel, bf16_gemv_types,
                       dict(QUANTIZE=False, STATIC=False, HAS_BIAS=True, BLOCK_N=8,
-                           BLOCK_K=512, ROW_BLOCK=1) | no_norm | no_rotary, 1),
+                           BLOCK_K=512, ROW_BLOCK=1) | no_norm | no_rotary | no_splits, 1),
+        "bf16 gemv, split rows": (triton_gemv._gemv_kernel,
+                                  bf16_gemv_types | {"lse_ptr": "*fp32"},
+                                  dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8,
+                                       BLOCK_K=2048, ROW_BLOCK=1)
+                                  | no_norm | no_rotary | dict(SPLITS=4, SPLIT_HEAD_DIM=128),
+                                  1),
         "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                                  BLOCK_K=256, ROW_BLOCK=4096)
-                            | norm | no_rotary, 1),
+                            | norm | no_rotary | no_splits, 1),
         "bf16 gemv, norm, rotary into an FP8 cache": (
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
-                 ROW_BLOCK=4096, QK_NORM=False) | norm | rotary, 1),
+                 ROW_BLOCK=4096, QK_NORM=False) | norm | rotary | no_splits, 1),
         "bf16 gemv, norm, q/k norms, rotary into an FP8 cache": (
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
-                 ROW_BLOCK=4096, QK_NORM=True) | norm | rotary, 1),
+                 ROW_BLOCK=4096, QK_NORM=True) | norm | rotary | no_splits, 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, packed_types,
                         dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT=16, BLOCK_N=64,
                              BLOCK_K=128, STEPS=2, GROUP=128), 1),
@@ -366,7 +373,8 @@ if sys.argv[1:] == ["dependent-launch"]:
 modes = (["dependent-launch"], ["e4m3"], ["fp8-gemm"], ["lora"])
 for variant in sys.argv[1:] if sys.argv[1:] not in modes else []:
     q_type, cache_type = variant.split(",")
-    for name, build in [("decode", lambda: decode(q_type, cache_type))] + [
+    for name, build in [("decode", lambda: decode(q_type, cache_type)),
+                        ("decode leaving splits", lambda: decode(q_type, cache_type, 4))] + [
         (f"prompt {kind}{' split' if split else ''}",
          lambda kind=kind, split=split: prompt(q_type, cache_type, kind, split))
         for kind in ("short", "few", "chunks", "long") for split in (False, True)
