@@ -59,12 +59,13 @@ class UnnormalizedRow:
 
 @dataclass(frozen=True)
 class SplitRows:
-    """One row handed to a linear layer as decode attention left it (`decode_attention`'s
-    `leave`): its heads' outputs over up to `splits` ranges of the keys, unmerged, for the
-    layer's one-row GEMV to merge as it reads them. Row s of `parts` [splits, K] is range s's
-    output (each head's P.V over its own softmax sum), lse[head, s] (float32, [heads, >= splits])
-    its log-sum-exp, -inf where the range holds no keys: row = sum over s of exp(lse_s - LSE)
-    parts_s, head by head, LSE the log of the sum of the exp(lse_s)."""
+    """One row handed to a linear layer as decode attention left it
+    (`triton_decode.decode_leaving_splits`): its heads' outputs over up to `splits` ranges of
+    the keys, unmerged, for the layer's one-row GEMV to merge as it reads them. Row s of
+    `parts` [splits, K] is range s's output (each head's P.V over its own softmax sum),
+    lse[head, s] (float32, [heads, >= splits]) its log-sum-exp, -inf where the range holds no
+    keys: row = sum over s of exp(lse_s - LSE) parts_s, head by head, LSE the log of the sum of
+    the exp(lse_s)."""
 
     parts: torch.Tensor  # [splits, K] contiguous
     lse: torch.Tensor  # [K // head_dim, stride] float32, its rows contiguous
