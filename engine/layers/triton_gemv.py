@@ -120,15 +120,14 @@ def _gemv_kernel(
                                   QUANTIZE and not STATIC, QUANTIZE and STATIC, NORM,
                                   HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
-    acc = _products(x_ptr, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
+    acc = _products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
                     norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
                     OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
-        ks = k + offsets
-        w = _weight_tile(w_ptr, cols, col_ok, ks, K)
-        acc += _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype, residual_ptr, norm_w_ptr,
-                         inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL, OFFSET,
-                         SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
+        w = _weight_tile(w_ptr, cols, col_ok, k + offsets, K)
+        acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
+                         norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
+                         OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -477,41 +476,47 @@ def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, f
 
 
 @triton.jit
-def _merged_values(parts_ptr, lse_ptr, lse_stride, ks, K, SPLITS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):  # fmt: skip
-    """float32: the row's inputs `ks` (0 past K) from decode attention's unmerged splits
-    (`SplitRows`): each split's rows weighted by exp(lse_s - LSE) of its head, a running
-    maximum over the splits (`triton_splits.merged`'s weights). One split holding keys gives its
-    row as it is (weight 1, the others 0); a split holding none is not read into the sum."""
-    ok = ks < K
-    lse_at = lse_ptr + (ks // HEAD_DIM) * lse_stride
-    top = tl.full([ks.shape[0]], float("-inf"), tl.float32)
-    total = tl.zeros([ks.shape[0]], tl.float32)
-    x = tl.zeros([ks.shape[0]], tl.float32)
+def _merged_values(parts_ptr, lse_ptr, lse_stride, k0, K, SPLITS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """float32 [BLOCK_K]: the row's inputs k0 + [0, BLOCK_K) (0 past K; BLOCK_K a multiple of
+    HEAD_DIM, k0 too) from decode attention's unmerged splits (`SplitRows`): each split's rows
+    weighted by exp(lse_s - max_s lse_s) of its head over the weights' sum
+    (`triton_splits.merged`'s weights), the weights made once a head, not once an input. One
+    split holding keys gives its row as it is (weight 1, the others 0); a split holding none is
+    not read."""
+    HEADS: tl.constexpr = BLOCK_K // HEAD_DIM
+    heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
+    head_ok = heads * HEAD_DIM < K
+    lse_at = lse_ptr + heads * lse_stride
+    top = tl.full([HEADS], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
-        lse = tl.load(lse_at + s, mask=ok, other=0.0)
-        part = tl.load(parts_ptr + s * K + ks, mask=ok, other=0.0).to(tl.float32)
-        new_top = tl.maximum(top, lse)
-        fade = tl.where(top == float("-inf"), 0.0, tl.exp(top - new_top))
-        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - new_top))
-        total = total * fade + weight
-        x = x * fade + tl.where(weight > 0.0, weight * part, 0.0)
-        top = new_top
-    return x / tl.where(total == 0.0, 1.0, total)
+        top = tl.maximum(top, tl.load(lse_at + s, mask=head_ok, other=float("-inf")))
+    ks = heads[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    total = tl.zeros([HEADS], tl.float32)
+    x = tl.zeros([HEADS, HEAD_DIM], tl.float32)
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(lse_at + s, mask=head_ok, other=float("-inf"))
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
+        total += weight
+        part = tl.load(parts_ptr + s * K + ks, mask=(weight > 0.0)[:, None], other=0.0)
+        x += weight[:, None] * part.to(tl.float32)
+    x = x * (1.0 / tl.where(total == 0.0, 1.0, total))[:, None]
+    return tl.reshape(x, [BLOCK_K])
 
 
 @triton.jit
-def _products(x_ptr, ks, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr, norm_w_ptr,
-              inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr, NORM: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, SPLITS: tl.constexpr,
-              SPLIT_HEAD_DIM: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] float32: the row's inputs `ks` (`row_values`, or SPLITS
+def _products(x_ptr, k0, offsets, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr,
+              norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr,
+              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
+              SPLITS: tl.constexpr, SPLIT_HEAD_DIM: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32: the row's inputs k0 + offsets (`row_values`, or SPLITS
     `_merged_values`; quantized to e4m3 when QUANTIZE) times the weight tile w."""
     if SPLITS > 0:
-        x = _merged_values(x_ptr, lse_ptr, lse_stride, ks, K, SPLITS, SPLIT_HEAD_DIM)
+        x = _merged_values(x_ptr, lse_ptr, lse_stride, k0, K, SPLITS, SPLIT_HEAD_DIM,
+                           offsets.shape[0])  # fmt: skip
     else:
-        x = row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
-                       OFFSET).to(tl.float32)  # fmt: skip
+        x = row_values(x_ptr, k0 + offsets, K, residual_ptr, norm_w_ptr, inv_rms, NORM,
+                       HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
     if QUANTIZE:
         x = scaled_to_e4m3(x, x_scale, fp8_max).to(w_dtype).to(tl.float32)
     return x[None, :] * w.to(tl.float32)
@@ -617,6 +622,9 @@ def gemv(
         assert not isinstance(x, SplitRows)
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
     block_n, block_k, warps, stages = tiles or one_row_plan(n, k, weight.element_size(), row.device)
+    if left is not None:  # (`_merged_values` takes whole heads a tile)
+        block_k = max(block_k, left.head_dim)
+        assert block_k % left.head_dim == 0, "heads of a power of two"
     out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out

@@ -348,6 +348,8 @@ def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
         assert (merged - expected).abs().max() < 1e-5
         product = gemv(left, weight)
         assert (product - gemv(expected, weight)).abs().max() < 1e-4
+        in_tiles = gemv(left, weight, tiles=(16, 64, 4, 1))  # (two heads a tile, two tiles)
+        assert (in_tiles - product).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
