@@ -179,8 +179,12 @@ class TritonAttention(AttentionLayer):
             return None
         q = qkv[:, : self.num_heads * self.head_dim]
         leave = 0
-        if (out_proj is not None and self.graph_break is None and metadata.max_seqlen_q == 1
-                and self.head_dim == next_power_of_2(self.head_dim)):  # (whole heads a GEMV tile)
+        if (
+            out_proj is not None
+            and self.graph_break is None
+            and metadata.max_seqlen_q == 1
+            and self.head_dim == next_power_of_2(self.head_dim)
+        ):  # (whole heads a GEMV tile)
             leave = takes_splits(out_proj, q)
         if leave:
             return decode_leaving_splits(
