@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from kvfleet.bench.bf16_agreement import PROMPTS, first_difference, from_engine  # noqa: E402
 from kvfleet.engine.attention import triton_attention, triton_prompt  # noqa: E402
 from kvfleet.engine.attention.torch_backend import TorchAttention  # noqa: E402
+from kvfleet.engine.layers.linear import SplitRows  # noqa: E402
 from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -97,6 +98,39 @@ def test_decode_kernel_matches_torch_at_real_shapes(
     assert not out.isnan().any()
     relative = float((out.float() - expected).norm() / expected.norm())
     assert relative < 1e-2, relative
+
+
+@pytest.mark.parametrize("seq_len", [150, 200, 250])
+def test_splits_left_to_the_o_gemv_are_as_close_to_float32_as_the_kernels_merge(
+    attention_case: Callable[..., dict[str, Any]], seq_len: int
+) -> None:
+    """One sequence's decode (Llama-3-8B heads, 3-4 splits of 64 keys holding keys) leaving its
+    splits unmerged (`SplitRows`: each split's output rounded to bf16) and the one-row GEMV
+    merging them as it reads them (an identity weight, float32 out): against float32 attention
+    as close as the kernel's own merge (float32 partials, the output rounded to bf16 once)."""
+    from kvfleet.engine.attention import triton_decode
+    from kvfleet.engine.layers.triton_gemv import gemv
+
+    inputs = attention_case(
+        [1], [seq_len], dtype=torch.bfloat16, device="cuda", seed=seq_len, **LLAMA_8B_HEADS
+    )
+    metadata = inputs["metadata"]
+    reference = TorchAttention(32, 8, 128)
+    cache = inputs["kv_cache"].clone()
+    expected = reference.forward(
+        inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), cache.float(), metadata
+    ).view(1, -1)
+    triton_attention.write_kv_cache(inputs["k"], inputs["v"], cache, metadata.slot_mapping)
+    args = (inputs["q"], cache, metadata, reference.scale, None)
+    by_kernel = triton_decode.decode_attention(*args, num_splits=8).view(1, -1).float()
+    left = triton_decode.decode_leaving_splits(*args, None, 8, None, None, 4)
+    assert isinstance(left, SplitRows)
+    assert int((left.lse[:, :4] > float("-inf")).sum(1).min()) >= 3  # (the GEMV merges)
+    identity = torch.eye(32 * 128, device="cuda", dtype=torch.bfloat16)
+    by_gemv = gemv(left, identity, out_dtype=torch.float32)
+    kernel_error = float((by_kernel - expected).norm() / expected.norm())
+    gemv_error = float((by_gemv - expected).norm() / expected.norm())
+    assert gemv_error < 1.5 * kernel_error, (gemv_error, kernel_error)
 
 
 @pytest.fixture(scope="module")
