@@ -39,7 +39,14 @@ from kvfleet.engine.layers.quantization.triton_packed import (
     split_k_store,
     split_k_total,
 )
-from kvfleet.engine.layers.triton_layers import inverse_rms, rms_scaled, summed_row
+from kvfleet.engine.layers.triton_gemv_rows import (
+    merged_values,
+    norm_args,
+    row_and_norm,
+    row_values,
+    weight_tile,
+    whole_row,
+)
 from kvfleet.engine.layers.triton_rope import (
     RotaryWrite,
     pair_rows,
@@ -100,7 +107,7 @@ def _gemv_kernel(
     SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
-    by head as they are read (`_merged_values`). QUANTIZE: x quantized to e4m3 as
+    by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
     `quantize_rows` does (its largest magnitude found first: x is small and stays in L2; or the
     static scale), times both scales (products of e4m3 values are exact in float32). NORM: the
     row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here;
@@ -113,9 +120,9 @@ def _gemv_kernel(
     cols = pair_rows(pid_n, BLOCK_N, HALF) if ROTARY else rows
     col_ok = cols < N
     let_next_start(PDL)
-    w_first = _weight_tile(w_ptr, cols, col_ok, offsets, K)
+    w_first = weight_tile(w_ptr, cols, col_ok, offsets, K)
     wait_for_previous(PDL)
-    x_scale, inv_rms = _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
+    x_scale, inv_rms = whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
                                   pid_n == 0, K, fp8_max, min_scale, eps, ROW_BLOCK,
                                   QUANTIZE and not STATIC, QUANTIZE and STATIC, NORM,
                                   HAS_RESIDUAL, OFFSET)  # fmt: skip
@@ -124,7 +131,7 @@ def _gemv_kernel(
                     norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
                     OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
-        w = _weight_tile(w_ptr, cols, col_ok, k + offsets, K)
+        w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
         acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
                          norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
                          OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
@@ -199,10 +206,10 @@ def _fp8_gemv_mma_kernel(
     offsets = tl.arange(0, BLOCK_K)
     k0 = pid_k * STEPS * BLOCK_K
     let_next_start(PDL)
-    w_first = _weight_tile(w_ptr, rows, row_ok, k0 + offsets, K)
+    w_first = weight_tile(w_ptr, rows, row_ok, k0 + offsets, K)
     wait_for_previous(PDL)
     # (every program finds the whole row's largest magnitude: one load, from L2)
-    x_scale, inv_rms = _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
+    x_scale, inv_rms = whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
                                   (pid_n == 0) & (pid_k == 0), K, fp8_max, min_scale, eps,
                                   ROW_BLOCK, not QUANTIZED and not STATIC,
                                   not QUANTIZED and STATIC, NORM, HAS_RESIDUAL,
@@ -214,7 +221,7 @@ def _fp8_gemv_mma_kernel(
                     HAS_RESIDUAL, OFFSET)  # fmt: skip
     for step in range(1, STEPS):
         ks = k0 + step * BLOCK_K + offsets
-        w = _weight_tile(w_ptr, rows, row_ok, ks, K)
+        w = weight_tile(w_ptr, rows, row_ok, ks, K)
         acc = _mma_step(acc, w, x_ptr, tokens, M, stride_x, ks, K, x_scale, fp8_max,
                         residual_ptr, norm_w_ptr, inv_rms, BLOCK_K, QUANTIZED, SPAN, NORM,
                         HAS_RESIDUAL, OFFSET)  # fmt: skip
@@ -396,123 +403,15 @@ def _launch_mma(
     )  # fmt: skip
 
 
-def row_and_norm(
-    x: torch.Tensor | UnnormalizedRow,
-) -> tuple[torch.Tensor, UnnormalizedRow | None]:
-    """(the row a GEMV reads, the norm it applies to it or None)."""
-    if isinstance(x, UnnormalizedRow):
-        return x.x, x
-    return x, None
-
-
-def norm_args(
-    norm: UnnormalizedRow | None, row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(residual, the norm's weight, residual out) for a GEMV kernel (the row in their place
-    where there is no norm or no residual: never read)."""
-    if norm is None:
-        return row, row, row
-    residual = norm.residual if norm.residual is not None else row
-    return residual, norm.weight, norm.residual_out
-
-
-@triton.jit
-def _weight_tile(w_ptr, cols, col_ok, ks, K):
-    """The weight's [BLOCK_N, BLOCK_K] tile at rows `cols`, inputs `ks` (0 past either end)."""
-    return tl.load(
-        w_ptr + cols[:, None] * K + ks[None, :],
-        mask=col_ok[:, None] & (ks < K)[None, :],
-        other=0.0,
-    )
-
-
-@triton.jit
-def row_values(x_ptr, ks, K, residual_ptr, norm_w_ptr, inv_rms, NORM: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
-    """The multiplied row's inputs `ks` (0 past K): x[ks], or when NORM RMSNorm(x +
-    residual)[ks] of the row whose `inverse_rms` is inv_rms."""
-    ok = ks < K
-    if NORM:
-        weight = tl.load(norm_w_ptr + ks, mask=ok, other=0.0)
-        x = rms_scaled(summed_row(x_ptr, residual_ptr, ks, ok, HAS_RESIDUAL), weight, inv_rms,
-                       OFFSET)  # fmt: skip
-    else:
-        x = tl.load(x_ptr + ks, mask=ok, other=0.0)
-    return x
-
-
-@triton.jit
-def _whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr, first, K,
-               fp8_max, min_scale, eps, ROW_BLOCK: tl.constexpr, DYNAMIC: tl.constexpr,
-               STATIC: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               OFFSET: tl.constexpr):  # fmt: skip
-    """(x_scale, inv_rms) of the multiplied row: its e4m3 scale (DYNAMIC: its largest magnitude
-    over fp8_max, as `quantize_rows`; STATIC: the checkpoint's; else 1) and, when NORM, the
-    `inverse_rms` of x + residual, which the `first` program writes out. The whole row in one
-    load (from L2: a loop over it, each load waiting for the last, held the weights' stream
-    back by a round trip per tile)."""
-    x_scale = 1.0
-    inv_rms = 1.0
-    if STATIC:
-        x_scale = tl.load(x_scale_ptr)
-    if NORM or DYNAMIC:
-        row = tl.arange(0, ROW_BLOCK)
-        ok = row < K
-        if NORM:
-            summed = summed_row(x_ptr, residual_ptr, row, ok, HAS_RESIDUAL)
-            inv_rms = inverse_rms(summed, K, eps)
-            if first:
-                tl.store(residual_out_ptr + row, summed, mask=ok)
-            if DYNAMIC:
-                weight = tl.load(norm_w_ptr + row, mask=ok, other=0.0)
-                x = rms_scaled(summed, weight, inv_rms, OFFSET)
-                amax = tl.max(tl.abs(x), axis=0).to(tl.float32)  # (exact in x's dtype)
-                x_scale = tl.maximum(amax, min_scale) / fp8_max
-        else:
-            x = tl.load(x_ptr + row, mask=ok, other=0.0)
-            amax = tl.max(tl.abs(x), axis=0).to(tl.float32)
-            x_scale = tl.maximum(amax, min_scale) / fp8_max
-    return x_scale, inv_rms
-
-
-@triton.jit
-def _merged_values(parts_ptr, lse_ptr, lse_stride, k0, K, SPLITS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """float32 [BLOCK_K]: the row's inputs k0 + [0, BLOCK_K) (0 past K; BLOCK_K a multiple of
-    HEAD_DIM, k0 too) from decode attention's unmerged splits (`SplitRows`): each split's rows
-    weighted by exp(lse_s - max_s lse_s) of its head over the weights' sum
-    (`triton_splits.merged`'s weights), the weights made once a head, not once an input. One
-    split holding keys gives its row as it is (weight 1, the others 0); a split holding none is
-    not read."""
-    HEADS: tl.constexpr = BLOCK_K // HEAD_DIM
-    heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
-    head_ok = heads * HEAD_DIM < K
-    lse_at = lse_ptr + heads * lse_stride
-    top = tl.full([HEADS], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
-        top = tl.maximum(top, tl.load(lse_at + s, mask=head_ok, other=float("-inf")))
-    ks = heads[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    total = tl.zeros([HEADS], tl.float32)
-    x = tl.zeros([HEADS, HEAD_DIM], tl.float32)
-    for s in tl.static_range(SPLITS):
-        lse = tl.load(lse_at + s, mask=head_ok, other=float("-inf"))
-        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
-        total += weight
-        part = tl.load(parts_ptr + s * K + ks, mask=(weight > 0.0)[:, None], other=0.0)
-        x += weight[:, None] * part.to(tl.float32)
-    x = x * (1.0 / tl.where(total == 0.0, 1.0, total))[:, None]
-    return tl.reshape(x, [BLOCK_K])
-
-
 @triton.jit
 def _products(x_ptr, k0, offsets, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr,
               norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr,
               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
               SPLITS: tl.constexpr, SPLIT_HEAD_DIM: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K] float32: the row's inputs k0 + offsets (`row_values`, or SPLITS
-    `_merged_values`; quantized to e4m3 when QUANTIZE) times the weight tile w."""
+    `merged_values`; quantized to e4m3 when QUANTIZE) times the weight tile w."""
     if SPLITS > 0:
-        x = _merged_values(x_ptr, lse_ptr, lse_stride, k0, K, SPLITS, SPLIT_HEAD_DIM,
+        x = merged_values(x_ptr, lse_ptr, lse_stride, k0, K, SPLITS, SPLIT_HEAD_DIM,
                            offsets.shape[0])  # fmt: skip
     else:
         x = row_values(x_ptr, k0 + offsets, K, residual_ptr, norm_w_ptr, inv_rms, NORM,
@@ -622,7 +521,7 @@ def gemv(
         assert not isinstance(x, SplitRows)
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
     block_n, block_k, warps, stages = tiles or one_row_plan(n, k, weight.element_size(), row.device)
-    if left is not None:  # (`_merged_values` takes whole heads a tile)
+    if left is not None:  # (`merged_values` takes whole heads a tile)
         block_k = max(block_k, left.head_dim)
         assert block_k % left.head_dim == 0, "heads of a power of two"
     out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)

@@ -36,7 +36,7 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import cdiv, next_power_of_2
 from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
-from kvfleet.engine.layers.triton_gemv import norm_args, row_and_norm, row_values
+from kvfleet.engine.layers.triton_gemv_rows import norm_args, row_and_norm, row_values
 from kvfleet.engine.layers.triton_layers import inverse_rms, summed_row
 from kvfleet.engine.layers.triton_route import top_k_rows
 
@@ -84,7 +84,7 @@ def _gate_up_gemv_kernel(
     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """NORM: the token's row is RMSNorm(x + residual), made here as the router's GEMV made it
-    (`triton_gemv.row_values`)."""
+    (`triton_gemv_rows.row_values`)."""
     choice = tl.program_id(0)
     pid_n = tl.program_id(1)
     let_next_start(PDL)
