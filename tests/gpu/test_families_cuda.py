@@ -217,6 +217,20 @@ def test_triton_path_with_graphs_equals_torch_path(
             assert abs(a.logprob - b.logprob) < 1e-3
 
 
+def _two_layers_of(family: str, folder: Path) -> None:
+    """`family`'s shipped config (Gemma 2: `GEMMA2_9B`) at two layers into `folder`, for a
+    batch-1 run through the one-row GEMVs (skipped below compute capability 9.0)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
+    config = (
+        dict(GEMMA2_9B)
+        if family == "gemma-2-9b"
+        else json.loads((CONFIGS / f"{family}.json").read_text())
+    )
+    config["num_hidden_layers"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("family", "quantization"),
     [
@@ -248,15 +262,7 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     from kvfleet.engine.layers.linear import Linear
     from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
 
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
-    config = (
-        dict(GEMMA2_9B)
-        if family == "gemma-2-9b"
-        else json.loads((CONFIGS / f"{family}.json").read_text())
-    )
-    config["num_hidden_layers"] = 2
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _two_layers_of(family, tmp_path)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 300, 64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -309,15 +315,7 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     from kvfleet.engine.attention import triton_attention
     from kvfleet.engine.layers import linear
 
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
-    config = (
-        dict(GEMMA2_9B)
-        if family == "gemma-2-9b"
-        else json.loads((CONFIGS / f"{family}.json").read_text())
-    )
-    config["num_hidden_layers"] = 2
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _two_layers_of(family, tmp_path)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
