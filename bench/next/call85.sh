@@ -17,13 +17,9 @@ if [ "${1:-ab}" = ab ]; then
     -k "splits_merged or decode or gemv or graph or compiles_mid_serving" \
     > "$OUT/tests.txt" 2>&1
   grep -aE "passed|failed|error" "$OUT/tests.txt" | tail -3
-  for m in llama-3-8b qwen3-8b qwen3-30b-a3b; do
-    timeout 130 bash bench/ab.sh .stage/base 1 "$OUT/$m" bench latency --model $m $A \
-      > "$OUT/ab-$m.txt" 2>&1
-  done
-  timeout 150 bench/device_env.sh python3 bench/profile_decode.py --model qwen3-30b-a3b \
-    --batch-size 1 --trace "$OUT/trace-a3b.json" > "$OUT/profile-a3b.txt" 2>&1
-  gzip -f "$OUT/trace-a3b.json"
+  . bench/next/batch1.sh
+  batch1_ab 1 llama-3-8b qwen3-8b qwen3-30b-a3b
+  batch1_trace qwen3-30b-a3b
 else
   mkdir -p /tmp/off && cp -r engine bench cli gateway operator /tmp/off/
   sed -i 's/^SPLITS_IN_GEMV = 4/SPLITS_IN_GEMV = 0/' /tmp/off/engine/layers/linear.py

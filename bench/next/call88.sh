@@ -8,16 +8,8 @@
 # dependent-launch tests, batch 1 main -> branch for Llama-3-8B, Qwen3-8B, A3B, A3B's trace.
 set -uo pipefail
 OUT=${OUT:?}
-A="--load-format dummy --batch-size 1"
-timeout 240 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
-  tests/gpu/test_families_cuda.py tests/gpu/test_triton_cuda.py \
-  -k "splits_merged or gemv" > "$OUT/tests.txt" 2>&1
-grep -aE "passed|failed|error" "$OUT/tests.txt" | tail -3
-for m in llama-3-8b qwen3-8b qwen3-30b-a3b; do
-  timeout 130 bash bench/ab.sh .stage/base 1 "$OUT/$m" bench latency --model $m $A \
-    > "$OUT/ab-$m.txt" 2>&1
-done
-timeout 150 bench/device_env.sh python3 bench/profile_decode.py --model qwen3-30b-a3b \
-  --batch-size 1 --trace "$OUT/trace-a3b.json" > "$OUT/profile-a3b.txt" 2>&1
-gzip -f "$OUT/trace-a3b.json"
+. bench/next/batch1.sh
+gpu_tests tests/gpu/test_families_cuda.py tests/gpu/test_triton_cuda.py -- "splits_merged or gemv"
+batch1_ab 1 llama-3-8b qwen3-8b qwen3-30b-a3b
+batch1_trace qwen3-30b-a3b
 python3 bench/next/summary.py "$OUT"

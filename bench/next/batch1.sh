@@ -1,0 +1,27 @@
+# Sourced by the device calls (bench/next/callNN.sh): the pieces they repeat.
+#   gpu_tests FILES... -- K        the GPU tests FILES selected by -k K into $OUT/tests.txt
+#   batch1_ab ROUNDS MODEL...      `bench latency` at batch 1, main (.stage/base) -> this tree,
+#                                  ROUNDS rounds a model, into $OUT/MODEL and $OUT/ab-MODEL.txt
+#   batch1_trace MODEL             a batch-1 step's trace into $OUT/trace-MODEL.json.gz
+gpu_tests() {
+  local files=() limit=${TEST_LIMIT:-240}
+  while [ "$1" != "--" ]; do files+=("$1"); shift; done
+  timeout "$limit" bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib \
+    -q "${files[@]}" -k "$2" > "$OUT/tests.txt" 2>&1
+  grep -aE "^FAILED|passed|failed|error" "$OUT/tests.txt" | tail -8
+}
+
+batch1_ab() {
+  local rounds=$1 m
+  shift
+  for m in "$@"; do
+    timeout $((70 + 60 * rounds)) bash bench/ab.sh .stage/base "$rounds" "$OUT/$m" \
+      bench latency --model "$m" --load-format dummy --batch-size 1 > "$OUT/ab-$m.txt" 2>&1
+  done
+}
+
+batch1_trace() {
+  timeout 150 bench/device_env.sh python3 bench/profile_decode.py --model "$1" \
+    --batch-size 1 --trace "$OUT/trace-$1.json" > "$OUT/profile-$1.txt" 2>&1
+  gzip -f "$OUT/trace-$1.json"
+}
