@@ -11,13 +11,10 @@ set -uo pipefail
 OUT=${OUT:?}
 A="--load-format dummy --batch-size 1"
 if [ "${1:-ab}" = ab ]; then
-  timeout 300 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
-    tests/gpu/test_families_cuda.py tests/gpu/test_triton_cuda.py \
-    tests/gpu/test_dependent_launch_cuda.py tests/gpu/test_engine_cuda.py \
-    -k "splits_merged or decode or gemv or graph or compiles_mid_serving" \
-    > "$OUT/tests.txt" 2>&1
-  grep -aE "passed|failed|error" "$OUT/tests.txt" | tail -3
   . bench/next/batch1.sh
+  TEST_LIMIT=300 gpu_tests tests/gpu/test_families_cuda.py tests/gpu/test_triton_cuda.py \
+    tests/gpu/test_dependent_launch_cuda.py tests/gpu/test_engine_cuda.py -- \
+    "splits_merged or decode or gemv or graph or compiles_mid_serving"
   batch1_ab 1 llama-3-8b qwen3-8b qwen3-30b-a3b
   batch1_trace qwen3-30b-a3b
 else
