@@ -299,9 +299,13 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
 
 
-@pytest.mark.parametrize("family", ["llama-3-8b", "gemma-2-9b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize(
+    ("family", "kv_cache_dtype"),
+    [("llama-3-8b", "auto"), ("gemma-2-9b", "auto"), ("qwen3-30b-a3b", "auto"),
+     ("gemma-2-9b", "fp8")],
+)  # fmt: skip
 def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batch-1 decode (two layers of the shipped shape; Gemma 2's windows and soft-caps) with
     decode attention's splits left to the o projection's GEMV to merge (`SplitRows`,
@@ -311,7 +315,8 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     Llama-3-8B and Qwen3-30B-A3B on the H200; test_triton_cuda.py checks the merge itself
     against float32 attention: as close as the kernel's). Prompts
     of 7, 150 and 600 tokens under 16 splits: one split holding keys, three, and past four
-    (the kernel merges: the GEMV reads its one row)."""
+    (the kernel merges: the GEMV reads its one row). Gemma 2 over an FP8 cache: its soft-caps
+    keep the upcasting decode kernel (not the e4m3 one), which leaves its splits too."""
     from kvfleet.engine.attention import triton_attention
     from kvfleet.engine.layers import linear
 
@@ -331,6 +336,7 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
         monkeypatch.setattr(linear, "SPLITS_IN_GEMV", splits)
         left.clear()
         llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+                  kv_cache_dtype=kv_cache_dtype,
                   skip_tokenizer_init=True, num_blocks=256, max_model_len=1024,
                   max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
         outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
