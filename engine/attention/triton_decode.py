@@ -536,7 +536,7 @@ def decode_leaving_splits(
         **limits,
     )
     if left:
-        return SplitRows(out.view(left, num_heads * head_dim), maxes[0], head_dim)
+        return SplitRows(out.view(left, num_heads * head_dim), maxes[0])
     if num_splits > 1 and not merge:
         merge_splits(acc, maxes, sums, out)
     return out

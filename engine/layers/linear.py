@@ -68,12 +68,15 @@ class SplitRows:
     the exp(lse_s)."""
 
     parts: torch.Tensor  # [splits, K] contiguous
-    lse: torch.Tensor  # [K // head_dim, stride] float32, its rows contiguous
-    head_dim: int
+    lse: torch.Tensor  # [heads, >= splits] float32, its rows contiguous
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((1, self.parts.shape[1]))
+
+    @property
+    def head_dim(self) -> int:
+        return self.parts.shape[1] // self.lse.shape[0]
 
 
 class Linear(nn.Linear):

@@ -203,11 +203,9 @@ def _align_kernel(
     tl.store(counts_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
     tl.store(cursor_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
     tl.debug_barrier()
+    ones = tl.full([CHUNK], 1, tl.int32)
     for start in range(0, placed, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
-        mask = rows < placed
-        ids = tl.load(ids_ptr + rows, mask=mask, other=0)
-        ones = tl.full([CHUNK], 1, tl.int32)
+        _, mask, ids = _chunk_of_ids(ids_ptr, start, placed, CHUNK)
         tl.atomic_add(counts_ptr + ids, ones, mask=mask, sem="relaxed", scope="cta")
     tl.debug_barrier()
     counts = tl.load(counts_ptr + experts)
@@ -221,13 +219,18 @@ def _align_kernel(
         tl.store(sorted_rows_ptr + slots, none, mask=slots < max_padded)
     tl.debug_barrier()
     for start in range(0, placed, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
-        mask = rows < placed
-        ids = tl.load(ids_ptr + rows, mask=mask, other=0)
-        ones = tl.full([CHUNK], 1, tl.int32)
+        rows, mask, ids = _chunk_of_ids(ids_ptr, start, placed, CHUNK)
         slot = tl.atomic_add(cursor_ptr + ids, ones, mask=mask, sem="relaxed", scope="cta")
         run_start = tl.load(counts_ptr + ids, mask=mask, other=0)
         tl.store(sorted_rows_ptr + run_start + slot, rows, mask=mask)
+
+
+@triton.jit
+def _chunk_of_ids(ids_ptr, start, placed, CHUNK: tl.constexpr):
+    """(rows, which of them are placed, their experts) of the CHUNK rows from `start`."""
+    rows = start + tl.arange(0, CHUNK)
+    mask = rows < placed
+    return rows, mask, tl.load(ids_ptr + rows, mask=mask, other=0)
 
 
 # Steps of at most this many tokens route inside the grouping kernel (`route_and_align_fused`;
