@@ -20,13 +20,18 @@ from kvfleet.engine.attention.metadata import (
     cache_views,
     kv_cache_is_fp8,
 )
-from kvfleet.engine.attention.triton_decode import decode_attention, decode_leaving_splits
+from kvfleet.engine.attention.triton_decode import (
+    decode_attention,
+    decode_leaving_splits,
+    takes_raw_token,
+)
 from kvfleet.engine.attention.triton_prompt import paged_attention
 from kvfleet.engine.layers.grid import next_power_of_2
 from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow, takes_splits
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
 from kvfleet.engine.layers.triton_rope import (
     QKNorm,
+    RawToken,
     RotaryWrite,
     kv_cache_value,
     rotary_and_write_kv,
@@ -35,6 +40,11 @@ from kvfleet.engine.layers.triton_rope import (
 # One token's RoPE and cache write made by its qkv projection's one-row GEMV (`attend_projected`;
 # False: the GEMV, then the RoPE + cache write kernel, as before; for A/B runs)
 ROTARY_IN_QKV = True
+# ... and where the heads of q and k are normalized first (Qwen3, Gemma 3), the plain GEMV's raw
+# row for decode attention to normalize and rotate in registers and write k and v into the
+# cache itself (`RawToken`): a GEMV's head spans its programs, whose last one counted in
+# (acq_rel) and reloaded the head (~2 us a layer more than Llama's qkv, bench/next/README).
+QK_NORM_IN_ATTENTION = True
 
 if TYPE_CHECKING:
     from torch import nn
@@ -171,25 +181,27 @@ class TritonAttention(AttentionLayer):
         cos, sin = rotary.caches(row.device)
         if 2 * cos.shape[1] != self.head_dim:  # (a partial rotation)
             return None
-        target = RotaryWrite(positions, cos, sin, *cache_views(kv_cache), metadata.slot_mapping,
-                             kv_scales, self.num_heads, self.num_kv_heads,
-                             _qk_norm(qk_norms))  # fmt: skip
-        qkv = forward_rotated(hidden, target)
-        if qkv is None:
-            return None
+        alone = self.graph_break is None and metadata.max_seqlen_q == 1  # (decode, no break)
+        raw = None
+        if (QK_NORM_IN_ATTENTION and qk_norms is not None and alone
+                and takes_raw_token(kv_cache, self.head_dim)):  # fmt: skip
+            qkv = qkv_proj(hidden)
+            raw = RawToken(qkv, positions, cos, sin, _qk_norm(qk_norms))
+        else:
+            target = RotaryWrite(positions, cos, sin, *cache_views(kv_cache),
+                                 metadata.slot_mapping, kv_scales, self.num_heads,
+                                 self.num_kv_heads, _qk_norm(qk_norms))  # fmt: skip
+            qkv = forward_rotated(hidden, target)
+            if qkv is None:
+                return None
         q = qkv[:, : self.num_heads * self.head_dim]
         leave = 0
-        if (
-            out_proj is not None
-            and self.graph_break is None
-            and metadata.max_seqlen_q == 1
-            and self.head_dim == next_power_of_2(self.head_dim)
-        ):  # (whole heads a GEMV tile)
-            leave = takes_splits(out_proj, q)
-        if leave:
+        if out_proj is not None and alone and self.head_dim == next_power_of_2(self.head_dim):
+            leave = takes_splits(out_proj, q)  # (whole heads a GEMV tile)
+        if leave or raw is not None:
             return decode_leaving_splits(
                 q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, self.scale,
-                self.sliding_window, None, None, kv_scales, self.softcap, leave,
+                self.sliding_window, None, None, kv_scales, self.softcap, leave, raw,
             )  # fmt: skip
         return self.attend_or_break(
             q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, kv_scales

@@ -19,7 +19,19 @@ import triton.language as tl
 
 from kvfleet.engine.attention.metadata import AttentionMetadata, cache_views, kv_cache_is_fp8
 from kvfleet.engine.attention.triton_decode_e4m3 import decode_e4m3, takes_e4m3_products
-from kvfleet.engine.attention.triton_splits import finish_split, live_splits, split_range
+from kvfleet.engine.attention.triton_decode_token import (
+    earlier_first_tile,
+    first_tile_scores,
+    new_kv,
+    raw_token,
+    write_new_token,
+)
+from kvfleet.engine.attention.triton_splits import (
+    finish_split,
+    group_heads,
+    live_splits,
+    split_range,
+)
 from kvfleet.engine.attention.triton_tiles import (
     fp8_query,
     kv_tile_tokens,
@@ -37,6 +49,7 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import next_power_of_2, num_sms
 from kvfleet.engine.layers.launch_cache import CachedKernel
 from kvfleet.engine.layers.linear import SplitRows
+from kvfleet.engine.layers.triton_rope import RawToken
 
 # The fewest KV tokens a split takes: one tile (BLOCK_N), which at batch 1 is loaded before the
 # wait (PRELOAD_FIRST_TILE), so a split's work after it is this step's token and the merge. Its
@@ -60,46 +73,6 @@ DECODE_TILES: dict[bool, tuple[int, int, int, int | None]] = {
 }
 
 
-@triton.jit
-def _earlier_first_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, start, end, kv_head,
-                        offs_d, d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """What a split may load before the kernel before it has finished (`_decode_partial_kernel`
-    PRELOAD, a K-major bf16/fp16/fp32 cache): its first tile's K and V of the tokens before
-    this step's (this step's read 0), and where this step's token's K and V lie."""
-    positions = tile_positions(start, BLOCK_N, False)
-    earlier = (positions < end) & (positions < seq_len - 1)
-    # (V K-major: K's strides serve it, the token-minor ones are not read)
-    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, start, positions, earlier, end,
-                        kv_head, offs_d, d_mask, stride_cb, stride_cs, stride_ch, stride_cb,
-                        stride_ch, BLOCK_SIZE, HEAD_DIM, False, False,
-                        k_cache_ptr.dtype.element_ty)  # fmt: skip
-    new_at = (
-        tl.load(block_table_ptr + (seq_len - 1) // BLOCK_SIZE).to(tl.int64) * stride_cb
-        + ((seq_len - 1) % BLOCK_SIZE) * stride_cs
-        + kv_head * stride_ch
-        + offs_d
-    )
-    return k, v, new_at
-
-
-@triton.jit
-def _first_tile_scores(q, k_first, v_first, k_new, v_new, seq_len, start, end, m_i, l_i, acc,
-                       scale, softcap, qk_scale, BLOCK_N: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
-    """The running softmax after a split's first tile, its earlier tokens preloaded
-    (`_earlier_first_tile`), this step's token's (k_new, v_new) where it lies in the tile."""
-    if start < end:
-        positions = tile_positions(start, BLOCK_N, False)
-        is_new = (positions == seq_len - 1)[:, None]
-        k = tl.where(is_new, k_new[None, :], k_first)
-        v = tl.where(is_new, v_new[None, :], v_first)
-        s = scores(q, k, scale, softcap, DOT_PRECISION, SOFTCAP)
-        s = tl.where((positions < end)[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-    return m_i, l_i, acc
-
-
 # NOTE: the block table's width changes step to step: one compiled kernel for any width.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(
@@ -114,6 +87,13 @@ def _decode_partial_kernel(
     count_ptr,  # [num_seqs * num_kv_heads] int32, zero between launches (MERGE)
     out_ptr,  # [num_seqs, num_heads, head_dim]: written directly when NUM_SPLITS == 1
     kv_scales_ptr,  # [2] float32 (an FP8 cache's)
+    new_ptr,  # (RAW_NEW) this step's qkv row, raw (`RawToken`)
+    positions_ptr,  # (RAW_NEW) [1] int64
+    cos_ptr,  # (RAW_NEW) [max_position, HEAD_DIM / 2] float32
+    sin_ptr,
+    q_norm_ptr,  # (RAW_NEW and QK_NORM) [HEAD_DIM]
+    k_norm_ptr,
+    qk_eps,
     scale,
     sliding_window,  # 0: none
     softcap,  # read when SOFTCAP
@@ -144,6 +124,10 @@ def _decode_partial_kernel(
     LEAVE: tl.constexpr,  # (MERGE, one sequence) up to LEAVE live splits left unmerged
     SPLITS_PAD: tl.constexpr,  # (MERGE)
     PRELOAD: tl.constexpr,  # the first tile's earlier tokens loaded before the wait (PDL)
+    RAW_NEW: tl.constexpr,  # (one sequence, K-major unquantized cache) this step's token raw:
+    # q and k normalized (QK_NORM) and rotated here, k and v written into the cache here
+    QK_NORM: tl.constexpr,
+    QK_OFFSET: tl.constexpr,
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
@@ -161,26 +145,29 @@ def _decode_partial_kernel(
         start = first // BLOCK_N * BLOCK_N
         end = tl.where(first < end, end, start)  # (an empty split stays empty)
 
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
+    heads, offs_d, g_mask, d_mask = group_heads(kv_head, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     if PRELOAD:
-        k_first, v_first, new_at = _earlier_first_tile(
+        k_first, v_first, new_at = earlier_first_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, start, end, kv_head, offs_d,
             d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
         )  # fmt: skip
     wait_for_previous(PDL)
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    if PRELOAD:  # (this step's token's K and V with q, their loads in flight together)
-        k_new = tl.load(k_cache_ptr + new_at, mask=d_mask, other=0.0)
-        v_new = tl.load(v_cache_ptr + new_at, mask=d_mask, other=0.0)
+    if RAW_NEW:
+        q, k_new, v_new = raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr,
+                                    k_norm_ptr, qk_eps, heads, g_mask, kv_head, num_heads,
+                                    offs_d, HEAD_DIM, QK_NORM, QK_OFFSET)  # fmt: skip
+        write_new_token(k_new, v_new, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, first,
+                        end, kv_head, offs_d, stride_cb, stride_cs, stride_ch,
+                        BLOCK_SIZE)  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if PRELOAD:  # (this step's token's K and V with q, their loads in flight together)
+            k_new, v_new = new_kv(k_cache_ptr, v_cache_ptr, new_at, d_mask)
     if FP8:
         q = fp8_query(q)
         scale *= tl.load(kv_scales_ptr)
@@ -190,7 +177,7 @@ def _decode_partial_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     tiles_from = start
     if PRELOAD:
-        m_i, l_i, acc = _first_tile_scores(
+        m_i, l_i, acc = first_tile_scores(
             q, k_first, v_first, k_new, v_new, seq_len, start, end, m_i, l_i, acc, scale,
             softcap, qk_scale, BLOCK_N, DOT_PRECISION, SOFTCAP,
         )  # fmt: skip
@@ -391,6 +378,55 @@ def _splits_left(
     return 0 if metadata.max_seqlen_q > 1 or e4m3 else min(leave, num_splits)
 
 
+def takes_raw_token(kv_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether the decode kernel takes this step's token raw (`RawToken`) over `kv_cache`: a
+    K-major (K and V) unquantized cache, heads of a power of two (q in one [group, head_dim]
+    tile)."""
+    v_cache = cache_views(kv_cache)[1]
+    return (
+        not kv_cache_is_fp8(kv_cache)
+        and v_cache.stride(3) == 1
+        and head_dim == next_power_of_2(head_dim)
+        and head_dim >= 16
+    )
+
+
+def _preloads(
+    launched: dict[int, bool],
+    num_splits: int,
+    programs: int,
+    fp8: bool,
+    token_minor: bool,
+    mixed: bool,
+    device: torch.device,
+) -> bool:
+    """Whether the decode kernel's splits load their first tile before the wait (PRELOAD);
+    recorded in `launched` by split count, which a mixed step's decodes follow (no compile)."""
+    # (few programs only: held across the wait, the first tile takes ~45 registers more)
+    preload = (
+        PRELOAD_FIRST_TILE
+        and not fp8
+        and not token_minor
+        and programs <= PRELOAD_PROGRAMS_PER_SM * num_sms(device)
+    )
+    if mixed:  # (as the count was launched before: no compile)
+        preload = launched.get(num_splits, preload)
+    launched.setdefault(num_splits, preload)
+    return preload
+
+
+def _raw_token_arguments(
+    new: RawToken | None, placeholder: torch.Tensor
+) -> tuple[tuple[object, ...], dict[str, bool]]:
+    """(the decode kernel's RAW_NEW arguments, its RAW_NEW constants) for `new`."""
+    norm = new.qk_norm if new is not None else None
+    tensors = (new.qkv, new.positions, new.cos, new.sin) if new is not None else (placeholder,) * 4
+    weights = (norm.q_weight, norm.k_weight, norm.eps) if norm else (placeholder, placeholder, 0.0)
+    constants = dict(RAW_NEW=new is not None, QK_NORM=norm is not None,
+                     QK_OFFSET=norm is not None and norm.offset)  # fmt: skip
+    return (*tensors, *weights), constants
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -423,11 +459,14 @@ def decode_leaving_splits(
     kv_scales: torch.Tensor | None,
     softcap: float | None,
     leave: int,
+    new: RawToken | None = None,
 ) -> torch.Tensor | SplitRows:
     """`decode_attention`, which where `leave` (a decode-only step of one sequence, its keys
     split and merged in the kernel, not the e4m3 one) leaves up to that many splits holding
     keys unmerged: a `SplitRows` for the one-row GEMV after to merge (past that many, the
-    kernel merges as before, into the SplitRows' first row)."""
+    kernel merges as before, into the SplitRows' first row). `new` (one sequence's decode, a
+    K-major unquantized cache, `takes_raw_token`): q is that row's raw q, normalized and
+    rotated here with its k, k and v written into the cache here."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if metadata.max_seqlen_q == 1:
@@ -469,18 +508,12 @@ def decode_leaving_splits(
     assert not token_minor or v_cache.stride(3) == block_size, "a head's token-minor V: one run"
     limits = {} if max_registers is None else {"maxnreg": max_registers}
     pdl = dependent_launch_args(q.device)
-    # (few programs only: held across the wait, the first tile takes ~45 registers more)
-    preload = (
-        PRELOAD_FIRST_TILE
-        and not fp8
-        and not token_minor
-        and num_seqs * num_kv_heads * num_splits <= PRELOAD_PROGRAMS_PER_SM * num_sms(q.device)
-    )
-    if metadata.max_seqlen_q > 1:  # (as the count was launched before: no compile)
-        preload = launched.get(num_splits, preload)
-    launched.setdefault(num_splits, preload)
+    preload = _preloads(launched, num_splits, num_seqs * num_kv_heads * num_splits, fp8,
+                        token_minor, metadata.max_seqlen_q > 1, q.device)  # fmt: skip
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     min_split = _MIN_SPLIT_TOKENS if num_splits > 1 else 1
+    assert new is None or (num_seqs == 1 and takes_raw_token(kv_cache, head_dim)), "RawToken"
+    raw_args, raw_constants = _raw_token_arguments(new, sums)
     if e4m3:
         assert kv_scales is not None
         decode_e4m3(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales, out,
@@ -500,6 +533,7 @@ def decode_leaving_splits(
         counters,
         out,
         kv_scales if kv_scales is not None else sums,
+        *raw_args,
         scale,
         sliding_window or 0,
         softcap or 0.0,
@@ -530,6 +564,7 @@ def decode_leaving_splits(
         LEAVE=left,
         SPLITS_PAD=next_power_of_2(num_splits),
         PRELOAD=preload,
+        **raw_constants,
         **pdl,
         num_warps=warps,
         num_stages=stages,

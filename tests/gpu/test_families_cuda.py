@@ -348,3 +348,56 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs[4], runs[0], strict=True):
         assert tokens == want_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("family", "quantization"),
+    [("qwen3-8b", None), ("gemma-3-12b", None), ("qwen3-30b-a3b", None), ("qwen3-8b", "fp8")],
+)
+def test_qk_norms_made_in_decode_attention_keep_batch_one_tokens(
+    family: str, quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode (two layers of the shipped shape; Gemma 3's windows and 1 + w norms) with
+    q and k normalized and rotated in decode attention from the qkv GEMV's raw row, k and v
+    written into the cache there (`RawToken`, `triton_attention.QK_NORM_IN_ATTENTION`), and
+    by the GEMV's last program of each head: the same tokens, logprobs within 1e-2 (the
+    squares of a head summed in another layout can move a value by one bf16 step), 0.1 under
+    FP8 weights. Prompts of 7, 150 and 600 tokens: the token in a split's first tile or a
+    later one (written before the tiles are read back)."""
+    from kvfleet.engine.attention import triton_attention
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
+    config = json.loads((CONFIGS / f"{family}.json").read_text())
+    config["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    raw = []
+    leaving = triton_attention.decode_leaving_splits
+    monkeypatch.setattr(
+        triton_attention,
+        "decode_leaving_splits",
+        lambda *args: raw.append(args[-1] is not None) or leaving(*args),
+    )
+    runs = {}
+    for in_attention in (True, False):
+        monkeypatch.setattr(triton_attention, "QK_NORM_IN_ATTENTION", in_attention)
+        raw.clear()
+        llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+                  quantization=quantization, skip_tokenizer_init=True, num_blocks=256,
+                  max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
+        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        runs[in_attention] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []])
+                              for o in outputs]  # fmt: skip
+        assert any(raw) == in_attention
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    bound = 0.1 if quantization == "fp8" else 1e-2
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(
+        runs[True], runs[False], strict=True
+    ):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound

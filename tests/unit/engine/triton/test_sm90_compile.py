@@ -50,17 +50,22 @@ def compile_for_sm90(kernel, types, constants, warps, stages):
     return compiled.asm["ptx"]
 
 
-def decode(q_type, cache_type, leave=0):
+def decode(q_type, cache_type, leave=0, raw=False):
     fp8 = cache_type == "*fp8e4nv"
+    if raw and fp8:  # (`takes_raw_token`: unquantized caches only)
+        return
     types = {"q_ptr": q_type, "out_ptr": q_type, "k_cache_ptr": cache_type,
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "count_ptr": "*i32",
-             "kv_scales_ptr": "*fp32", "scale": "fp32", "softcap": "fp32"}
+             "kv_scales_ptr": "*fp32", "new_ptr": q_type, "positions_ptr": "*i64",
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_norm_ptr": q_type, "k_norm_ptr": q_type,
+             "qk_eps": "fp32", "scale": "fp32", "softcap": "fp32"}
     block_n, warps, stages, _ = triton_decode.DECODE_TILES[fp8]
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
                      HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
-                     MERGE=True, LEAVE=leave, SPLITS_PAD=2, PRELOAD=not fp8, PDL=True)
+                     MERGE=True, LEAVE=leave, SPLITS_PAD=2, PRELOAD=not fp8, RAW_NEW=raw,
+                     QK_NORM=raw, QK_OFFSET=False, PDL=True)
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
 
 
@@ -374,7 +379,8 @@ modes = (["dependent-launch"], ["e4m3"], ["fp8-gemm"], ["lora"])
 for variant in sys.argv[1:] if sys.argv[1:] not in modes else []:
     q_type, cache_type = variant.split(",")
     for name, build in [("decode", lambda: decode(q_type, cache_type)),
-                        ("decode leaving splits", lambda: decode(q_type, cache_type, 4))] + [
+                        ("decode leaving splits", lambda: decode(q_type, cache_type, 4)),
+                        ("decode of a raw token", lambda: decode(q_type, cache_type, 4, True))] + [
         (f"prompt {kind}{' split' if split else ''}",
          lambda kind=kind, split=split: prompt(q_type, cache_type, kind, split))
         for kind in ("short", "few", "chunks", "long") for split in (False, True)
