@@ -10,16 +10,9 @@
 # branch for Qwen3-8B, Qwen3-30B-A3B, Gemma-3-12B, A3B's trace (~7 min).
 set -uo pipefail
 OUT=${OUT:?}
-A="--load-format dummy --batch-size 1"
-timeout 240 bench/device_env.sh python3 -m pytest -o addopts=--import-mode=importlib -q \
-  tests/gpu/test_families_cuda.py -k "qk_norms_made or (rope_in_the_qkv and (qwen3 or gemma-3))" \
-  > "$OUT/tests.txt" 2>&1
-grep -aE "^FAILED|passed|failed|error" "$OUT/tests.txt" | tail -8
-for m in qwen3-8b qwen3-30b-a3b gemma-3-12b; do
-  timeout 130 bash bench/ab.sh .stage/base 1 "$OUT/$m" bench latency --model $m $A \
-    > "$OUT/ab-$m.txt" 2>&1
-done
-timeout 150 bench/device_env.sh python3 bench/profile_decode.py --model qwen3-30b-a3b \
-  --batch-size 1 --trace "$OUT/trace-a3b.json" > "$OUT/profile-a3b.txt" 2>&1
-gzip -f "$OUT/trace-a3b.json"
+. bench/next/batch1.sh
+gpu_tests tests/gpu/test_families_cuda.py -- \
+  "qk_norms_made or (rope_in_the_qkv and (qwen3 or gemma-3))"
+batch1_ab 1 qwen3-8b qwen3-30b-a3b gemma-3-12b
+batch1_trace qwen3-30b-a3b
 python3 bench/next/summary.py "$OUT"

@@ -366,11 +366,7 @@ def test_qk_norms_made_in_decode_attention_keep_batch_one_tokens(
     later one (written before the tiles are read back)."""
     from kvfleet.engine.attention import triton_attention
 
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the one-row GEMV is launched dependent: compute capability 9.0")
-    config = json.loads((CONFIGS / f"{family}.json").read_text())
-    config["num_hidden_layers"] = 2
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _two_layers_of(family, tmp_path)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
