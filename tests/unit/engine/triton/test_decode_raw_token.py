@@ -72,3 +72,12 @@ def test_decode_taking_the_raw_token_gives_the_rotary_write_then_the_decode(
     else:
         assert isinstance(got, torch.Tensor)
         assert torch.equal(got, expected)
+
+
+def test_the_raw_token_is_taken_over_k_major_unquantized_caches_only(block_layout: str) -> None:
+    """`takes_raw_token`: a bf16/fp16/fp32 cache whose V is K-major (not head-major blocks,
+    whose V is token-minor, nor an FP8 cache), heads of a power of two."""
+    cache = torch.zeros(2, 3, 16, 2, 32)
+    assert triton_decode.takes_raw_token(cache, 32) == (block_layout == "token-major")
+    assert not triton_decode.takes_raw_token(cache.to(torch.float8_e4m3fn), 32)
+    assert not triton_decode.takes_raw_token(torch.zeros(2, 3, 16, 2, 48), 48)
