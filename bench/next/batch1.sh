@@ -2,6 +2,8 @@
 #   gpu_tests FILES... -- K        the GPU tests FILES selected by -k K into $OUT/tests.txt
 #   batch1_ab ROUNDS MODEL...      `bench latency` at batch 1, main (.stage/base) -> this tree,
 #                                  ROUNDS rounds a model, into $OUT/MODEL and $OUT/ab-MODEL.txt
+#                                  (AB_ARGS: more arguments, e.g. a quantization; AB_TAG: a
+#                                  suffix of those names)
 #   batch1_trace MODEL             a batch-1 step's trace into $OUT/trace-MODEL.json.gz
 gpu_tests() {
   local files=() limit=${TEST_LIMIT:-240}
@@ -15,8 +17,10 @@ batch1_ab() {
   local rounds=$1 m
   shift
   for m in "$@"; do
-    timeout $((70 + 60 * rounds)) bash bench/ab.sh .stage/base "$rounds" "$OUT/$m" \
-      bench latency --model "$m" --load-format dummy --batch-size 1 > "$OUT/ab-$m.txt" 2>&1
+    # shellcheck disable=SC2086
+    timeout $((70 + 60 * rounds)) bash bench/ab.sh .stage/base "$rounds" "$OUT/$m${AB_TAG:-}" \
+      bench latency --model "$m" --load-format dummy --batch-size 1 ${AB_ARGS:-} \
+      > "$OUT/ab-$m${AB_TAG:-}.txt" 2>&1
   done
 }
 

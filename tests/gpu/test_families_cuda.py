@@ -352,18 +352,27 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
 
 @pytest.mark.parametrize(
     ("family", "quantization"),
-    [("qwen3-8b", None), ("gemma-3-12b", None), ("qwen3-30b-a3b", None), ("qwen3-8b", "fp8")],
+    [
+        ("qwen3-8b", None),
+        ("gemma-3-12b", None),
+        ("qwen3-30b-a3b", None),
+        ("qwen3-8b", "fp8"),
+        ("llama-3-8b", "rtn"),
+        ("qwen3-8b", "rtn"),
+    ],
 )
-def test_qk_norms_made_in_decode_attention_keep_batch_one_tokens(
+def test_the_token_made_in_decode_attention_keeps_batch_one_tokens(
     family: str, quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batch-1 decode (two layers of the shipped shape; Gemma 3's windows and 1 + w norms) with
-    q and k normalized and rotated in decode attention from the qkv GEMV's raw row, k and v
-    written into the cache there (`RawToken`, `triton_attention.QK_NORM_IN_ATTENTION`), and
-    by the GEMV's last program of each head: the same tokens, logprobs within 1e-2 (the
-    squares of a head summed in another layout can move a value by one bf16 step), 0.1 under
-    FP8 weights. Prompts of 7, 150 and 600 tokens: the token in a split's first tile or a
-    later one (written before the tiles are read back)."""
+    """Batch-1 decode (two layers of the shipped shape; Gemma 3's windows and 1 + w norms; INT4
+    weights, whose GEMV does not rotate) with this step's q, k and v made in decode attention
+    from the qkv layer's plain row, q and k normalized (where the family has norms) and
+    rotated there, k and v written into the cache there (`RawToken`,
+    `triton_attention.TOKEN_IN_ATTENTION`), and by the GEMV's last program of each head or the
+    RoPE kernel: the same tokens, logprobs within 1e-2 (the squares of a head summed in
+    another layout can move a value by one bf16 step), 0.1 under FP8 weights. Prompts of 7,
+    150 and 600 tokens: the token in a split's first tile or a later one (written before the
+    tiles are read back)."""
     from kvfleet.engine.attention import triton_attention
 
     _two_layers_of(family, tmp_path)
@@ -379,7 +388,7 @@ def test_qk_norms_made_in_decode_attention_keep_batch_one_tokens(
     )
     runs = {}
     for in_attention in (True, False):
-        monkeypatch.setattr(triton_attention, "QK_NORM_IN_ATTENTION", in_attention)
+        monkeypatch.setattr(triton_attention, "TOKEN_IN_ATTENTION", in_attention)
         raw.clear()
         llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
                   quantization=quantization, skip_tokenizer_init=True, num_blocks=256,
