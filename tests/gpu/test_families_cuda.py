@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,6 +232,53 @@ def _two_layers_of(family: str, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _batch_one_either_way(
+    folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flag: tuple[object, str],
+    values: tuple[object, object],
+    seed: int,
+    **settings: object,
+) -> tuple[dict[object, list[Any]], dict[object, list[object]]]:
+    """Prompts of 7, 150 and 600 tokens, 24 greedy tokens each with 2 logprobs, one at a time
+    through `folder`'s model (bf16, dummy weights, a fresh engine for each value) with
+    `flag` (module, name) set to each of `values`: ({value: [(tokens, logprobs)]}, {value:
+    the (leave, raw token) arguments of each `decode_leaving_splits` call of the attention})."""
+    from kvfleet.engine.attention import triton_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    calls: list[object] = []
+    leaving = triton_attention.decode_leaving_splits
+    monkeypatch.setattr(
+        triton_attention,
+        "decode_leaving_splits",
+        lambda *args: calls.append(args[-2:]) or leaving(*args),
+    )
+    runs, seen = {}, {}
+    for value in values:
+        monkeypatch.setattr(*flag, value)
+        calls.clear()
+        llm = LLM(str(folder), load_format="dummy", device="cuda", dtype="bfloat16",
+                  skip_tokenizer_init=True, num_blocks=256, max_model_len=1024,
+                  max_num_batched_tokens=256, max_num_seqs=1, **settings)  # fmt: skip
+        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        runs[value] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
+        seen[value] = list(calls)
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    return runs, seen
+
+
+def _same_tokens(runs: list[Any], want: list[Any], bound: float) -> None:
+    """Each prompt's tokens equal, its logprobs within `bound`."""
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs, want, strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
+
+
 @pytest.mark.parametrize(
     ("family", "quantization"),
     [
@@ -317,37 +365,14 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     of 7, 150 and 600 tokens under 16 splits: one split holding keys, three, and past four
     (the kernel merges: the GEMV reads its one row). Gemma 2 over an FP8 cache: its soft-caps
     keep the upcasting decode kernel (not the e4m3 one), which leaves its splits too."""
-    from kvfleet.engine.attention import triton_attention
     from kvfleet.engine.layers import linear
 
     _two_layers_of(family, tmp_path)
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    left = []
-    leaving = triton_attention.decode_leaving_splits
-    monkeypatch.setattr(
-        triton_attention,
-        "decode_leaving_splits",
-        lambda *args: left.append(args[-1]) or leaving(*args),
-    )
-    runs = {}
-    for splits in (4, 0):
-        monkeypatch.setattr(linear, "SPLITS_IN_GEMV", splits)
-        left.clear()
-        llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
-                  kv_cache_dtype=kv_cache_dtype,
-                  skip_tokenizer_init=True, num_blocks=256, max_model_len=1024,
-                  max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
-        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
-        runs[splits] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
-        assert bool(left) == bool(splits)
-        llm.engine.close()
-        del llm
-        torch.cuda.empty_cache()
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs[4], runs[0], strict=True):
-        assert tokens == want_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 0.1
+    runs, seen = _batch_one_either_way(tmp_path, monkeypatch, (linear, "SPLITS_IN_GEMV"), (4, 0),
+                                       6, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    assert any(leave for leave, _ in seen[4])
+    assert not any(leave for leave, _ in seen[0])
+    _same_tokens(runs[4], runs[0], 0.1)
 
 
 @pytest.mark.parametrize(
@@ -376,33 +401,9 @@ def test_the_token_made_in_decode_attention_keeps_batch_one_tokens(
     from kvfleet.engine.attention import triton_attention
 
     _two_layers_of(family, tmp_path)
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in (7, 150, 600)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    raw = []
-    leaving = triton_attention.decode_leaving_splits
-    monkeypatch.setattr(
-        triton_attention,
-        "decode_leaving_splits",
-        lambda *args: raw.append(args[-1] is not None) or leaving(*args),
-    )
-    runs = {}
-    for in_attention in (True, False):
-        monkeypatch.setattr(triton_attention, "TOKEN_IN_ATTENTION", in_attention)
-        raw.clear()
-        llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
-                  quantization=quantization, skip_tokenizer_init=True, num_blocks=256,
-                  max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=1)  # fmt: skip
-        outputs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
-        runs[in_attention] = [(o.token_ids, [lp.logprob for lp in o.logprobs or []])
-                              for o in outputs]  # fmt: skip
-        assert any(raw) == in_attention
-        llm.engine.close()
-        del llm
-        torch.cuda.empty_cache()
-    bound = 0.1 if quantization == "fp8" else 1e-2
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(
-        runs[True], runs[False], strict=True
-    ):
-        assert tokens == want_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < bound
+    flag = (triton_attention, "TOKEN_IN_ATTENTION")
+    runs, seen = _batch_one_either_way(tmp_path, monkeypatch, flag, (True, False), 7,
+                                       quantization=quantization)  # fmt: skip
+    assert any(raw is not None for _, raw in seen[True])
+    assert all(raw is None for _, raw in seen[False])
+    _same_tokens(runs[True], runs[False], 0.1 if quantization == "fp8" else 1e-2)
