@@ -40,12 +40,12 @@ from kvfleet.engine.layers.triton_rope import (
 # One token's RoPE and cache write made by its qkv projection's one-row GEMV (`attend_projected`;
 # False: the GEMV, then the RoPE + cache write kernel, as before; for A/B runs)
 ROTARY_IN_QKV = True
-# ... or, where the heads of q and k are normalized first (Qwen3, Gemma 3) or the qkv layer
-# cannot rotate (4/8-bit weights, LoRA), its plain output for decode attention to normalize and
-# rotate in registers and write k and v into the cache itself (`RawToken`): the GEMV's head
-# spans its programs, whose last one counted in (acq_rel) and reloaded the head (~2 us a layer
-# more than Llama's qkv, bench/next/README); the RoPE kernel took 2.84 us a layer after the
-# 4-bit GEMV (bench/RESULTS.md session 37).
+# ... or, where the qkv layer cannot rotate (4/8-bit weights, LoRA) and q and k have no norms,
+# its plain output for decode attention to rotate in registers and write k and v into the cache
+# itself (`RawToken`), in place of the RoPE kernel after it (2.84 us a layer after the 4-bit
+# GEMV: INT4 Llama-3-8B batch 1 2.586 -> 2.537 ms on the H200, bench/RESULTS.md session 43).
+# Not with q/k norms: normalized there too, Qwen3-8B's and A3B's batch 1 were slower than with
+# the GEMV's last program of each head normalizing (4.331 -> 4.374, 2.580 -> 2.615 ms).
 TOKEN_IN_ATTENTION = True
 
 if TYPE_CHECKING:
@@ -161,13 +161,13 @@ class TritonAttention(AttentionLayer):
     ) -> torch.Tensor | SplitRows | None:
         """One token through the one-row Triton GEMV of a bf16/fp16 or e4m3 qkv projection
         (`forward_rotated`), which normalizes, rotates q and writes k and v into the cache as
-        `rotary_and_write_kv` would (one kernel fewer a layer at batch 1), or, with q/k norms or
-        a layer that cannot rotate (`TOKEN_IN_ATTENTION`), through the layer as it is, decode
-        attention taking its raw row (`RawToken`); the attention's splits left to `out_proj`'s
-        GEMV to merge where it takes them (`takes_splits`; not between the pieces of a prompt
-        graph). 4/8-bit weights do not rotate in their GEMV: its programs take contiguous
-        columns of the packed words, and pairs (d, d + half) across a head made Llama-3-8B's
-        batch 1 2.665 -> 3.045 ms on the H200 (bench/RESULTS.md session 31)."""
+        `rotary_and_write_kv` would (one kernel fewer a layer at batch 1), or, for a layer that
+        cannot rotate and no q/k norms (`TOKEN_IN_ATTENTION`), through the layer as it is,
+        decode attention taking its raw row (`RawToken`); the attention's splits left to
+        `out_proj`'s GEMV to merge where it takes them (`takes_splits`; not between the pieces
+        of a prompt graph). 4/8-bit weights do not rotate in their GEMV: its programs take
+        contiguous columns of the packed words, and pairs (d, d + half) across a head made
+        Llama-3-8B's batch 1 2.665 -> 3.045 ms on the H200 (bench/RESULTS.md session 31)."""
         row = hidden.x if isinstance(hidden, UnnormalizedRow) else hidden
         # (a layer whose one-row GEMV can: bf16/fp16 and e4m3 ones, not under LoRA)
         forward_rotated = getattr(qkv_proj, "forward_rotated", None)
@@ -180,12 +180,11 @@ class TritonAttention(AttentionLayer):
             return None
         alone = self.graph_break is None and metadata.max_seqlen_q == 1  # (decode, no break)
         raw = None
-        own_rotation = forward_rotated is not None and qk_norms is None  # (Llama's GEMV)
-        takes_row = forward_rotated is not None or isinstance(hidden, torch.Tensor)
-        if (TOKEN_IN_ATTENTION and alone and not own_rotation and takes_row
+        if (TOKEN_IN_ATTENTION and alone and forward_rotated is None and qk_norms is None
+                and isinstance(hidden, torch.Tensor)
                 and takes_raw_token(kv_cache, self.head_dim)):  # fmt: skip
             qkv = qkv_proj(hidden).reshape(1, -1).contiguous()
-            raw = RawToken(qkv, positions, cos, sin, _qk_norm(qk_norms))
+            raw = RawToken(qkv, positions, cos, sin)
         elif forward_rotated is None:
             return None
         else:

@@ -91,9 +91,6 @@ def _decode_partial_kernel(
     positions_ptr,  # (RAW_NEW) [1] int64
     cos_ptr,  # (RAW_NEW) [max_position, HEAD_DIM / 2] float32
     sin_ptr,
-    q_norm_ptr,  # (RAW_NEW and QK_NORM) [HEAD_DIM]
-    k_norm_ptr,
-    qk_eps,
     scale,
     sliding_window,  # 0: none
     softcap,  # read when SOFTCAP
@@ -125,9 +122,7 @@ def _decode_partial_kernel(
     SPLITS_PAD: tl.constexpr,  # (MERGE)
     PRELOAD: tl.constexpr,  # the first tile's earlier tokens loaded before the wait (PDL)
     RAW_NEW: tl.constexpr,  # (one sequence, K-major unquantized cache) this step's token raw:
-    # q and k normalized (QK_NORM) and rotated here, k and v written into the cache here
-    QK_NORM: tl.constexpr,
-    QK_OFFSET: tl.constexpr,
+    # q and k rotated here, k and v written into the cache here
     PDL: tl.constexpr,  # launched dependent (engine/layers/dependent_launch.py)
 ):
     seq = tl.program_id(0)
@@ -154,9 +149,8 @@ def _decode_partial_kernel(
         )  # fmt: skip
     wait_for_previous(PDL)
     if RAW_NEW:
-        q, k_new, v_new = raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr,
-                                    k_norm_ptr, qk_eps, heads, g_mask, kv_head, num_heads,
-                                    offs_d, HEAD_DIM, QK_NORM, QK_OFFSET)  # fmt: skip
+        q, k_new, v_new = raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, heads, g_mask,
+                                    kv_head, num_heads, offs_d, HEAD_DIM)  # fmt: skip
         write_new_token(k_new, v_new, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, first,
                         end, kv_head, offs_d, stride_cb, stride_cs, stride_ch,
                         BLOCK_SIZE)  # fmt: skip
@@ -415,18 +409,6 @@ def _preloads(
     return preload
 
 
-def _raw_token_arguments(
-    new: RawToken | None, placeholder: torch.Tensor
-) -> tuple[tuple[object, ...], dict[str, bool]]:
-    """(the decode kernel's RAW_NEW arguments, its RAW_NEW constants) for `new`."""
-    norm = new.qk_norm if new is not None else None
-    tensors = (new.qkv, new.positions, new.cos, new.sin) if new is not None else (placeholder,) * 4
-    weights = (norm.q_weight, norm.k_weight, norm.eps) if norm else (placeholder, placeholder, 0.0)
-    constants = dict(RAW_NEW=new is not None, QK_NORM=norm is not None,
-                     QK_OFFSET=norm is not None and norm.offset)  # fmt: skip
-    return (*tensors, *weights), constants
-
-
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -465,8 +447,8 @@ def decode_leaving_splits(
     split and merged in the kernel, not the e4m3 one) leaves up to that many splits holding
     keys unmerged: a `SplitRows` for the one-row GEMV after to merge (past that many, the
     kernel merges as before, into the SplitRows' first row). `new` (one sequence's decode, a
-    K-major unquantized cache, `takes_raw_token`): q is that row's raw q, normalized and
-    rotated here with its k, k and v written into the cache here."""
+    K-major unquantized cache, `takes_raw_token`): q is that row's raw q, rotated here with its
+    k, k and v written into the cache here."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if metadata.max_seqlen_q == 1:
@@ -513,7 +495,7 @@ def decode_leaving_splits(
     counters = split_counters(q.device, num_seqs * num_kv_heads) if merge else metadata.seq_lens
     min_split = _MIN_SPLIT_TOKENS if num_splits > 1 else 1
     assert new is None or (num_seqs == 1 and takes_raw_token(kv_cache, head_dim)), "RawToken"
-    raw_args, raw_constants = _raw_token_arguments(new, sums)
+    raw_args = (new.qkv, new.positions, new.cos, new.sin) if new is not None else (sums,) * 4
     if e4m3:
         assert kv_scales is not None
         decode_e4m3(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales, out,
@@ -564,7 +546,7 @@ def decode_leaving_splits(
         LEAVE=left,
         SPLITS_PAD=next_power_of_2(num_splits),
         PRELOAD=preload,
-        **raw_constants,
+        RAW_NEW=new is not None,
         **pdl,
         num_warps=warps,
         num_stages=stages,

@@ -48,20 +48,17 @@ def new_token_at(block_table_ptr, seq_len, kv_head, offs_d, stride_cb, stride_cs
 
 
 @triton.jit
-def raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, qk_eps, heads,
-              g_mask, kv_head, num_heads, offs_d, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
-              QK_OFFSET: tl.constexpr):  # fmt: skip
-    """(q [heads, HEAD_DIM], k, v [HEAD_DIM]) of this step's token from the qkv GEMV's raw row
-    (`RawToken`): q's group of heads and kv_head's k normalized (QK_NORM) and rotated as the
-    GEMV's rotary write makes them (`triton_rope.raw_heads_rotated`), v as it is."""
+def raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, heads, g_mask, kv_head, num_heads,
+              offs_d, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """(q [heads, HEAD_DIM], k, v [HEAD_DIM]) of this step's token from the qkv layer's raw
+    row (`RawToken`): q's group of heads and kv_head's k rotated as the RoPE kernel rotates
+    them (`triton_rope.raw_heads_rotated`), v as it is."""
     dtype = new_ptr.dtype.element_ty
     position = tl.load(positions_ptr)
     HALF: tl.constexpr = HEAD_DIM // 2
-    q = raw_heads_rotated(new_ptr, heads, g_mask, position, cos_ptr, sin_ptr, q_norm_ptr,
-                          qk_eps, HALF, QK_NORM, QK_OFFSET, dtype)  # fmt: skip
+    q = raw_heads_rotated(new_ptr, heads, g_mask, position, cos_ptr, sin_ptr, HALF, dtype)
     k_head = num_heads + kv_head + tl.zeros([1], tl.int32)
-    k = raw_heads_rotated(new_ptr, k_head, k_head >= 0, position, cos_ptr, sin_ptr, k_norm_ptr,
-                          qk_eps, HALF, QK_NORM, QK_OFFSET, dtype)  # fmt: skip
+    k = raw_heads_rotated(new_ptr, k_head, k_head >= 0, position, cos_ptr, sin_ptr, HALF, dtype)
     v = tl.load(new_ptr + (num_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + offs_d)
     return q.to(dtype), tl.reshape(k, (HEAD_DIM,)).to(dtype), v
 

@@ -125,43 +125,26 @@ def _normed_halves(
     rstd = tl.rsqrt(squares * (1.0 / (2 * HALF)) + eps)[:, None]
     w1 = tl.load(weight_ptr + d).to(tl.float32)
     w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
-    return _normed(x1, rstd, w1, OFFSET, dtype), _normed(x2, rstd, w2, OFFSET, dtype)
-
-
-@triton.jit
-def _normed(x, rstd, weight, OFFSET: tl.constexpr, dtype: tl.constexpr):
-    """x (float32) times its row's rstd and the norm's weight, rounded where `rms_normalize`
-    rounds (`_normed_halves`)."""
     if OFFSET:
-        return rounded(x * rstd * (1.0 + weight), dtype)
-    return rounded(weight * rounded(x * rstd, dtype), dtype)
+        return rounded(x1 * rstd * (1.0 + w1), dtype), rounded(x2 * rstd * (1.0 + w2), dtype)
+    n1 = rounded(w1 * rounded(x1 * rstd, dtype), dtype)
+    return n1, rounded(w2 * rounded(x2 * rstd, dtype), dtype)
 
 
 @triton.jit
-def raw_heads_rotated(row_ptr, heads, head_ok, position, cos_ptr, sin_ptr, norm_w_ptr, eps,
-                      HALF: tl.constexpr, QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr,
+def raw_heads_rotated(row_ptr, heads, head_ok, position, cos_ptr, sin_ptr, HALF: tl.constexpr,
                       dtype: tl.constexpr):  # fmt: skip
     """float32 [heads, 2 * HALF]: heads `heads` of one token's raw q or k rows at row_ptr (in
-    `dtype`, 2 * HALF each; 0 where not head_ok) RMS-normalized first (QK_NORM, `QKNorm`'s
-    weight at norm_w_ptr) and rotated at `position`, the bits `rotary_write_pairs` makes
-    (`RawToken`: decode attention makes them from the qkv GEMV's raw row). Each value is
-    loaded beside its rotation partner (d +- HALF), not as halves joined after: no layout
-    change of the head."""
+    `dtype`, 2 * HALF each; 0 where not head_ok) rotated at `position`, the bits
+    `rotary_write_pairs` makes (`RawToken`: decode attention makes them from the qkv layer's
+    raw row). Each value is loaded beside its rotation partner (d +- HALF), not as halves
+    joined after: no layout change of the head."""
     d = tl.arange(0, 2 * HALF)[None, :]
     low = d < HALF
     partner = tl.where(low, d + HALF, d - HALF)
     at = row_ptr + heads[:, None] * (2 * HALF)
     x = tl.load(at + d, mask=head_ok[:, None], other=0.0).to(tl.float32)
     p = tl.load(at + partner, mask=head_ok[:, None], other=0.0).to(tl.float32)
-    if QK_NORM:  # (the halves' squares summed apart, then added: `_normed_halves`' order)
-        squares = x * x
-        total = tl.sum(tl.where(low, squares, 0.0), axis=1)
-        total += tl.sum(tl.where(low, 0.0, squares), axis=1)
-        rstd = tl.rsqrt(total * (1.0 / (2 * HALF)) + eps)[:, None]
-        w = tl.load(norm_w_ptr + d).to(tl.float32)
-        w_partner = tl.load(norm_w_ptr + partner).to(tl.float32)
-        x = _normed(x, rstd, w, QK_OFFSET, dtype)
-        p = _normed(p, rstd, w_partner, QK_OFFSET, dtype)
     cos = rounded(tl.load(cos_ptr + position * HALF + d % HALF), dtype)
     sin = rounded(tl.load(sin_ptr + position * HALF + d % HALF), dtype)
     turned = rounded(p * sin, dtype)  # (`_rotate`: x1 cos - x2 sin | x2 cos + x1 sin)
@@ -284,16 +267,15 @@ class RotaryWrite:
 
 @dataclass(frozen=True)
 class RawToken:
-    """One token's qkv projection row as the plain GEMV leaves it, for decode attention to
-    normalize (`qk_norm`) and rotate its q and k heads in registers and to write its k and v
-    into the cache itself (`triton_decode`'s RAW_NEW), in place of the GEMV's last program
-    of each head counting in and reloading the head (`rotary_write_pairs` QK_NORM)."""
+    """One token's qkv projection row as a layer that cannot rotate leaves it (4/8-bit
+    weights, LoRA), for decode attention to rotate its q and k heads in registers and to write
+    its k and v into the cache itself (`triton_decode`'s RAW_NEW), in place of the RoPE
+    kernel after the GEMV."""
 
     qkv: torch.Tensor  # [1, (num_heads + 2 * num_kv_heads) * head_dim], contiguous
     positions: torch.Tensor  # [1] int64
     cos: torch.Tensor  # [max_position, head_dim / 2] float32
     sin: torch.Tensor
-    qk_norm: QKNorm | None
 
 
 def rotary_arguments(

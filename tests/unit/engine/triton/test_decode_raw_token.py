@@ -1,5 +1,5 @@
-"""Decode attention taking this step's token raw from the qkv GEMV (`RawToken`): q and k
-normalized and rotated in the kernel, k and v written into the cache by the split holding the
+"""Decode attention taking this step's token raw from a qkv layer that cannot rotate
+(`RawToken`): q and k rotated in the kernel, k and v written into the cache by the split holding the
 token, against the rotary write (`rotary_and_write_kv`) then the same decode."""
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from kvfleet.engine.attention.metadata import cache_views  # noqa: E402
 from kvfleet.engine.layers.linear import SplitRows  # noqa: E402
 from kvfleet.engine.layers.torch_layers import RotaryEmbedding  # noqa: E402
 from kvfleet.engine.layers.triton_gemv import gemv  # noqa: E402
-from kvfleet.engine.layers.triton_rope import QKNorm, RawToken, rotary_and_write_kv  # noqa: E402
+from kvfleet.engine.layers.triton_rope import RawToken, rotary_and_write_kv  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("qk_norm", [None, "qk norms", "qk norms, 1 + w"])
 @pytest.mark.parametrize(
     ("seq_len", "num_splits", "leave"),
     [(60, 1, 0), (150, 3, 0), (700, 8, 0), (700, 8, 4), (150, 8, 4)],
@@ -28,14 +27,13 @@ from kvfleet.engine.layers.triton_rope import QKNorm, RawToken, rotary_and_write
 def test_decode_taking_the_raw_token_gives_the_rotary_write_then_the_decode(
     attention_case: Callable[..., dict[str, Any]],
     dtype: torch.dtype,
-    qk_norm: str | None,
     seq_len: int,
     num_splits: int,
     leave: int,
 ) -> None:
     """One sequence (4 q heads, 2 KV heads of 32), its token's qkv row raw: the same output
-    (or unmerged splits) and the same cache, bit for bit, as `rotary_and_write_kv` (q/k norms
-    maybe, Qwen3's or Gemma 3's) then the decode; the token in a split's first tile or a later
+    (or unmerged splits) and the same cache, bit for bit, as `rotary_and_write_kv` then the
+    decode; the token in a split's first tile or a later
     one, one split or several, merged in the kernel or left to the GEMV."""
     inputs = attention_case([1], [seq_len], num_heads=4, num_kv_heads=2, dtype=dtype, seed=3)
     metadata = inputs["metadata"]
@@ -43,10 +41,6 @@ def test_decode_taking_the_raw_token_gives_the_rotary_write_then_the_decode(
     qkv = torch.randn(1, 8 * 32, generator=generator).to(dtype)
     cos, sin = RotaryEmbedding(32, 1024, 10000.0).caches(torch.device("cpu"))
     positions = torch.tensor([seq_len - 1])
-    norm = None
-    if qk_norm is not None:
-        weights = (torch.rand(2, 32, generator=generator) * 0.5 + 0.75).to(dtype)
-        norm = QKNorm(weights[0], weights[1], 1e-6, qk_norm.endswith("1 + w"))
     scale = 32**-0.5
     args = (None, None, num_splits, None, None, leave)
 
@@ -54,11 +48,11 @@ def test_decode_taking_the_raw_token_gives_the_rotary_write_then_the_decode(
     q = qkv[:, :128].clone().view(1, 4, 32)
     k, v = qkv[:, 128:192].view(1, 2, 32), qkv[:, 192:].view(1, 2, 32)
     rotary_and_write_kv(q, k, v, positions, cos, sin, *cache_views(expected_cache),
-                        metadata.slot_mapping, None, norm)  # fmt: skip
+                        metadata.slot_mapping, None, None)  # fmt: skip
     expected = triton_decode.decode_leaving_splits(q, expected_cache, metadata, scale, *args)
 
     cache = inputs["kv_cache"].clone()
-    raw = RawToken(qkv, positions, cos, sin, norm)
+    raw = RawToken(qkv, positions, cos, sin)
     got = triton_decode.decode_leaving_splits(
         qkv[:, :128].view(1, 4, 32), cache, metadata, scale, *args, raw
     )

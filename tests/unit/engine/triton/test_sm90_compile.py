@@ -58,14 +58,13 @@ def decode(q_type, cache_type, leave=0, raw=False):
              "v_cache_ptr": cache_type, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "count_ptr": "*i32",
              "kv_scales_ptr": "*fp32", "new_ptr": q_type, "positions_ptr": "*i64",
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_norm_ptr": q_type, "k_norm_ptr": q_type,
-             "qk_eps": "fp32", "scale": "fp32", "softcap": "fp32"}
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "scale": "fp32", "softcap": "fp32"}
     block_n, warps, stages, _ = triton_decode.DECODE_TILES[fp8]
     constants = dict(GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_SIZE=16,
                      HEAD_DIM=128, BLOCK_D=128, BLOCK_N=block_n, FP8=fp8, V_TOKEN_MINOR=fp8,
                      DOT_PRECISION="ieee" if q_type == "*fp32" else "tf32", SOFTCAP=False,
                      MERGE=True, LEAVE=leave, SPLITS_PAD=2, PRELOAD=not fp8, RAW_NEW=raw,
-                     QK_NORM=raw, QK_OFFSET=False, PDL=True)
+                     PDL=True)
     compile_for_sm90(triton_decode._decode_partial_kernel, types, constants, warps, stages)
 
 
