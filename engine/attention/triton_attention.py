@@ -43,9 +43,10 @@ ROTARY_IN_QKV = True
 # ... or, where the qkv layer cannot rotate (4/8-bit weights, LoRA) and q and k have no norms,
 # its plain output for decode attention to rotate in registers and write k and v into the cache
 # itself (`RawToken`), in place of the RoPE kernel after it (2.84 us a layer after the 4-bit
-# GEMV: INT4 Llama-3-8B batch 1 2.586 -> 2.537 ms on the H200, bench/RESULTS.md session 43).
-# Not with q/k norms: normalized there too, Qwen3-8B's and A3B's batch 1 were slower than with
-# the GEMV's last program of each head normalizing (4.331 -> 4.374, 2.580 -> 2.615 ms).
+# GEMV: INT4 Llama-3-8B batch 1 2.588 -> 2.541 ms on the H200, then 2.535 -> 2.518 with the
+# rotation's tables loaded before the attention's wait; bench/RESULTS.md session 43). Not with
+# q/k norms: normalized there too, Qwen3-8B's and A3B's batch 1 were slower than with the
+# GEMV's last program of each head normalizing (4.329 -> 4.356, 2.572 -> 2.601 ms).
 TOKEN_IN_ATTENTION = True
 
 if TYPE_CHECKING:

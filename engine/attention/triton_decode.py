@@ -24,6 +24,7 @@ from kvfleet.engine.attention.triton_decode_token import (
     first_tile_scores,
     new_kv,
     raw_token,
+    raw_token_tables,
     write_new_token,
 )
 from kvfleet.engine.attention.triton_splits import (
@@ -147,10 +148,13 @@ def _decode_partial_kernel(
             k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, start, end, kv_head, offs_d,
             d_mask, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
         )  # fmt: skip
+    if RAW_NEW:  # (the rotation's tables: 0.4-0.6 us a layer less after the wait)
+        cos, sin = raw_token_tables(positions_ptr, cos_ptr, sin_ptr, HEAD_DIM,
+                                    new_ptr.dtype.element_ty)  # fmt: skip
     wait_for_previous(PDL)
     if RAW_NEW:
-        q, k_new, v_new = raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, heads, g_mask,
-                                    kv_head, num_heads, offs_d, HEAD_DIM)  # fmt: skip
+        q, k_new, v_new = raw_token(new_ptr, cos, sin, heads, g_mask, kv_head, num_heads, offs_d,
+                                    HEAD_DIM)  # fmt: skip
         write_new_token(k_new, v_new, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_len, first,
                         end, kv_head, offs_d, stride_cb, stride_cs, stride_ch,
                         BLOCK_SIZE)  # fmt: skip

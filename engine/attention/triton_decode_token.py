@@ -14,7 +14,7 @@ from kvfleet.engine.attention.triton_tiles import (
     scores,
     tile_positions,
 )
-from kvfleet.engine.layers.triton_rope import raw_heads_rotated
+from kvfleet.engine.layers.triton_rope import raw_heads_rotated, rotation_tables
 
 
 @triton.jit
@@ -48,17 +48,25 @@ def new_token_at(block_table_ptr, seq_len, kv_head, offs_d, stride_cb, stride_cs
 
 
 @triton.jit
-def raw_token(new_ptr, positions_ptr, cos_ptr, sin_ptr, heads, g_mask, kv_head, num_heads,
-              offs_d, HEAD_DIM: tl.constexpr):  # fmt: skip
+def raw_token_tables(positions_ptr, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr,
+                     dtype: tl.constexpr):  # fmt: skip
+    """What `raw_token` takes that the kernel before does not write, loaded before the wait:
+    (cos, sin) [1, HEAD_DIM] at this step's position (the step's positions are copied in
+    before its first kernel, as its block tables and lengths)."""
+    return rotation_tables(tl.load(positions_ptr), cos_ptr, sin_ptr, HEAD_DIM // 2, dtype)
+
+
+@triton.jit
+def raw_token(new_ptr, cos, sin, heads, g_mask, kv_head, num_heads, offs_d,
+              HEAD_DIM: tl.constexpr):  # fmt: skip
     """(q [heads, HEAD_DIM], k, v [HEAD_DIM]) of this step's token from the qkv layer's raw
     row (`RawToken`): q's group of heads and kv_head's k rotated as the RoPE kernel rotates
-    them (`triton_rope.raw_heads_rotated`), v as it is."""
+    them (`triton_rope.raw_heads_rotated`, `raw_token_tables`' cos and sin), v as it is."""
     dtype = new_ptr.dtype.element_ty
-    position = tl.load(positions_ptr)
     HALF: tl.constexpr = HEAD_DIM // 2
-    q = raw_heads_rotated(new_ptr, heads, g_mask, position, cos_ptr, sin_ptr, HALF, dtype)
+    q = raw_heads_rotated(new_ptr, heads, g_mask, cos, sin, HALF, dtype)
     k_head = num_heads + kv_head + tl.zeros([1], tl.int32)
-    k = raw_heads_rotated(new_ptr, k_head, k_head >= 0, position, cos_ptr, sin_ptr, HALF, dtype)
+    k = raw_heads_rotated(new_ptr, k_head, k_head >= 0, cos, sin, HALF, dtype)
     v = tl.load(new_ptr + (num_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + offs_d)
     return q.to(dtype), tl.reshape(k, (HEAD_DIM,)).to(dtype), v
 

@@ -132,23 +132,28 @@ def _normed_halves(
 
 
 @triton.jit
-def raw_heads_rotated(row_ptr, heads, head_ok, position, cos_ptr, sin_ptr, HALF: tl.constexpr,
+def rotation_tables(position, cos_ptr, sin_ptr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """(cos, sin) [1, 2 * HALF] at `position` for `raw_heads_rotated`, each half's angles
+    repeated over both halves (rounded to `dtype`, as `_rotate` takes them)."""
+    d = tl.arange(0, 2 * HALF)[None, :] % HALF
+    cos = rounded(tl.load(cos_ptr + position * HALF + d), dtype)
+    return cos, rounded(tl.load(sin_ptr + position * HALF + d), dtype)
+
+
+@triton.jit
+def raw_heads_rotated(row_ptr, heads, head_ok, cos, sin, HALF: tl.constexpr,
                       dtype: tl.constexpr):  # fmt: skip
     """float32 [heads, 2 * HALF]: heads `heads` of one token's raw q or k rows at row_ptr (in
-    `dtype`, 2 * HALF each; 0 where not head_ok) rotated at `position`, the bits
-    `rotary_write_pairs` makes (`RawToken`: decode attention makes them from the qkv layer's
-    raw row). Each value is loaded beside its rotation partner (d +- HALF), not as halves
-    joined after: no layout change of the head."""
+    `dtype`, 2 * HALF each; 0 where not head_ok) rotated by `rotation_tables`' cos and sin,
+    the bits `rotary_write_pairs` makes (`RawToken`: decode attention makes them from the
+    qkv layer's raw row, the tables loaded before its wait). Each value is loaded beside its
+    rotation partner (d +- HALF), not as halves joined after: no layout change of the head."""
     d = tl.arange(0, 2 * HALF)[None, :]
-    low = d < HALF
-    partner = tl.where(low, d + HALF, d - HALF)
     at = row_ptr + heads[:, None] * (2 * HALF)
     x = tl.load(at + d, mask=head_ok[:, None], other=0.0).to(tl.float32)
-    p = tl.load(at + partner, mask=head_ok[:, None], other=0.0).to(tl.float32)
-    cos = rounded(tl.load(cos_ptr + position * HALF + d % HALF), dtype)
-    sin = rounded(tl.load(sin_ptr + position * HALF + d % HALF), dtype)
+    p = tl.load(at + (d + HALF) % (2 * HALF), mask=head_ok[:, None], other=0.0).to(tl.float32)
     turned = rounded(p * sin, dtype)  # (`_rotate`: x1 cos - x2 sin | x2 cos + x1 sin)
-    return rounded(x * cos, dtype) + tl.where(low, -turned, turned)
+    return rounded(x * cos, dtype) + tl.where(d < HALF, -turned, turned)
 
 
 @triton.jit
