@@ -1,7 +1,7 @@
 """What a batch-1 decode split (`triton_decode._decode_partial_kernel`) takes of its first
 tile and of this step's token around its wait: the first tile's earlier tokens loaded before it
 (PRELOAD), where this step's token lies, its running softmax after that tile, and this step's
-q, k and v made from the qkv GEMV's raw row (RAW_NEW, `RawToken`)."""
+q, k and v made from the raw row of a qkv layer that cannot rotate (RAW_NEW, `RawToken`)."""
 
 from __future__ import annotations
 
