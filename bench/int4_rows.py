@@ -1,0 +1,65 @@
+# ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
+"""The one-row 4-bit GEMV two ways at Llama-3-8B's shapes: the shipped split-K kernel
+(`triton_packed._packed_gemv_kernel`, its default tiles) and whole columns to a thread
+(`triton_packed_rows`, over a sweep of (BLOCK_N, ROWS, AHEAD, warps)), each checked against
+the dequantized reference, timed inside a CUDA graph over 20 weight copies beside the 4-bit
+bytes floor (int4_gemm.py's method).
+
+    bench/device_env.sh python3 bench/int4_rows.py [--group 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
+from kvfleet.engine.layers.quantization import triton_packed
+from kvfleet.engine.layers.quantization.packed import packed_linear_reference, quantize_rtn
+from kvfleet.engine.layers.quantization.triton_packed_rows import packed_gemv_rows
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+COPIES = 20
+SWEEP = [(256, 16, 4, 1), (256, 16, 2, 1), (256, 8, 4, 1), (256, 32, 4, 1), (512, 16, 4, 2),
+         (512, 8, 4, 2), (128, 16, 4, 1), (128, 32, 4, 1), (256, 16, 4, 2), (256, 64, 4, 1),
+         (512, 32, 4, 2), (1024, 16, 4, 4)]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--group", type=int, choices=(32, 128), default=128)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    copy = measure_ceilings(device, torch.bfloat16).copy_gbps * 1e9
+    print(f"copy {copy / 1e9:.0f} GB/s; us per call (median graph replay / {COPIES})")
+    shipped_tiles = triton_packed.ROWS_TILES
+    for name, (n, k) in SHAPES.items():
+        weights = [
+            quantize_rtn(torch.randn(n, k, device=device) * 0.02, args.group, torch.bfloat16)
+            for _ in range(COPIES)
+        ]
+        floor = (n * k / 2 + 2 * 2 * n * (k // args.group)) / copy * 1e6
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        want = packed_linear_reference(x, weights[0]).float()
+
+        def timed(fn: Callable[[], object]) -> float:
+            return median_seconds(captured(fn), device, repeats=15) / COPIES * 1e6
+
+        triton_packed.ROWS_TILES = None
+        got = triton_packed.packed_gemv(x, weights[0]).float()
+        err = ((got - want).norm() / want.norm()).item()
+        us = timed(lambda: [triton_packed.packed_gemv(x, w) for w in weights])
+        line = f"{name:8s} floor {floor:5.1f} | shipped {us:6.1f} ({err:.0e})"
+        for tiles in SWEEP:
+            got = packed_gemv_rows(x, weights[0], None, tiles).float()
+            err = ((got - want).norm() / want.norm()).item()
+            us = timed(lambda: [packed_gemv_rows(x, w, None, tiles) for w in weights])
+            line += f" | {'/'.join(map(str, tiles))} {us:6.1f} ({err:.0e})"
+        triton_packed.ROWS_TILES = shipped_tiles
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
