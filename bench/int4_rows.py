@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
 """The one-row 4-bit GEMV two ways at Llama-3-8B's shapes: the shipped split-K kernel
 (`triton_packed._packed_gemv_kernel`, its default tiles) and whole columns to a thread
-(`triton_packed_rows`, over a sweep of (BLOCK_N, ROWS, AHEAD, warps)), each checked against
+(`triton_packed_rows`, over a sweep of (BLOCK_N, ROWS, warps)), each checked against
 the dequantized reference, timed inside a CUDA graph over 20 weight copies beside the 4-bit
 bytes floor (int4_gemm.py's method).
 
@@ -22,9 +22,8 @@ from kvfleet.engine.layers.quantization.triton_packed_rows import packed_gemv_ro
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 20
-SWEEP = [(256, 16, 4, 1), (256, 16, 2, 1), (256, 8, 4, 1), (256, 32, 4, 1), (512, 16, 4, 2),
-         (512, 8, 4, 2), (128, 16, 4, 1), (128, 32, 4, 1), (256, 16, 4, 2), (256, 64, 4, 1),
-         (512, 32, 4, 2), (1024, 16, 4, 4)]  # fmt: skip
+SWEEP = [(256, 16, 1), (256, 32, 1), (256, 64, 1), (256, 128, 1), (128, 16, 1), (128, 32, 1),
+         (128, 64, 1), (512, 32, 2), (512, 64, 2), (256, 32, 2)]  # fmt: skip
 
 
 def main() -> None:

@@ -55,8 +55,8 @@ LARGE_GEMV_WEIGHTS = 1 << 25
 GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
 # (prototype, gpu-next32) the one-row 4-bit bf16 GEMV by triton_packed_rows at these
-# (BLOCK_N, ROWS, AHEAD, warps); KVFLEET_INT4_ROWS="" turns it off
-_ROWS_ENV = os.environ.get("KVFLEET_INT4_ROWS", "256,16,4,1")
+# (BLOCK_N, ROWS, warps); KVFLEET_INT4_ROWS="" turns it off
+_ROWS_ENV = os.environ.get("KVFLEET_INT4_ROWS", "256,64,1")
 ROWS_TILES = tuple(int(v) for v in _ROWS_ENV.split(",")) if _ROWS_ENV else None
 # x q 2^-SUBNORMAL_SHIFT is what the one-row kernel sums: activations to 2^43 (far past any
 # model's) stay finite when scaled by 2^(149 - SUBNORMAL_SHIFT), products from 2^-62 stay normal.
@@ -353,8 +353,9 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
         from kvfleet.engine.layers.quantization.triton_packed_rows import rows_plan
 
         rows_n = ROWS_TILES[0]
-        _, rows_split, _ = rows_plan(n, k, group_size, rows_n, ROWS_TILES[1])
-        partials, counters = max(partials, rows_split * n), max(counters, cdiv(n, rows_n))
+        plan = rows_plan(n, k, group_size, rows_n, ROWS_TILES[1])
+        if plan is not None:
+            partials, counters = max(partials, plan[0] * n), max(counters, cdiv(n, rows_n))
     for m in range(2, FUSED_ROWS + 1):
         block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
         m_blocks = cdiv(m, block_m)
@@ -371,13 +372,17 @@ def packed_gemv(
 ) -> torch.Tensor:
     """One row x [1, K] (bf16/fp16/fp32) times the packed weight (+ bias): [1, N] in x's
     dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
-    if (ROWS_TILES is not None and tiles is None and weights.bits == 4 and weights.perm is None
-            and x.dtype == torch.bfloat16):  # fmt: skip
-        from kvfleet.engine.layers.quantization.triton_packed_rows import packed_gemv_rows
-
-        return packed_gemv_rows(x, weights, bias, ROWS_TILES)
     k = x.shape[1]
     n = weights.qweight.shape[1]
+    if (ROWS_TILES is not None and tiles is None and weights.bits == 4 and weights.perm is None
+            and x.dtype == torch.bfloat16):  # fmt: skip
+        from kvfleet.engine.layers.quantization.triton_packed_rows import (
+            packed_gemv_rows,
+            rows_plan,
+        )
+
+        if rows_plan(n, k, weights.group_size, ROWS_TILES[0], ROWS_TILES[1]) is not None:
+            return packed_gemv_rows(x, weights, bias, ROWS_TILES)
     block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     tiles_n = cdiv(n, block_n)
     space = shared_workspace(x.device, split * n, tiles_n)

@@ -46,21 +46,28 @@ def _row_words(qweight_ptr, word_row, cols, col_ok, N, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _bf16_pair(x_ptr, k):
-    """x[k], x[k + 1] (bfloat16) as float32 from one 32-bit load."""
-    pair = tl.load((x_ptr + k).to(tl.pointer_type(tl.int32), bitcast=True))
-    return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+def _x_pairs(x_ptr, k):
+    """x[k .. k + 7] (bfloat16) as four 32-bit words of two."""
+    pairs = (x_ptr + k).to(tl.pointer_type(tl.int32), bitcast=True)
+    return tl.load(pairs), tl.load(pairs + 1), tl.load(pairs + 2), tl.load(pairs + 3)
 
 
 @triton.jit
-def _row_products(acc, packed, x_ptr, k, ok):
-    """(acc + sum_j x[k + j] q_j 2^-64 over each word's eight values, sum_j x[k + j]); a row
-    past K (`ok` false: its words are 0) reads x[0..7] and adds nothing."""
-    k = tl.where(ok, k, 0)
-    x0, x1 = _bf16_pair(x_ptr, k)
-    x2, x3 = _bf16_pair(x_ptr, k + 2)
-    x4, x5 = _bf16_pair(x_ptr, k + 4)
-    x6, x7 = _bf16_pair(x_ptr, k + 6)
+def _low(pair):
+    return (pair << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _high(pair):
+    return (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_products(acc, x_sum, packed, p01, p23, p45, p67):
+    """(acc + sum_j x_j q_j 2^-64 over each word's eight values, x_sum + sum_j x_j) for one
+    word row `packed` [BLOCK_N] and its inputs x_0..7 as bf16 pairs."""
+    x0, x1, x2, x3 = _low(p01), _high(p01), _low(p23), _high(p23)
+    x4, x5, x6, x7 = _low(p45), _high(p45), _low(p67), _high(p67)
     high = packed >> 20
     acc += (x0 * _AT_0) * (packed & 0xF).to(tl.float32, bitcast=True)
     acc += (x1 * _AT_4) * (packed & 0xF0).to(tl.float32, bitcast=True)
@@ -70,8 +77,18 @@ def _row_products(acc, packed, x_ptr, k, ok):
     acc += (x5 * _AT_0) * (high & 0xF).to(tl.float32, bitcast=True)
     acc += (x6 * _AT_4) * (high & 0xF0).to(tl.float32, bitcast=True)
     acc += (x7 * _AT_8) * (high & 0xF00).to(tl.float32, bitcast=True)
-    x_sum = tl.where(ok, ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), 0.0)
-    return acc, x_sum
+    return acc, x_sum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+
+
+@triton.jit
+def _chunk(qweight_ptr, x_ptr, row, cols, col_ok, N, K, EVEN: tl.constexpr):
+    """Word rows row .. row + 3 of columns `cols` and their 32 inputs (as bf16 pairs); rows
+    past K give words 0 and read x from 0 (in bounds, finite)."""
+    w0 = _row_words(qweight_ptr, row, cols, col_ok, N, K, EVEN)
+    w1 = _row_words(qweight_ptr, row + 1, cols, col_ok, N, K, EVEN)
+    w2 = _row_words(qweight_ptr, row + 2, cols, col_ok, N, K, EVEN)
+    w3 = _row_words(qweight_ptr, row + 3, cols, col_ok, N, K, EVEN)
+    return w0, w1, w2, w3
 
 
 @triton.jit
@@ -79,12 +96,13 @@ def _packed_gemv_rows_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
     N, K,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    AHEAD: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [K] (bf16) . W (+ bias), W of 4-bit values in groups of GROUP inputs.
-    Program (n, s) takes BLOCK_N columns over word rows s ROWS ..; its first AHEAD rows load
-    before the wait (dependent launch). NOTE: ROWS x 8 divides GROUP or GROUP divides it, so
-    a program's groups start where its flushes do."""
+    Program (n, s) takes BLOCK_N columns over word rows s ROWS .. in chunks of 4 rows (32
+    inputs), the next chunk's words and inputs loaded while this one's are used; the first
+    chunk's words load before the wait (dependent launch). NOTE: GROUP is a multiple of 32
+    and ROWS of 4 (`rows_plan`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,34 +112,31 @@ def _packed_gemv_rows_kernel(
     group_x = 0.0
     row0 = pid_k * ROWS
     let_next_start(PDL)
-    # (AHEAD of 1 to 4: the rows loaded before the wait, named; Triton has no lists)
-    w0 = _row_words(qweight_ptr, row0, cols, col_ok, N, K, EVEN)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if AHEAD > 1:
-        w1 = _row_words(qweight_ptr, row0 + 1, cols, col_ok, N, K, EVEN)
-    if AHEAD > 2:
-        w2 = _row_words(qweight_ptr, row0 + 2, cols, col_ok, N, K, EVEN)
-    if AHEAD > 3:
-        w3 = _row_words(qweight_ptr, row0 + 3, cols, col_ok, N, K, EVEN)
+    w0, w1, w2, w3 = _chunk(qweight_ptr, x_ptr, row0, cols, col_ok, N, K, EVEN)
     wait_for_previous(PDL)
-    for r in tl.static_range(ROWS):
-        if r >= AHEAD:
-            packed = _row_words(qweight_ptr, row0 + r, cols, col_ok, N, K, EVEN)
-        elif r == 0:
-            packed = w0
-        elif r == 1:
-            packed = w1
-        elif r == 2:
-            packed = w2
-        else:
-            packed = w3
-        k = (row0 + r) * 8
-        group_xq, x_sum = _row_products(group_xq, packed, x_ptr, k, k < K)
-        group_x += x_sum
-        if (r + 1) % (GROUP // 8) == 0 or r == ROWS - 1:
-            at = tl.minimum(k // GROUP, K // GROUP - 1) * N + cols
+    k = tl.minimum(row0 * 8, K - 32)
+    a0, a1, a2, a3 = _x_pairs(x_ptr, k)
+    b0, b1, b2, b3 = _x_pairs(x_ptr, k + 8)
+    c0, c1, c2, c3 = _x_pairs(x_ptr, k + 16)
+    d0, d1, d2, d3 = _x_pairs(x_ptr, k + 24)
+    for chunk in range(ROWS // 4):
+        row = row0 + chunk * 4
+        # the next chunk (the last chunk again at the end: in bounds, unused)
+        following = row0 + tl.minimum(chunk + 1, ROWS // 4 - 1) * 4
+        v0, v1, v2, v3 = _chunk(qweight_ptr, x_ptr, following, cols, col_ok, N, K, EVEN)
+        k_next = tl.minimum(following * 8, K - 32)
+        e0, e1, e2, e3 = _x_pairs(x_ptr, k_next)
+        f0, f1, f2, f3 = _x_pairs(x_ptr, k_next + 8)
+        g0, g1, g2, g3 = _x_pairs(x_ptr, k_next + 16)
+        h0, h1, h2, h3 = _x_pairs(x_ptr, k_next + 24)
+        sums = 0.0
+        group_xq, sums = _row_products(group_xq, sums, w0, a0, a1, a2, a3)
+        group_xq, sums = _row_products(group_xq, sums, w1, b0, b1, b2, b3)
+        group_xq, sums = _row_products(group_xq, sums, w2, c0, c1, c2, c3)
+        group_xq, sums = _row_products(group_xq, sums, w3, d0, d1, d2, d3)
+        group_x += tl.where(row * 8 < K, sums, 0.0)
+        if ((chunk + 1) * 32) % GROUP == 0 or chunk == ROWS // 4 - 1:
+            at = tl.minimum(row * 8 // GROUP, K // GROUP - 1) * N + cols
             if EVEN:
                 scale = tl.load(scales_ptr + at).to(tl.float32)
                 zero = tl.load(zeros_ptr + at).to(tl.float32)
@@ -131,40 +146,51 @@ def _packed_gemv_rows_kernel(
             acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
             group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
             group_x = 0.0
+        w0, w1, w2, w3 = v0, v1, v2, v3
+        a0, a1, a2, a3 = e0, e1, e2, e3
+        b0, b1, b2, b3 = f0, f1, f2, f3
+        c0, c1, c2, c3 = g0, g1, g2, g3
+        d0, d1, d2, d3 = h0, h1, h2, h3
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
 
 
-def rows_plan(n: int, k: int, group_size: int, block_n: int, rows: int) -> tuple[int, int, bool]:
-    """(rows a program, SPLIT, EVEN) for N outputs of K inputs at BLOCK_N columns a program."""
-    word_rows = k // 8
+def rows_plan(
+    n: int, k: int, group_size: int, block_n: int, rows: int
+) -> tuple[int, bool] | None:
+    """(SPLIT, EVEN) for N outputs of K inputs at BLOCK_N columns and ROWS word rows a
+    program, or None where the kernel cannot take the layer (K or the group not a multiple of
+    32 inputs, ROWS not of 4 rows, or groups and programs that do not nest)."""
     inputs = rows * 8
-    if group_size % inputs and inputs % group_size:
-        raise ValueError(f"{inputs} inputs a program and groups of {group_size} do not nest")
-    split = cdiv(word_rows, rows)
-    return rows, split, n % block_n == 0 and word_rows % rows == 0
+    if k % 32 or group_size % 32 or rows % 4 or (group_size % inputs and inputs % group_size):
+        return None
+    word_rows = k // 8
+    return cdiv(word_rows, rows), n % block_n == 0 and word_rows % rows == 0
 
 
 def packed_gemv_rows(
-    x: torch.Tensor, weights: PackedWeights, bias: torch.Tensor | None = None,
-    tiles: tuple[int, int, int, int] = (256, 16, 4, 1),
+    x: torch.Tensor, weights: PackedWeights, bias: torch.Tensor | None,
+    tiles: tuple[int, int, int],
 ) -> torch.Tensor:  # fmt: skip
     """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N];
-    `tiles` (BLOCK_N, ROWS, AHEAD, warps)."""
+    `tiles` (BLOCK_N, ROWS, warps), which `rows_plan` takes."""
     assert weights.bits == 4 and weights.perm is None and x.dtype == torch.bfloat16
-    block_n, rows, ahead, warps = tiles
+    block_n, rows, warps = tiles
     k = x.shape[1]
     n = weights.qweight.shape[1]
-    rows, split, even = rows_plan(n, k, weights.group_size, block_n, rows)
+    plan = rows_plan(n, k, weights.group_size, block_n, rows)
+    assert plan is not None
+    split, even = plan
     tiles_n = cdiv(n, block_n)
     space = shared_workspace(x.device, split * n, tiles_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _packed_gemv_rows_kernel[(tiles_n, split)](
         x.contiguous(), weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters, out, n, k,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, ROWS=rows, AHEAD=ahead,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, ROWS=rows,
         GROUP=weights.group_size, EVEN=even, **dependent_launch_args(x.device), num_warps=warps,
+        num_stages=1,
     )  # fmt: skip
     return out
