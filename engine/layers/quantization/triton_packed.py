@@ -54,10 +54,18 @@ LARGE_GEMV_WEIGHTS = 1 << 25
 # programs, many of them, measured fastest (fewer splits with more steps each: up to 2x slower)
 GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
-# (prototype, gpu-next32) the one-row 4-bit bf16 GEMV by triton_packed_rows at these
-# (BLOCK_N, ROWS, warps); KVFLEET_INT4_ROWS="" turns it off
-_ROWS_ENV = os.environ.get("KVFLEET_INT4_ROWS", "256,64,1")
-ROWS_TILES = tuple(int(v) for v in _ROWS_ENV.split(",")) if _ROWS_ENV else None
+# (prototype, gpu-next32) the one-row 4-bit bf16 GEMV by triton_packed_rows at (BLOCK_N,
+# ROWS, warps) by layer (N, K): KVFLEET_INT4_ROWS="NxK=b,r,w;..." ("*" any layer)
+ROWS_TILES: dict[str, tuple[int, int, int]] = {
+    shape: tuple(int(v) for v in tiles.split(","))  # type: ignore[misc]
+    for shape, tiles in (
+        item.split("=") for item in os.environ.get("KVFLEET_INT4_ROWS", "").split(";") if item
+    )
+}
+
+
+def rows_tiles(n: int, k: int) -> tuple[int, int, int] | None:
+    return ROWS_TILES.get(f"{n}x{k}", ROWS_TILES.get("*"))
 # x q 2^-SUBNORMAL_SHIFT is what the one-row kernel sums: activations to 2^43 (far past any
 # model's) stay finite when scaled by 2^(149 - SUBNORMAL_SHIFT), products from 2^-62 stay normal.
 SUBNORMAL_SHIFT = 64
@@ -349,13 +357,13 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
     """(partials, counters) a layer of N outputs and K inputs needs on either kernel."""
     block_n, _, _, split, _ = gemv_plan(n, k, group_size)
     partials, counters = split * n, cdiv(n, block_n)
-    if bits == 4 and ROWS_TILES is not None:
+    rows = rows_tiles(n, k)
+    if bits == 4 and rows is not None:
         from kvfleet.engine.layers.quantization.triton_packed_rows import rows_plan
 
-        rows_n = ROWS_TILES[0]
-        plan = rows_plan(n, k, group_size, rows_n, ROWS_TILES[1])
+        plan = rows_plan(n, k, group_size, rows[0], rows[1])
         if plan is not None:
-            partials, counters = max(partials, plan[0] * n), max(counters, cdiv(n, rows_n))
+            partials, counters = max(partials, plan[0] * n), max(counters, cdiv(n, rows[0]))
     for m in range(2, FUSED_ROWS + 1):
         block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
         m_blocks = cdiv(m, block_m)
@@ -374,15 +382,16 @@ def packed_gemv(
     dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
     k = x.shape[1]
     n = weights.qweight.shape[1]
-    if (ROWS_TILES is not None and tiles is None and weights.bits == 4 and weights.perm is None
+    rows = rows_tiles(n, k)
+    if (rows is not None and tiles is None and weights.bits == 4 and weights.perm is None
             and x.dtype == torch.bfloat16):  # fmt: skip
         from kvfleet.engine.layers.quantization.triton_packed_rows import (
             packed_gemv_rows,
             rows_plan,
         )
 
-        if rows_plan(n, k, weights.group_size, ROWS_TILES[0], ROWS_TILES[1]) is not None:
-            return packed_gemv_rows(x, weights, bias, ROWS_TILES)
+        if rows_plan(n, k, weights.group_size, rows[0], rows[1]) is not None:
+            return packed_gemv_rows(x, weights, bias, rows)
     block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     tiles_n = cdiv(n, block_n)
     space = shared_workspace(x.device, split * n, tiles_n)

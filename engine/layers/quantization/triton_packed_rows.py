@@ -92,6 +92,17 @@ def _chunk(qweight_ptr, x_ptr, row, cols, col_ok, N, K, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _group_scale(scales_ptr, zeros_ptr, row, cols, col_ok, N, K, GROUP: tl.constexpr,
+                 EVEN: tl.constexpr):  # fmt: skip
+    """The scale and zero [BLOCK_N] (float32) of the group holding word row `row`."""
+    at = tl.minimum(row * 8 // GROUP, K // GROUP - 1) * N + cols
+    if EVEN:
+        return tl.load(scales_ptr + at).to(tl.float32), tl.load(zeros_ptr + at).to(tl.float32)
+    scale = tl.load(scales_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+    return scale, tl.load(zeros_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _packed_gemv_rows_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
     N, K,
@@ -119,9 +130,11 @@ def _packed_gemv_rows_kernel(
     b0, b1, b2, b3 = _x_pairs(x_ptr, k + 8)
     c0, c1, c2, c3 = _x_pairs(x_ptr, k + 16)
     d0, d1, d2, d3 = _x_pairs(x_ptr, k + 24)
+    scale, zero = _group_scale(scales_ptr, zeros_ptr, row0, cols, col_ok, N, K, GROUP, EVEN)
     for chunk in range(ROWS // 4):
         row = row0 + chunk * 4
-        # the next chunk (the last chunk again at the end: in bounds, unused)
+        # the next chunk (the last chunk again at the end: in bounds, unused), its inputs and
+        # its group's scale and zero, loaded while this chunk is used
         following = row0 + tl.minimum(chunk + 1, ROWS // 4 - 1) * 4
         v0, v1, v2, v3 = _chunk(qweight_ptr, x_ptr, following, cols, col_ok, N, K, EVEN)
         k_next = tl.minimum(following * 8, K - 32)
@@ -129,6 +142,8 @@ def _packed_gemv_rows_kernel(
         f0, f1, f2, f3 = _x_pairs(x_ptr, k_next + 8)
         g0, g1, g2, g3 = _x_pairs(x_ptr, k_next + 16)
         h0, h1, h2, h3 = _x_pairs(x_ptr, k_next + 24)
+        next_scale, next_zero = _group_scale(scales_ptr, zeros_ptr, following, cols, col_ok, N,
+                                             K, GROUP, EVEN)  # fmt: skip
         sums = 0.0
         group_xq, sums = _row_products(group_xq, sums, w0, a0, a1, a2, a3)
         group_xq, sums = _row_products(group_xq, sums, w1, b0, b1, b2, b3)
@@ -136,13 +151,6 @@ def _packed_gemv_rows_kernel(
         group_xq, sums = _row_products(group_xq, sums, w3, d0, d1, d2, d3)
         group_x += tl.where(row * 8 < K, sums, 0.0)
         if ((chunk + 1) * 32) % GROUP == 0 or chunk == ROWS // 4 - 1:
-            at = tl.minimum(row * 8 // GROUP, K // GROUP - 1) * N + cols
-            if EVEN:
-                scale = tl.load(scales_ptr + at).to(tl.float32)
-                zero = tl.load(zeros_ptr + at).to(tl.float32)
-            else:
-                scale = tl.load(scales_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
-                zero = tl.load(zeros_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
             acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
             group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
             group_x = 0.0
@@ -151,6 +159,7 @@ def _packed_gemv_rows_kernel(
         b0, b1, b2, b3 = f0, f1, f2, f3
         c0, c1, c2, c3 = g0, g1, g2, g3
         d0, d1, d2, d3 = h0, h1, h2, h3
+        scale, zero = next_scale, next_zero
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
