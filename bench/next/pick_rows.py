@@ -10,7 +10,7 @@ for line in open(sys.argv[1]):
     if name not in SHAPES:
         continue
     shipped = float(re.search(r"shipped\s+([\d.]+)", line).group(1))
-    best = min((float(us), tiles) for tiles, us in re.findall(r"\| (\d+/\d+/\d+)\s+([\d.]+)", line))
+    best = min((float(us), tiles) for tiles, us in re.findall(r"\| (\d+/\d+/\d+(?:/\d+)?)\s+([\d.]+)", line))
     if best[0] < 0.97 * shipped:
         picks.append(f"{SHAPES[name]}={best[1].replace('/', ',')}")
 print(";".join(picks))

@@ -56,15 +56,15 @@ GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
 # (prototype, gpu-next32) the one-row 4-bit bf16 GEMV by triton_packed_rows at (BLOCK_N,
 # ROWS, warps) by layer (N, K): KVFLEET_INT4_ROWS="NxK=b,r,w;..." ("*" any layer)
-ROWS_TILES: dict[str, tuple[int, int, int]] = {
-    shape: tuple(int(v) for v in tiles.split(","))  # type: ignore[misc]
+ROWS_TILES: dict[str, tuple[int, ...]] = {
+    shape: tuple(int(v) for v in tiles.split(","))
     for shape, tiles in (
         item.split("=") for item in os.environ.get("KVFLEET_INT4_ROWS", "").split(";") if item
     )
 }
 
 
-def rows_tiles(n: int, k: int) -> tuple[int, int, int] | None:
+def rows_tiles(n: int, k: int) -> tuple[int, ...] | None:
     return ROWS_TILES.get(f"{n}x{k}", ROWS_TILES.get("*"))
 # x q 2^-SUBNORMAL_SHIFT is what the one-row kernel sums: activations to 2^43 (far past any
 # model's) stay finite when scaled by 2^(149 - SUBNORMAL_SHIFT), products from 2^-62 stay normal.
@@ -361,7 +361,7 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
     if bits == 4 and rows is not None:
         from kvfleet.engine.layers.quantization.triton_packed_rows import rows_plan
 
-        plan = rows_plan(n, k, group_size, rows[0], rows[1])
+        plan = rows_plan(n, k, group_size, rows)
         if plan is not None:
             partials, counters = max(partials, plan[0] * n), max(counters, cdiv(n, rows[0]))
     for m in range(2, FUSED_ROWS + 1):
@@ -390,7 +390,7 @@ def packed_gemv(
             rows_plan,
         )
 
-        if rows_plan(n, k, weights.group_size, rows[0], rows[1]) is not None:
+        if rows_plan(n, k, weights.group_size, rows) is not None:
             return packed_gemv_rows(x, weights, bias, rows)
     block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     tiles_n = cdiv(n, block_n)

@@ -166,14 +166,88 @@ def _packed_gemv_rows_kernel(
     split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
 
 
-def rows_plan(
-    n: int, k: int, group_size: int, block_n: int, rows: int
-) -> tuple[int, bool] | None:
-    """(SPLIT, EVEN) for N outputs of K inputs at BLOCK_N columns and ROWS word rows a
-    program, or None where the kernel cannot take the layer (K or the group not a multiple of
-    32 inputs, ROWS not of 4 rows, or groups and programs that do not nest)."""
+@triton.jit
+def _tile_x(x_ptr, rows, K):
+    """The inputs of word rows `rows` [CHUNK] (clamped in bounds) as four [CHUNK] tensors of
+    bf16 pairs."""
+    pairs = (x_ptr + tl.minimum(rows * 8, K - 8)).to(tl.pointer_type(tl.int32), bitcast=True)
+    return tl.load(pairs), tl.load(pairs + 1), tl.load(pairs + 2), tl.load(pairs + 3)
+
+
+@triton.jit
+def _tile_words(qweight_ptr, rows, cols, col_ok, N, K, EVEN: tl.constexpr):
+    """Words [CHUNK, BLOCK_N] of word rows `rows`, 0 past K or N."""
+    at = rows[:, None] * N + cols[None, :]
+    if EVEN:
+        return tl.load(qweight_ptr + at)
+    return tl.load(qweight_ptr + at, mask=(rows * 8 < K)[:, None] & col_ok[None, :], other=0)
+
+
+@triton.jit
+def _packed_gemv_tile_kernel(
+    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
+    N, K,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`_packed_gemv_rows_kernel` with chunks of CHUNK rows as [CHUNK, BLOCK_N] tiles (a
+    thread holds all CHUNK rows of its columns: BLOCK_N at least 128 x warps)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    group_x = 0.0
+    row0 = pid_k * ROWS
+    within = tl.arange(0, CHUNK)
+    let_next_start(PDL)
+    words = _tile_words(qweight_ptr, row0 + within, cols, col_ok, N, K, EVEN)
+    wait_for_previous(PDL)
+    p01, p23, p45, p67 = _tile_x(x_ptr, row0 + within, K)
+    scale, zero = _group_scale(scales_ptr, zeros_ptr, row0, cols, col_ok, N, K, GROUP, EVEN)
+    for chunk in range(ROWS // CHUNK):
+        rows = row0 + chunk * CHUNK + within
+        following = row0 + tl.minimum(chunk + 1, ROWS // CHUNK - 1) * CHUNK
+        next_words = _tile_words(qweight_ptr, following + within, cols, col_ok, N, K, EVEN)
+        n01, n23, n45, n67 = _tile_x(x_ptr, following + within, K)
+        next_scale, next_zero = _group_scale(scales_ptr, zeros_ptr, following, cols, col_ok, N,
+                                             K, GROUP, EVEN)  # fmt: skip
+        x0, x1, x2, x3 = _low(p01), _high(p01), _low(p23), _high(p23)
+        x4, x5, x6, x7 = _low(p45), _high(p45), _low(p67), _high(p67)
+        high = words >> 20
+        xq = (x0 * _AT_0)[:, None] * (words & 0xF).to(tl.float32, bitcast=True)
+        xq += (x1 * _AT_4)[:, None] * (words & 0xF0).to(tl.float32, bitcast=True)
+        xq += (x2 * _AT_8)[:, None] * (words & 0xF00).to(tl.float32, bitcast=True)
+        xq += (x3 * _AT_12)[:, None] * (words & 0xF000).to(tl.float32, bitcast=True)
+        xq += (x4 * _AT_16)[:, None] * (words & 0xF0000).to(tl.float32, bitcast=True)
+        xq += (x5 * _AT_0)[:, None] * (high & 0xF).to(tl.float32, bitcast=True)
+        xq += (x6 * _AT_4)[:, None] * (high & 0xF0).to(tl.float32, bitcast=True)
+        xq += (x7 * _AT_8)[:, None] * (high & 0xF00).to(tl.float32, bitcast=True)
+        group_xq += tl.sum(xq, axis=0)
+        sums = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        group_x += tl.sum(tl.where(rows * 8 < K, sums, 0.0), axis=0)
+        if ((chunk + 1) * CHUNK * 8) % GROUP == 0 or chunk == ROWS // CHUNK - 1:
+            acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
+            group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            group_x = 0.0
+        words = next_words
+        p01, p23, p45, p67 = n01, n23, n45, n67
+        scale, zero = next_scale, next_zero
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
+
+
+def rows_plan(n: int, k: int, group_size: int, tiles: tuple[int, ...]) -> tuple[int, bool] | None:
+    """(SPLIT, EVEN) for N outputs of K inputs at `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), or
+    None where the kernel cannot take the layer (K or the group not a multiple of a chunk's
+    inputs, ROWS not of chunks, or groups and programs that do not nest)."""
+    block_n, rows, _, *chunk = tiles
+    step = 8 * (chunk[0] if chunk else 4)
     inputs = rows * 8
-    if k % 32 or group_size % 32 or rows % 4 or (group_size % inputs and inputs % group_size):
+    if k % step or group_size % step or inputs % step or (group_size % inputs and inputs % group_size):
         return None
     word_rows = k // 8
     return cdiv(word_rows, rows), n % block_n == 0 and word_rows % rows == 0
@@ -181,25 +255,28 @@ def rows_plan(
 
 def packed_gemv_rows(
     x: torch.Tensor, weights: PackedWeights, bias: torch.Tensor | None,
-    tiles: tuple[int, int, int],
+    tiles: tuple[int, ...],
 ) -> torch.Tensor:  # fmt: skip
     """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N];
     `tiles` (BLOCK_N, ROWS, warps), which `rows_plan` takes."""
     assert weights.bits == 4 and weights.perm is None and x.dtype == torch.bfloat16
-    block_n, rows, warps = tiles
+    block_n, rows, warps, *chunk = tiles
     k = x.shape[1]
     n = weights.qweight.shape[1]
-    plan = rows_plan(n, k, weights.group_size, block_n, rows)
+    plan = rows_plan(n, k, weights.group_size, tiles)
     assert plan is not None
     split, even = plan
     tiles_n = cdiv(n, block_n)
     space = shared_workspace(x.device, split * n, tiles_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _packed_gemv_rows_kernel[(tiles_n, split)](
+    kernel, extra = _packed_gemv_rows_kernel, {}
+    if chunk:
+        kernel, extra = _packed_gemv_tile_kernel, {"CHUNK": chunk[0]}
+    kernel[(tiles_n, split)](
         x.contiguous(), weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters, out, n, k,
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, ROWS=rows,
         GROUP=weights.group_size, EVEN=even, **dependent_launch_args(x.device), num_warps=warps,
-        num_stages=1,
+        num_stages=1, **extra,
     )  # fmt: skip
     return out
