@@ -31,11 +31,15 @@ SWEEP = [(256, 16, 1), (256, 32, 2), (128, 32, 1), (256, 32, 1, 8), (256, 64, 1,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--group", type=int, choices=(32, 128), default=128)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--tiles", nargs="+", help="BLOCK_N,ROWS,warps[,CHUNK] ... (the sweep)")
     args = parser.parse_args()
+    sweep = [tuple(int(v) for v in t.split(",")) for t in args.tiles] if args.tiles else SWEEP
     device = torch.device("cuda")
     copy = measure_ceilings(device, torch.bfloat16).copy_gbps * 1e9
     print(f"copy {copy / 1e9:.0f} GB/s; us per call (median graph replay / {COPIES})")
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes:
+        n, k = SHAPES[name]
         weights = [
             quantize_rtn(torch.randn(n, k, device=device) * 0.02, args.group, torch.bfloat16)
             for _ in range(COPIES)
@@ -51,7 +55,7 @@ def main() -> None:
         err = ((got - want).norm() / want.norm()).item()
         us = timed(lambda: [triton_packed.packed_gemv(x, w) for w in weights])
         line = f"{name:8s} floor {floor:5.1f} | shipped {us:6.1f} ({err:.0e})"
-        for tiles in SWEEP:
+        for tiles in sweep:
             got = packed_gemv_rows(x, weights[0], None, tiles).float()
             err = ((got - want).norm() / want.norm()).item()
             us = timed(lambda: [packed_gemv_rows(x, w, None, tiles) for w in weights])
