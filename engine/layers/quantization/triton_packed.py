@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,18 +53,10 @@ LARGE_GEMV_WEIGHTS = 1 << 25
 # programs, many of them, measured fastest (fewer splits with more steps each: up to 2x slower)
 GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
-# (prototype, gpu-next32) the one-row 4-bit bf16 GEMV by triton_packed_rows at (BLOCK_N,
-# ROWS, warps) by layer (N, K): KVFLEET_INT4_ROWS="NxK=b,r,w;..." ("*" any layer)
-ROWS_TILES: dict[str, tuple[int, ...]] = {
-    shape: tuple(int(v) for v in tiles.split(","))
-    for shape, tiles in (
-        item.split("=") for item in os.environ.get("KVFLEET_INT4_ROWS", "").split(";") if item
-    )
-}
-
-
-def rows_tiles(n: int, k: int) -> tuple[int, ...] | None:
-    return ROWS_TILES.get(f"{n}x{k}", ROWS_TILES.get("*"))
+# One bf16 row through a large 4-bit layer: whole columns to a thread (triton_packed_rows:
+# INT4 Llama-3-8B batch 1 2.512 -> 2.321 ms on the H200, bench/RESULTS.md session 44); off for
+# A/B timing
+ROWS_GEMV = True
 # x q 2^-SUBNORMAL_SHIFT is what the one-row kernel sums: activations to 2^43 (far past any
 # model's) stay finite when scaled by 2^(149 - SUBNORMAL_SHIFT), products from 2^-62 stay normal.
 SUBNORMAL_SHIFT = 64
@@ -357,13 +348,14 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
     """(partials, counters) a layer of N outputs and K inputs needs on either kernel."""
     block_n, _, _, split, _ = gemv_plan(n, k, group_size)
     partials, counters = split * n, cdiv(n, block_n)
-    rows = rows_tiles(n, k)
-    if bits == 4 and rows is not None:
-        from kvfleet.engine.layers.quantization.triton_packed_rows import rows_plan
+    if bits == 4:
+        # (the kernels' module takes this one's split-K store: imported where used)
+        from kvfleet.engine.layers.quantization.triton_packed_rows import rows_plan, rows_tiles
 
-        plan = rows_plan(n, k, group_size, rows)
-        if plan is not None:
-            partials, counters = max(partials, plan[0] * n), max(counters, cdiv(n, rows[0]))
+        rows = rows_tiles(n, k, group_size)
+        if rows is not None:
+            rows_split = rows_plan(n, k, group_size, rows)[0]
+            partials, counters = max(partials, rows_split * n), max(counters, cdiv(n, rows[0]))
     for m in range(2, FUSED_ROWS + 1):
         block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
         m_blocks = cdiv(m, block_m)
@@ -379,18 +371,19 @@ def packed_gemv(
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] (bf16/fp16/fp32) times the packed weight (+ bias): [1, N] in x's
-    dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps)."""
+    dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps). A large 4-bit layer (no act-order) under a
+    bf16 row, without `tiles`, takes `triton_packed_rows` instead (ROWS_GEMV)."""
     k = x.shape[1]
     n = weights.qweight.shape[1]
-    rows = rows_tiles(n, k)
-    if (rows is not None and tiles is None and weights.bits == 4 and weights.perm is None
+    if (ROWS_GEMV and tiles is None and weights.bits == 4 and weights.perm is None
             and x.dtype == torch.bfloat16):  # fmt: skip
         from kvfleet.engine.layers.quantization.triton_packed_rows import (
             packed_gemv_rows,
-            rows_plan,
+            rows_tiles,
         )
 
-        if rows_plan(n, k, weights.group_size, rows) is not None:
+        rows = rows_tiles(n, k, weights.group_size)
+        if rows is not None:
             return packed_gemv_rows(x, weights, bias, rows)
     block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     tiles_n = cdiv(n, block_n)

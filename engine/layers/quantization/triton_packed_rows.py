@@ -1,13 +1,24 @@
-"""The one-row 4-bit GEMV with whole columns to a thread (a candidate for
-`triton_packed._packed_gemv_kernel`, timed beside it by bench/int4_rows.py).
+"""The one-row 4-bit GEMV of large layers with whole columns to a thread (bf16 activations;
+`triton_packed.packed_gemv` hands them here).
 
-The shipped kernel's tile [16 word rows, 32 columns] gives each thread 2 word rows x 4
-columns: every thread loads, widens and scales 16 inputs for 64 weights, and applies the
-group's scale and zero to every word (5.3 SASS instructions a weight on sm_90, issue-bound
-at ~73% of the H200's byte floor before any latency). Here a program walks ROWS word rows one
-at a time, each a [BLOCK_N] vector (8 columns a thread), so a thread's 8 inputs of a row serve
-64 weights, the products chain into one float32 sum a column, and the scale and zero apply
-once a group (3.45 instructions a weight, offline sm_90 compile).
+`triton_packed._packed_gemv_kernel`'s tile [16 word rows, 32 columns] gives each thread 2 word
+rows x 4 columns: every thread loads, widens and scales 16 inputs for 64 weights and applies
+the group's scale and zero to every word: 5.3 SASS instructions a weight (sm_90), issue-bound
+at ~73% of the H200's byte floor before any latency. Here a program takes BLOCK_N columns (8 a
+thread at 256 on one warp) over ROWS word rows, in chunks: a thread's 8 inputs of a word row
+serve 64 weights, the products chain into one float32 sum a column, and the scale and zero
+apply once a group (~3.5 instructions a weight). The next chunk's words, inputs and scales
+load while a chunk is used; the first chunk's words before the wait (dependent launch).
+Two forms, each faster at one shape (bench/int4_rows.py, H200, Llama-3-8B):
+- `_packed_gemv_rows_kernel`: chunks of 4 rows as 4 named [BLOCK_N] vectors; gate_up
+  (28,672 x 4,096) at (256, 32, 2 warps) 22.9 us against 27.8;
+- `_packed_gemv_tile_kernel`: chunks of CHUNK rows as one [CHUNK, BLOCK_N] tile (all rows of
+  a column in one thread: BLOCK_N at least 128 x warps); down (4,096 x 14,336) at (256, 32, 1
+  warp, 8-row chunks) 15.0 us against 16.6.
+Smaller layers (qkv, o) stay with the shipped kernel: their many more, shorter programs hide
+latency better (9.2 against 9.0-13.5 us at qkv, 7.2 against 9.8+ at o).
+Values are read as subnormals as there (`triton_packed`'s SUBNORMAL_SHIFT): bit-for-bit the
+same sums in another order.
 """
 
 from __future__ import annotations
@@ -24,17 +35,17 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.layers.quantization.packed import PackedWeights
 from kvfleet.engine.layers.quantization.triton_packed import (
+    _AT_BIT_0,
+    _AT_BIT_4,
+    _AT_BIT_8,
+    _AT_BIT_12,
+    _AT_BIT_16,
     _SCALE_BACK,
+    _subnormal,
     shared_workspace,
     split_k_store,
 )
 
-# x's factor for value j of a word: 2^(149 - 64 - 4 j) (triton_packed's subnormal products)
-_AT_0 = tl.constexpr(2.0**85)
-_AT_4 = tl.constexpr(2.0**81)
-_AT_8 = tl.constexpr(2.0**77)
-_AT_12 = tl.constexpr(2.0**73)
-_AT_16 = tl.constexpr(2.0**69)
 
 
 @triton.jit
@@ -63,27 +74,41 @@ def _high(pair):
 
 
 @triton.jit
+def _add_products(acc, words, x0, x1, x2, x3, x4, x5, x6, x7):
+    """acc + sum_j x_j q_j 2^-64 over each word's eight 4-bit values q_j, the inputs given
+    scaled by their value's factor (`triton_packed._AT_BIT_*`) and broadcastable to `words`."""
+    high = words >> 20
+    acc += x0 * _subnormal(words, 0xF)
+    acc += x1 * _subnormal(words, 0xF0)
+    acc += x2 * _subnormal(words, 0xF00)
+    acc += x3 * _subnormal(words, 0xF000)
+    acc += x4 * _subnormal(words, 0xF0000)
+    acc += x5 * _subnormal(high, 0xF)
+    acc += x6 * _subnormal(high, 0xF0)
+    acc += x7 * _subnormal(high, 0xF00)
+    return acc
+
+
+@triton.jit
+def _inputs(p01, p23, p45, p67):
+    """x_0..7 as float32 from their bf16 pairs."""
+    return _low(p01), _high(p01), _low(p23), _high(p23), _low(p45), _high(p45), _low(p67), _high(p67)
+
+
+@triton.jit
 def _row_products(acc, x_sum, packed, p01, p23, p45, p67):
     """(acc + sum_j x_j q_j 2^-64 over each word's eight values, x_sum + sum_j x_j) for one
     word row `packed` [BLOCK_N] and its inputs x_0..7 as bf16 pairs."""
-    x0, x1, x2, x3 = _low(p01), _high(p01), _low(p23), _high(p23)
-    x4, x5, x6, x7 = _low(p45), _high(p45), _low(p67), _high(p67)
-    high = packed >> 20
-    acc += (x0 * _AT_0) * (packed & 0xF).to(tl.float32, bitcast=True)
-    acc += (x1 * _AT_4) * (packed & 0xF0).to(tl.float32, bitcast=True)
-    acc += (x2 * _AT_8) * (packed & 0xF00).to(tl.float32, bitcast=True)
-    acc += (x3 * _AT_12) * (packed & 0xF000).to(tl.float32, bitcast=True)
-    acc += (x4 * _AT_16) * (packed & 0xF0000).to(tl.float32, bitcast=True)
-    acc += (x5 * _AT_0) * (high & 0xF).to(tl.float32, bitcast=True)
-    acc += (x6 * _AT_4) * (high & 0xF0).to(tl.float32, bitcast=True)
-    acc += (x7 * _AT_8) * (high & 0xF00).to(tl.float32, bitcast=True)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _inputs(p01, p23, p45, p67)
+    acc = _add_products(acc, packed, x0 * _AT_BIT_0, x1 * _AT_BIT_4, x2 * _AT_BIT_8,
+                        x3 * _AT_BIT_12, x4 * _AT_BIT_16, x5 * _AT_BIT_0, x6 * _AT_BIT_4,
+                        x7 * _AT_BIT_8)  # fmt: skip
     return acc, x_sum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
 
 
 @triton.jit
-def _chunk(qweight_ptr, x_ptr, row, cols, col_ok, N, K, EVEN: tl.constexpr):
-    """Word rows row .. row + 3 of columns `cols` and their 32 inputs (as bf16 pairs); rows
-    past K give words 0 and read x from 0 (in bounds, finite)."""
+def _chunk(qweight_ptr, row, cols, col_ok, N, K, EVEN: tl.constexpr):
+    """Word rows row .. row + 3 of columns `cols` [BLOCK_N] each (0 past K or N)."""
     w0 = _row_words(qweight_ptr, row, cols, col_ok, N, K, EVEN)
     w1 = _row_words(qweight_ptr, row + 1, cols, col_ok, N, K, EVEN)
     w2 = _row_words(qweight_ptr, row + 2, cols, col_ok, N, K, EVEN)
@@ -123,7 +148,7 @@ def _packed_gemv_rows_kernel(
     group_x = 0.0
     row0 = pid_k * ROWS
     let_next_start(PDL)
-    w0, w1, w2, w3 = _chunk(qweight_ptr, x_ptr, row0, cols, col_ok, N, K, EVEN)
+    w0, w1, w2, w3 = _chunk(qweight_ptr, row0, cols, col_ok, N, K, EVEN)
     wait_for_previous(PDL)
     k = tl.minimum(row0 * 8, K - 32)
     a0, a1, a2, a3 = _x_pairs(x_ptr, k)
@@ -136,7 +161,7 @@ def _packed_gemv_rows_kernel(
         # the next chunk (the last chunk again at the end: in bounds, unused), its inputs and
         # its group's scale and zero, loaded while this chunk is used
         following = row0 + tl.minimum(chunk + 1, ROWS // 4 - 1) * 4
-        v0, v1, v2, v3 = _chunk(qweight_ptr, x_ptr, following, cols, col_ok, N, K, EVEN)
+        v0, v1, v2, v3 = _chunk(qweight_ptr, following, cols, col_ok, N, K, EVEN)
         k_next = tl.minimum(following * 8, K - 32)
         e0, e1, e2, e3 = _x_pairs(x_ptr, k_next)
         f0, f1, f2, f3 = _x_pairs(x_ptr, k_next + 8)
@@ -213,17 +238,13 @@ def _packed_gemv_tile_kernel(
         n01, n23, n45, n67 = _tile_x(x_ptr, following + within, K)
         next_scale, next_zero = _group_scale(scales_ptr, zeros_ptr, following, cols, col_ok, N,
                                              K, GROUP, EVEN)  # fmt: skip
-        x0, x1, x2, x3 = _low(p01), _high(p01), _low(p23), _high(p23)
-        x4, x5, x6, x7 = _low(p45), _high(p45), _low(p67), _high(p67)
-        high = words >> 20
-        xq = (x0 * _AT_0)[:, None] * (words & 0xF).to(tl.float32, bitcast=True)
-        xq += (x1 * _AT_4)[:, None] * (words & 0xF0).to(tl.float32, bitcast=True)
-        xq += (x2 * _AT_8)[:, None] * (words & 0xF00).to(tl.float32, bitcast=True)
-        xq += (x3 * _AT_12)[:, None] * (words & 0xF000).to(tl.float32, bitcast=True)
-        xq += (x4 * _AT_16)[:, None] * (words & 0xF0000).to(tl.float32, bitcast=True)
-        xq += (x5 * _AT_0)[:, None] * (high & 0xF).to(tl.float32, bitcast=True)
-        xq += (x6 * _AT_4)[:, None] * (high & 0xF0).to(tl.float32, bitcast=True)
-        xq += (x7 * _AT_8)[:, None] * (high & 0xF00).to(tl.float32, bitcast=True)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _inputs(p01, p23, p45, p67)
+        xq = _add_products(
+            tl.zeros((CHUNK, BLOCK_N), dtype=tl.float32), words, (x0 * _AT_BIT_0)[:, None],
+            (x1 * _AT_BIT_4)[:, None], (x2 * _AT_BIT_8)[:, None], (x3 * _AT_BIT_12)[:, None],
+            (x4 * _AT_BIT_16)[:, None], (x5 * _AT_BIT_0)[:, None], (x6 * _AT_BIT_4)[:, None],
+            (x7 * _AT_BIT_8)[:, None],
+        )  # fmt: skip
         group_xq += tl.sum(xq, axis=0)
         sums = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
         group_x += tl.sum(tl.where(rows * 8 < K, sums, 0.0), axis=0)
@@ -240,10 +261,17 @@ def _packed_gemv_tile_kernel(
     split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
 
 
+# (BLOCK_N, ROWS, warps[, CHUNK]) by shape: wide layers (N >= K, gate_up) as named 4-row chunks,
+# long ones (K > N, down) as 8-row tiles; from this many weights (triton_packed's large layers)
+WIDE_TILES = (256, 32, 2)
+LONG_TILES = (256, 32, 1, 8)
+ROWS_FROM_WEIGHTS = 1 << 25
+
+
 def rows_plan(n: int, k: int, group_size: int, tiles: tuple[int, ...]) -> tuple[int, bool] | None:
     """(SPLIT, EVEN) for N outputs of K inputs at `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), or
-    None where the kernel cannot take the layer (K or the group not a multiple of a chunk's
-    inputs, ROWS not of chunks, or groups and programs that do not nest)."""
+    None where the kernels cannot take the layer (K or the group not a multiple of a chunk's
+    inputs, ROWS not of whole chunks, or groups and programs that do not nest)."""
     block_n, rows, _, *chunk = tiles
     step = 8 * (chunk[0] if chunk else 4)
     inputs = rows * 8
@@ -253,12 +281,20 @@ def rows_plan(n: int, k: int, group_size: int, tiles: tuple[int, ...]) -> tuple[
     return cdiv(word_rows, rows), n % block_n == 0 and word_rows % rows == 0
 
 
+def rows_tiles(n: int, k: int, group_size: int) -> tuple[int, ...] | None:
+    """The tiles a layer of N outputs and K inputs takes here, or None (the shipped kernel)."""
+    if n * k < ROWS_FROM_WEIGHTS:
+        return None
+    tiles = LONG_TILES if k > n else WIDE_TILES
+    return tiles if rows_plan(n, k, group_size, tiles) is not None else None
+
+
 def packed_gemv_rows(
     x: torch.Tensor, weights: PackedWeights, bias: torch.Tensor | None,
     tiles: tuple[int, ...],
 ) -> torch.Tensor:  # fmt: skip
-    """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N];
-    `tiles` (BLOCK_N, ROWS, warps), which `rows_plan` takes."""
+    """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N] in bf16;
+    `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), which `rows_plan` takes: with CHUNK the tile form."""
     assert weights.bits == 4 and weights.perm is None and x.dtype == torch.bfloat16
     block_n, rows, warps, *chunk = tiles
     k = x.shape[1]
@@ -272,6 +308,8 @@ def packed_gemv_rows(
     kernel, extra = _packed_gemv_rows_kernel, {}
     if chunk:
         kernel, extra = _packed_gemv_tile_kernel, {"CHUNK": chunk[0]}
+    # (num_stages 1: the chunks are loaded ahead by hand; Triton's pipelining would stage them
+    # through shared memory)
     kernel[(tiles_n, split)](
         x.contiguous(), weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters, out, n, k,
