@@ -1,11 +1,12 @@
 # ruff: noqa: B023  (the timed lambdas run inside their loop iteration)
-"""The one-row 4-bit GEMV two ways at Llama-3-8B's shapes: the shipped split-K kernel
-(`triton_packed._packed_gemv_kernel`, its default tiles) and whole columns to a thread
-(`triton_packed_rows`, over a sweep of (BLOCK_N, ROWS, warps)), each checked against
-the dequantized reference, timed inside a CUDA graph over 20 weight copies beside the 4-bit
-bytes floor (int4_gemm.py's method).
+"""The one-row 4-bit GEMV two ways at Llama-3-8B's shapes: the split-K kernel
+(`triton_packed._packed_gemv_kernel`, its default tiles: "split-K"), whole columns to a thread
+(`triton_packed_rows`, over a sweep of (BLOCK_N, ROWS, warps[, CHUNK])) and what
+`packed_gemv` takes by the layer's shape ("plan"), each checked against the dequantized
+reference, timed inside a CUDA graph over 20 weight copies beside the 4-bit bytes floor
+(int4_gemm.py's method).
 
-    bench/device_env.sh python3 bench/int4_rows.py [--group 32]
+    bench/device_env.sh python3 bench/int4_rows.py [--group 32] [--shapes ...] [--tiles ...]
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ def main() -> None:
         def timed(fn: Callable[[], object]) -> float:
             return median_seconds(captured(fn), device, repeats=15) / COPIES * 1e6
 
-        got = triton_packed.packed_gemv(x, weights[0]).float()
-        err = ((got - want).norm() / want.norm()).item()
-        us = timed(lambda: [triton_packed.packed_gemv(x, w) for w in weights])
-        line = f"{name:8s} floor {floor:5.1f} | shipped {us:6.1f} ({err:.0e})"
+        line = f"{name:8s} floor {floor:5.1f}"
+        for label, rows_gemv in (("split-K", False), ("plan", True)):
+            triton_packed.ROWS_GEMV = rows_gemv
+            got = triton_packed.packed_gemv(x, weights[0]).float()
+            err = ((got - want).norm() / want.norm()).item()
+            us = timed(lambda: [triton_packed.packed_gemv(x, w) for w in weights])
+            line += f" | {label} {us:6.1f} ({err:.0e})"
         for tiles in sweep:
             got = packed_gemv_rows(x, weights[0], None, tiles).float()
             err = ((got - want).norm() / want.norm()).item()

@@ -47,13 +47,14 @@ from kvfleet.engine.layers.quantization.triton_packed import (
 )
 
 
-
 @triton.jit
 def _row_words(qweight_ptr, word_row, cols, col_ok, N, K, EVEN: tl.constexpr):
     """Word row `word_row` of columns `cols` [BLOCK_N] (0 past K or N)."""
     if EVEN:
         return tl.load(qweight_ptr + word_row * N + cols)
-    return tl.load(qweight_ptr + word_row * N + cols, mask=tl.where(word_row * 8 < K, col_ok, False), other=0)
+    return tl.load(
+        qweight_ptr + word_row * N + cols, mask=tl.where(word_row * 8 < K, col_ok, False), other=0
+    )
 
 
 @triton.jit
@@ -92,7 +93,16 @@ def _add_products(acc, words, x0, x1, x2, x3, x4, x5, x6, x7):
 @triton.jit
 def _inputs(p01, p23, p45, p67):
     """x_0..7 as float32 from their bf16 pairs."""
-    return _low(p01), _high(p01), _low(p23), _high(p23), _low(p45), _high(p45), _low(p67), _high(p67)
+    return (
+        _low(p01),
+        _high(p01),
+        _low(p23),
+        _high(p23),
+        _low(p45),
+        _high(p45),
+        _low(p67),
+        _high(p67),
+    )
 
 
 @triton.jit
@@ -275,7 +285,12 @@ def rows_plan(n: int, k: int, group_size: int, tiles: tuple[int, ...]) -> tuple[
     block_n, rows, _, *chunk = tiles
     step = 8 * (chunk[0] if chunk else 4)
     inputs = rows * 8
-    if k % step or group_size % step or inputs % step or (group_size % inputs and inputs % group_size):
+    if (
+        k % step
+        or group_size % step
+        or inputs % step
+        or (group_size % inputs and inputs % group_size)
+    ):
         return None
     word_rows = k // 8
     return cdiv(word_rows, rows), n % block_n == 0 and word_rows % rows == 0
@@ -295,7 +310,8 @@ def packed_gemv_rows(
 ) -> torch.Tensor:  # fmt: skip
     """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N] in bf16;
     `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), which `rows_plan` takes: with CHUNK the tile form."""
-    assert weights.bits == 4 and weights.perm is None and x.dtype == torch.bfloat16
+    assert weights.bits == 4 and weights.perm is None
+    assert x.dtype == torch.bfloat16
     block_n, rows, warps, *chunk = tiles
     k = x.shape[1]
     n = weights.qweight.shape[1]

@@ -105,7 +105,9 @@ def test_packed_gemv_hands_large_bf16_layers_over(monkeypatch: pytest.MonkeyPatc
     taken: list[tuple[int, ...]] = []
     original = triton_packed_rows.packed_gemv_rows
 
-    def spy(x: torch.Tensor, weights: PackedWeights, bias: object, tiles: tuple[int, ...]) -> object:
+    def spy(
+        x: torch.Tensor, weights: PackedWeights, bias: object, tiles: tuple[int, ...]
+    ) -> object:
         taken.append(tiles)
         return original(x, weights, bias, tiles)  # type: ignore[arg-type]
 
