@@ -310,7 +310,8 @@ def packed_gemv_rows(
 ) -> torch.Tensor:  # fmt: skip
     """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N] in bf16;
     `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), which `rows_plan` takes: with CHUNK the tile form."""
-    assert weights.bits == 4 and weights.perm is None
+    assert weights.bits == 4
+    assert weights.perm is None
     assert x.dtype == torch.bfloat16
     block_n, rows, warps, *chunk = tiles
     k = x.shape[1]
