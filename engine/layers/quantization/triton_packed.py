@@ -353,9 +353,9 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
         from kvfleet.engine.layers.quantization.triton_packed_rows import rows_plan, rows_tiles
 
         rows = rows_tiles(n, k, group_size)
-        if rows is not None:
-            rows_split = rows_plan(n, k, group_size, rows)[0]
-            partials, counters = max(partials, rows_split * n), max(counters, cdiv(n, rows[0]))
+        plan = None if rows is None else rows_plan(n, k, group_size, rows)
+        if rows is not None and plan is not None:
+            partials, counters = max(partials, plan[0] * n), max(counters, cdiv(n, rows[0]))
     for m in range(2, FUSED_ROWS + 1):
         block_m, gemm_n, _, _, gemm_split, _ = gemm_plan(m, k, bits)
         m_blocks = cdiv(m, block_m)
