@@ -127,6 +127,30 @@ def _chunk(qweight_ptr, row, cols, col_ok, N, K, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _chunk_x(x_ptr, row, K):
+    """The 32 inputs of word rows row .. row + 3 as 16 bf16 pairs (a chunk past K: the last
+    32 inputs, in bounds, finite: its words are 0)."""
+    k = tl.minimum(row * 8, K - 32)
+    a0, a1, a2, a3 = _x_pairs(x_ptr, k)
+    b0, b1, b2, b3 = _x_pairs(x_ptr, k + 8)
+    c0, c1, c2, c3 = _x_pairs(x_ptr, k + 16)
+    d0, d1, d2, d3 = _x_pairs(x_ptr, k + 24)
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
+def _chunk_products(acc, w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0,
+                    d1, d2, d3):  # fmt: skip
+    """(acc + a 4-row chunk's products, the sum of its 32 inputs)."""
+    sums = 0.0
+    acc, sums = _row_products(acc, sums, w0, a0, a1, a2, a3)
+    acc, sums = _row_products(acc, sums, w1, b0, b1, b2, b3)
+    acc, sums = _row_products(acc, sums, w2, c0, c1, c2, c3)
+    acc, sums = _row_products(acc, sums, w3, d0, d1, d2, d3)
+    return acc, sums
+
+
+@triton.jit
 def _group_scale(scales_ptr, zeros_ptr, row, cols, col_ok, N, K, GROUP: tl.constexpr,
                  EVEN: tl.constexpr):  # fmt: skip
     """The scale and zero [BLOCK_N] (float32) of the group holding word row `row`."""
@@ -142,13 +166,13 @@ def _packed_gemv_rows_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
     N, K,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     """out [N] = x [K] (bf16) . W (+ bias), W of 4-bit values in groups of GROUP inputs.
     Program (n, s) takes BLOCK_N columns over word rows s ROWS .. in chunks of 4 rows (32
-    inputs), the next chunk's words and inputs loaded while this one's are used; the first
-    chunk's words load before the wait (dependent launch). NOTE: GROUP is a multiple of 32
-    and ROWS of 4 (`rows_plan`)."""
+    inputs), the next chunk's inputs, scale and zero and the words of the chunk AHEAD (1 or 2)
+    on loaded while this one's are used; the first AHEAD chunks' words load before the wait
+    (dependent launch). NOTE: GROUP is a multiple of 32 and ROWS of 4 (`rows_plan`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,37 +183,40 @@ def _packed_gemv_rows_kernel(
     row0 = pid_k * ROWS
     let_next_start(PDL)
     w0, w1, w2, w3 = _chunk(qweight_ptr, row0, cols, col_ok, N, K, EVEN)
+    v0, v1, v2, v3 = w0, w1, w2, w3
+    if AHEAD == 2:
+        second = row0 + tl.minimum(1, ROWS // 4 - 1) * 4
+        v0, v1, v2, v3 = _chunk(qweight_ptr, second, cols, col_ok, N, K, EVEN)
     wait_for_previous(PDL)
-    k = tl.minimum(row0 * 8, K - 32)
-    a0, a1, a2, a3 = _x_pairs(x_ptr, k)
-    b0, b1, b2, b3 = _x_pairs(x_ptr, k + 8)
-    c0, c1, c2, c3 = _x_pairs(x_ptr, k + 16)
-    d0, d1, d2, d3 = _x_pairs(x_ptr, k + 24)
+    a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _chunk_x(x_ptr, row0, K)
     scale, zero = _group_scale(scales_ptr, zeros_ptr, row0, cols, col_ok, N, K, GROUP, EVEN)
     for chunk in range(ROWS // 4):
         row = row0 + chunk * 4
         # the next chunk (the last chunk again at the end: in bounds, unused), its inputs and
         # its group's scale and zero, loaded while this chunk is used
         following = row0 + tl.minimum(chunk + 1, ROWS // 4 - 1) * 4
-        v0, v1, v2, v3 = _chunk(qweight_ptr, following, cols, col_ok, N, K, EVEN)
-        k_next = tl.minimum(following * 8, K - 32)
-        e0, e1, e2, e3 = _x_pairs(x_ptr, k_next)
-        f0, f1, f2, f3 = _x_pairs(x_ptr, k_next + 8)
-        g0, g1, g2, g3 = _x_pairs(x_ptr, k_next + 16)
-        h0, h1, h2, h3 = _x_pairs(x_ptr, k_next + 24)
+        if AHEAD == 2:
+            after = row0 + tl.minimum(chunk + 2, ROWS // 4 - 1) * 4
+            u0, u1, u2, u3 = _chunk(qweight_ptr, after, cols, col_ok, N, K, EVEN)
+        else:
+            u0, u1, u2, u3 = _chunk(qweight_ptr, following, cols, col_ok, N, K, EVEN)
+        e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3, h0, h1, h2, h3 = _chunk_x(
+            x_ptr, following, K
+        )
         next_scale, next_zero = _group_scale(scales_ptr, zeros_ptr, following, cols, col_ok, N,
                                              K, GROUP, EVEN)  # fmt: skip
-        sums = 0.0
-        group_xq, sums = _row_products(group_xq, sums, w0, a0, a1, a2, a3)
-        group_xq, sums = _row_products(group_xq, sums, w1, b0, b1, b2, b3)
-        group_xq, sums = _row_products(group_xq, sums, w2, c0, c1, c2, c3)
-        group_xq, sums = _row_products(group_xq, sums, w3, d0, d1, d2, d3)
+        group_xq, sums = _chunk_products(group_xq, w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2,
+                                         b3, c0, c1, c2, c3, d0, d1, d2, d3)  # fmt: skip
         group_x += tl.where(row * 8 < K, sums, 0.0)
         if ((chunk + 1) * 32) % GROUP == 0 or chunk == ROWS // 4 - 1:
             acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
             group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
             group_x = 0.0
-        w0, w1, w2, w3 = v0, v1, v2, v3
+        if AHEAD == 2:
+            w0, w1, w2, w3 = v0, v1, v2, v3
+            v0, v1, v2, v3 = u0, u1, u2, u3
+        else:
+            w0, w1, w2, w3 = u0, u1, u2, u3
         a0, a1, a2, a3 = e0, e1, e2, e3
         b0, b1, b2, b3 = f0, f1, f2, f3
         c0, c1, c2, c3 = g0, g1, g2, g3
@@ -224,9 +251,11 @@ def _packed_gemv_tile_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     """`_packed_gemv_rows_kernel` with chunks of CHUNK rows as [CHUNK, BLOCK_N] tiles (a
-    thread holds all CHUNK rows of its columns: BLOCK_N at least 128 x warps)."""
+    thread holds all CHUNK rows of its columns: BLOCK_N at least 128 x warps), the words of the
+    chunk AHEAD (1 or 2) on loaded while one is used."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,13 +267,21 @@ def _packed_gemv_tile_kernel(
     within = tl.arange(0, CHUNK)
     let_next_start(PDL)
     words = _tile_words(qweight_ptr, row0 + within, cols, col_ok, N, K, EVEN)
+    second_words = words
+    if AHEAD == 2:
+        second = row0 + tl.minimum(1, ROWS // CHUNK - 1) * CHUNK
+        second_words = _tile_words(qweight_ptr, second + within, cols, col_ok, N, K, EVEN)
     wait_for_previous(PDL)
     p01, p23, p45, p67 = _tile_x(x_ptr, row0 + within, K)
     scale, zero = _group_scale(scales_ptr, zeros_ptr, row0, cols, col_ok, N, K, GROUP, EVEN)
     for chunk in range(ROWS // CHUNK):
         rows = row0 + chunk * CHUNK + within
         following = row0 + tl.minimum(chunk + 1, ROWS // CHUNK - 1) * CHUNK
-        next_words = _tile_words(qweight_ptr, following + within, cols, col_ok, N, K, EVEN)
+        if AHEAD == 2:
+            after = row0 + tl.minimum(chunk + 2, ROWS // CHUNK - 1) * CHUNK
+            loaded = _tile_words(qweight_ptr, after + within, cols, col_ok, N, K, EVEN)
+        else:
+            loaded = _tile_words(qweight_ptr, following + within, cols, col_ok, N, K, EVEN)
         n01, n23, n45, n67 = _tile_x(x_ptr, following + within, K)
         next_scale, next_zero = _group_scale(scales_ptr, zeros_ptr, following, cols, col_ok, N,
                                              K, GROUP, EVEN)  # fmt: skip
@@ -262,7 +299,11 @@ def _packed_gemv_tile_kernel(
             acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
             group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
             group_x = 0.0
-        words = next_words
+        if AHEAD == 2:
+            words = second_words
+            second_words = loaded
+        else:
+            words = loaded
         p01, p23, p45, p67 = n01, n23, n45, n67
         scale, zero = next_scale, next_zero
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -279,11 +320,11 @@ ROWS_FROM_WEIGHTS = 1 << 25
 
 
 def rows_plan(n: int, k: int, group_size: int, tiles: tuple[int, ...]) -> tuple[int, bool] | None:
-    """(SPLIT, EVEN) for N outputs of K inputs at `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), or
-    None where the kernels cannot take the layer (K or the group not a multiple of a chunk's
-    inputs, ROWS not of whole chunks, or groups and programs that do not nest)."""
-    block_n, rows, _, *chunk = tiles
-    step = 8 * (chunk[0] if chunk else 4)
+    """(SPLIT, EVEN) for N outputs of K inputs at `tiles` (BLOCK_N, ROWS, warps[, CHUNK[,
+    AHEAD]]), or None where the kernels cannot take the layer (K or the group not a multiple
+    of a chunk's inputs, ROWS not of whole chunks, or groups and programs that do not nest)."""
+    block_n, rows, _, *more = tiles
+    step = 8 * (more[0] if more and more[0] else 4)
     inputs = rows * 8
     if (
         k % step
@@ -309,11 +350,15 @@ def packed_gemv_rows(
     tiles: tuple[int, ...],
 ) -> torch.Tensor:  # fmt: skip
     """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N] in bf16;
-    `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), which `rows_plan` takes: with CHUNK the tile form."""
+    `tiles` (BLOCK_N, ROWS, warps[, CHUNK[, AHEAD]]), which `rows_plan` takes: CHUNK rows a
+    tile in the tile form (0 or none: named 4-row chunks), the words of the chunk AHEAD (1 or
+    2) on loaded while one is used."""
     assert weights.bits == 4
     assert weights.perm is None
     assert x.dtype == torch.bfloat16
-    block_n, rows, warps, *chunk = tiles
+    block_n, rows, warps, *more = tiles
+    chunk = more[0] if more else 0  # (0: the named 4-row chunks)
+    ahead = more[1] if len(more) > 1 else 1
     k = x.shape[1]
     n = weights.qweight.shape[1]
     plan = rows_plan(n, k, weights.group_size, tiles)
@@ -322,9 +367,9 @@ def packed_gemv_rows(
     tiles_n = cdiv(n, block_n)
     space = shared_workspace(x.device, split * n, tiles_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    kernel, extra = _packed_gemv_rows_kernel, {}
+    kernel, extra = _packed_gemv_rows_kernel, {"AHEAD": ahead}
     if chunk:
-        kernel, extra = _packed_gemv_tile_kernel, {"CHUNK": chunk[0]}
+        kernel, extra = _packed_gemv_tile_kernel, {"CHUNK": chunk, "AHEAD": ahead}
     # (num_stages 1: the chunks are loaded ahead by hand; Triton's pipelining would stage them
     # through shared memory)
     kernel[(tiles_n, split)](

@@ -11,8 +11,15 @@ import torch
 from kvfleet.engine.layers.quantization import triton_packed, triton_packed_rows
 from kvfleet.engine.layers.quantization.packed import PackedWeights, pack_rows
 
-# (BLOCK_N, ROWS, warps[, CHUNK]): named 4-row chunks, 8-row tiles, 4-row tiles
-FORMS = {"rows": (64, 16, 1), "tile8": (64, 16, 1, 8), "tile4": (32, 8, 2, 4)}
+# (BLOCK_N, ROWS, warps[, CHUNK[, AHEAD]]): named 4-row chunks, 8-row tiles, 4-row tiles; the
+# words two chunks ahead
+FORMS = {
+    "rows": (64, 16, 1),
+    "tile8": (64, 16, 1, 8),
+    "tile4": (32, 8, 2, 4),
+    "rows-ahead2": (64, 16, 1, 0, 2),
+    "tile8-ahead2": (64, 32, 1, 8, 2),
+}
 
 
 def _weights(n: int, k: int, group: int, seed: int) -> PackedWeights:
@@ -38,7 +45,7 @@ def test_both_forms_match_the_reference_and_the_shipped_kernel(
     row (per channel) over two programs. Twice each: the split counters reset. (8-row tiles
     take groups of at least 64 inputs: there 32 becomes 64.)"""
     tiles = FORMS[form]
-    if len(tiles) == 4:
+    if len(tiles) > 3 and tiles[3]:
         group = max(group, 8 * tiles[3])
     weights = _weights(n, k, group, seed=n + k)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16()
