@@ -37,6 +37,9 @@ NORM_GEMV_MAX_INPUTS = 8192
 # kernel's last split merges them, as before; for A/B runs): their partials, counter and merge
 # took 4.5 us of the attention's 8.65 a layer at Qwen3-30B-A3B (bench/RESULTS.md session 41).
 SPLITS_IN_GEMV = 4
+# ... also into 4/8-bit layers' split-K GEMV (`triton_packed.packed_gemv`; built and tested on
+# the CPU, off until the device measures it: bench/next/README.md)
+SPLITS_IN_PACKED_GEMV = False
 
 
 @dataclass(frozen=True)
@@ -146,13 +149,20 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def takes_splits(layer: nn.Module, x: torch.Tensor) -> int:
+def takes_splits(layer: nn.Module, x: torch.Tensor, head_dim: int) -> int:
     """How many unmerged decode-attention splits `layer` may be handed for its input `x` (one
-    row) as `SplitRows` (0: none): SPLITS_IN_GEMV where `forward(x)` runs the one-row bf16/fp16
-    GEMV (a `Linear`, not wrapped, e.g. by LoRA, which needs the merged row)."""
-    if not (SPLITS_IN_GEMV and type(layer) is Linear and x.is_cuda):
+    row of heads of `head_dim`) as `SplitRows` (0: none): SPLITS_IN_GEMV where `forward(x)`
+    runs the one-row bf16/fp16 GEMV (a `Linear`, not wrapped, e.g. by LoRA, which needs the
+    merged row), or, with SPLITS_IN_PACKED_GEMV, a 4/8-bit layer's GEMV that merges them
+    (`takes_split_rows`)."""
+    if not (SPLITS_IN_GEMV and x.is_cuda):
         return 0
-    return SPLITS_IN_GEMV if layer.uses_triton_gemv(x) else 0
+    if type(layer) is Linear:
+        return SPLITS_IN_GEMV if layer.uses_triton_gemv(x) else 0
+    takes = getattr(layer, "takes_split_rows", None)
+    if SPLITS_IN_PACKED_GEMV and takes is not None and takes(x, head_dim):
+        return SPLITS_IN_GEMV
+    return 0
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.attention.triton_splits import merged_values
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
     let_next_start,
@@ -40,7 +41,6 @@ from kvfleet.engine.layers.quantization.triton_packed import (
     split_k_total,
 )
 from kvfleet.engine.layers.triton_gemv_rows import (
-    merged_values,
     norm_args,
     row_and_norm,
     row_values,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.linear import SplitRows
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 from kvfleet.engine.layers.quantization.scheme import PackedScheme
 
@@ -306,10 +307,24 @@ class PackedLinear(QuantizedLinear):
             )
         return self._weights
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    def takes_split_rows(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether the one-row GEMV merges decode attention's unmerged splits of heads of
+        `head_dim` for this row x (`linear.takes_splits`): no act-order, whole heads a step of
+        its plan."""
+        if not (x.is_cuda and x.dtype == self.dtype and self.perm is None):
+            return False
+        from kvfleet.engine.layers.quantization.triton_packed import splits_fit
+
+        return splits_fit(self.out_features, self.in_features, self.group_size, head_dim)
+
+    def forward(self, x: torch.Tensor | SplitRows, with_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if with_bias else None
+        if isinstance(x, SplitRows):  # (`takes_split_rows`)
+            from kvfleet.engine.layers.quantization.triton_packed import packed_gemv
+
+            return packed_gemv(x, self.weights(), bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        bias = self.bias if with_bias else None
         if x2.is_cuda:
             from kvfleet.engine.layers.quantization.triton_packed import packed_matmul
 

@@ -30,12 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.engine.attention.triton_splits import merged_values
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
     let_next_start,
     wait_for_previous,
 )
 from kvfleet.engine.layers.grid import cdiv
+from kvfleet.engine.layers.linear import SplitRows
 from kvfleet.engine.layers.quantization.packed import PackedWeights
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
@@ -112,12 +114,44 @@ def _unpacked_products(packed, x_ptr, perm_ptr, ks, ok, HAS_PERM: tl.constexpr, 
     x1 = _x(x_ptr, perm_ptr, ks + 1, HAS_PERM)
     x2 = _x(x_ptr, perm_ptr, ks + 2, HAS_PERM)
     x3 = _x(x_ptr, perm_ptr, ks + 3, HAS_PERM)
+    x4, x5, x6, x7 = x0, x1, x2, x3  # (8 bits: four values a word)
     if BITS == 4:
-        high = packed >> 20
         x4 = _x(x_ptr, perm_ptr, ks + 4, HAS_PERM)
         x5 = _x(x_ptr, perm_ptr, ks + 5, HAS_PERM)
         x6 = _x(x_ptr, perm_ptr, ks + 6, HAS_PERM)
         x7 = _x(x_ptr, perm_ptr, ks + 7, HAS_PERM)
+    return _inputs_products(packed, ok, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+
+
+@triton.jit
+def _merged_products(packed, parts_ptr, lse_ptr, lse_stride, k0, K, ok,
+                     SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BITS: tl.constexpr):  # fmt: skip
+    """`_unpacked_products` of the step's inputs k0 + [0, BLOCK_K) merged from decode
+    attention's unmerged splits (`SplitRows`, `triton_splits.merged_values`), each word
+    row's values split out of the merged [BLOCK_K] row."""
+    x = merged_values(parts_ptr, lse_ptr, lse_stride, k0, K, SPLITS, HEAD_DIM, BLOCK_K)
+    if BITS == 4:  # (value j = 4 a + 2 b + c of word row w at [w, a, b, c])
+        even, odd = tl.split(tl.reshape(x, [BLOCK_K // 8, 2, 2, 2]))
+        even_low, even_high = tl.split(even)
+        odd_low, odd_high = tl.split(odd)
+        x0, x4 = tl.split(even_low)
+        x2, x6 = tl.split(even_high)
+        x1, x5 = tl.split(odd_low)
+        x3, x7 = tl.split(odd_high)
+    else:  # (value j = 2 b + c at [w, b, c])
+        even, odd = tl.split(tl.reshape(x, [BLOCK_K // 4, 2, 2]))
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        x4, x5, x6, x7 = x0, x1, x2, x3
+    return _inputs_products(packed, ok, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+
+
+@triton.jit
+def _inputs_products(packed, ok, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
+    """`_unpacked_products` of the word rows' inputs x_j [rows] (float32; 8 bits: x0..x3)."""
+    if BITS == 4:
+        high = packed >> 20
         xq = (x0 * _AT_BIT_0)[:, None] * _subnormal(packed, 0xF)
         xq += (x1 * _AT_BIT_4)[:, None] * _subnormal(packed, 0xF0)
         xq += (x2 * _AT_BIT_8)[:, None] * _subnormal(packed, 0xF00)
@@ -175,16 +209,19 @@ def split_k_store(
 
 @triton.jit
 def _packed_gemv_kernel(
-    x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
+    x_ptr,  # [K], or SPLITS rows [SPLITS, K] (`SplitRows`' parts)
+    lse_ptr,  # [K // HEAD_DIM, lse_stride] float32 (SPLITS: `SplitRows`' lse)
+    lse_stride, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr,
     out_ptr, N, K,
     BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SPLITS: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 1,
 ):  # fmt: skip
     """out [N] = x [K] . W (+ bias), W of BITS (4 or 8) bit values, 32 / BITS to a word.
     BLOCK_K divides the GROUP size (a step is in one group). Launched dependent (PDL), it loads
     its first step's words while the kernel before it finishes, then waits for x (and for the
-    workspace, which the kernel before may still be reading)."""
+    workspace, which the kernel before may still be reading). SPLITS: x is decode attention's
+    unmerged splits, merged as they are read (whole heads a step: HEAD_DIM divides BLOCK_K)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -205,7 +242,12 @@ def _packed_gemv_kernel(
         group = tl.minimum(k0 // GROUP, K // GROUP - 1)
         scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xq, x_sum = _unpacked_products(packed, x_ptr, perm_ptr, k0 + firsts, ok, HAS_PERM, BITS)
+        if SPLITS:
+            xq, x_sum = _merged_products(packed, x_ptr, lse_ptr, lse_stride, k0, K, ok, SPLITS,
+                                         HEAD_DIM, BLOCK_K, BITS)  # fmt: skip
+        else:
+            xq, x_sum = _unpacked_products(packed, x_ptr, perm_ptr, k0 + firsts, ok, HAS_PERM,
+                                           BITS)  # fmt: skip
         acc += xq * (scale * _SCALE_BACK)[None, :] - x_sum[:, None] * (zero * scale)[None, :]
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
@@ -365,18 +407,22 @@ def workspace_sizes(n: int, k: int, group_size: int, bits: int = 4) -> tuple[int
 
 
 def packed_gemv(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitRows,
     weights: PackedWeights,
     bias: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] (bf16/fp16/fp32) times the packed weight (+ bias): [1, N] in x's
     dtype; `tiles` (BLOCK_N, BLOCK_K, STEPS, warps). A large 4-bit layer (no act-order) under a
-    bf16 row, without `tiles`, takes `triton_packed_rows` instead (ROWS_GEMV)."""
-    k = x.shape[1]
+    bf16 row, without `tiles`, takes `triton_packed_rows` instead (ROWS_GEMV). A `SplitRows`
+    (no act-order; heads dividing the plan's BLOCK_K, `splits_fit`): decode attention's splits,
+    merged as read, in the split-K kernel."""
+    left = x if isinstance(x, SplitRows) else None
+    row = x.parts if isinstance(x, SplitRows) else x
+    k = row.shape[1]
     n = weights.qweight.shape[1]
-    if (ROWS_GEMV and tiles is None and weights.bits == 4 and weights.perm is None
-            and x.dtype == torch.bfloat16):  # fmt: skip
+    if (left is None and ROWS_GEMV and tiles is None and weights.bits == 4
+            and weights.perm is None and row.dtype == torch.bfloat16):  # fmt: skip
         from kvfleet.engine.layers.quantization.triton_packed_rows import (
             packed_gemv_rows,
             rows_tiles,
@@ -384,21 +430,34 @@ def packed_gemv(
 
         rows = rows_tiles(n, k, weights.group_size)
         if rows is not None:
-            return packed_gemv_rows(x, weights, bias, rows)
+            return packed_gemv_rows(row, weights, bias, rows)
     block_n, block_k, steps, split, warps = gemv_plan(n, k, weights.group_size, tiles)
     tiles_n = cdiv(n, block_n)
-    space = shared_workspace(x.device, split * n, tiles_n)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = dependent_launch_args(x.device)
+    space = shared_workspace(row.device, split * n, tiles_n)
+    out = torch.empty((1, n), dtype=row.dtype, device=row.device)
+    pdl = dependent_launch_args(row.device)
+    lse = weights.scales
+    merge = {}
+    if left is not None:
+        assert weights.perm is None, "splits into layers without act-order"
+        assert block_k % left.head_dim == 0, "whole heads a step"
+        lse, merge = left.lse, {"SPLITS": left.parts.shape[0], "HEAD_DIM": left.head_dim}
     _packed_gemv_kernel[(tiles_n, split)](
-        x.contiguous(), weights.perm if weights.perm is not None else weights.qweight,
+        row.contiguous(), lse, lse.stride(0),
+        weights.perm if weights.perm is not None else weights.qweight,
         weights.qweight, weights.scales, weights.zeros,
         bias if bias is not None else weights.scales, space.partials, space.counters,
         out, n, k, BITS=weights.bits, HAS_PERM=weights.perm is not None,
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps,
-        GROUP=weights.group_size, **pdl, num_warps=warps,
+        GROUP=weights.group_size, **pdl, num_warps=warps, **merge,
     )  # fmt: skip
     return out
+
+
+def splits_fit(n: int, k: int, group_size: int, head_dim: int) -> bool:
+    """Whether `packed_gemv` merges decode attention's splits of heads of `head_dim` (a step
+    of the one-row plan holds whole heads)."""
+    return gemv_plan(n, k, group_size)[1] % head_dim == 0
 
 
 def dequantize_triton(weights: PackedWeights, dtype: torch.dtype) -> torch.Tensor:
