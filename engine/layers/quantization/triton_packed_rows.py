@@ -151,6 +151,25 @@ def _chunk_products(acc, w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1,
 
 
 @triton.jit
+def _program(N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """(pid_n, pid_k, its columns [BLOCK_N], which are below N, its first word row)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_n, pid_k, cols, cols < N, pid_k * ROWS
+
+
+@triton.jit
+def _store(acc, bias_ptr, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, pid_k, N,
+           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The program's part `acc` [BLOCK_N] (+ the bias) into out by `split_k_store`."""
+    bias = tl.zeros_like(acc)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
+
+
+@triton.jit
 def _group_scale(scales_ptr, zeros_ptr, row, cols, col_ok, N, K, GROUP: tl.constexpr,
                  EVEN: tl.constexpr):  # fmt: skip
     """The scale and zero [BLOCK_N] (float32) of the group holding word row `row`."""
@@ -173,14 +192,10 @@ def _packed_gemv_rows_kernel(
     inputs), the next chunk's inputs, scale and zero and the words of the chunk AHEAD (1 or 2)
     on loaded while this one's are used; the first AHEAD chunks' words load before the wait
     (dependent launch). NOTE: GROUP is a multiple of 32 and ROWS of 4 (`rows_plan`)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pid_n, pid_k, cols, col_ok, row0 = _program(N, BLOCK_N, ROWS)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_x = 0.0
-    row0 = pid_k * ROWS
     let_next_start(PDL)
     w0, w1, w2, w3 = _chunk(qweight_ptr, row0, cols, col_ok, N, K, EVEN)
     v0, v1, v2, v3 = w0, w1, w2, w3
@@ -222,10 +237,8 @@ def _packed_gemv_rows_kernel(
         c0, c1, c2, c3 = g0, g1, g2, g3
         d0, d1, d2, d3 = h0, h1, h2, h3
         scale, zero = next_scale, next_zero
-    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
+    _store(acc, bias_ptr, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, pid_k, N,
+           HAS_BIAS, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -256,14 +269,10 @@ def _packed_gemv_tile_kernel(
     """`_packed_gemv_rows_kernel` with chunks of CHUNK rows as [CHUNK, BLOCK_N] tiles (a
     thread holds all CHUNK rows of its columns: BLOCK_N at least 128 x warps), the words of the
     chunk AHEAD (1 or 2) on loaded while one is used."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pid_n, pid_k, cols, col_ok, row0 = _program(N, BLOCK_N, ROWS)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_x = 0.0
-    row0 = pid_k * ROWS
     within = tl.arange(0, CHUNK)
     let_next_start(PDL)
     words = _tile_words(qweight_ptr, row0 + within, cols, col_ok, N, K, EVEN)
@@ -306,10 +315,8 @@ def _packed_gemv_tile_kernel(
             words = loaded
         p01, p23, p45, p67 = n01, n23, n45, n67
         scale, zero = next_scale, next_zero
-    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    split_k_store(acc, bias, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, N, pid_k, SPLIT)
+    _store(acc, bias_ptr, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, pid_k, N,
+           HAS_BIAS, SPLIT)  # fmt: skip
 
 
 # (BLOCK_N, ROWS, warps[, CHUNK]) by shape: wide layers (N >= K, gate_up) as named 4-row chunks,
