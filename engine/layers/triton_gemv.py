@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.triton_splits import merged_values
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
     let_next_start,
@@ -48,6 +47,7 @@ from kvfleet.engine.layers.triton_gemv_rows import (
     whole_row,
 )
 from kvfleet.engine.layers.triton_layers import gated_product
+from kvfleet.engine.layers.triton_merge import merged_values
 from kvfleet.engine.layers.triton_rope import (
     RotaryWrite,
     pair_rows,

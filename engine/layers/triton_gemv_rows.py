@@ -2,7 +2,7 @@
 row as given, made from what the kernel before would have made (`UnnormalizedRow`: the
 residual add + RMSNorm), or merged from decode attention's splits left unmerged (`SplitRows`);
 the row's e4m3 scale and inverse RMS found before the products; a weight tile (the splits'
-merge: `triton_splits.merged_values`)."""
+merge: `triton_merge.merged_values`)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.attention.triton_splits import merged_values
 from kvfleet.engine.layers.dependent_launch import (
     dependent_launch_args,
     let_next_start,
@@ -39,6 +38,7 @@ from kvfleet.engine.layers.dependent_launch import (
 from kvfleet.engine.layers.grid import cdiv
 from kvfleet.engine.layers.linear import SplitRows
 from kvfleet.engine.layers.quantization.packed import PackedWeights
+from kvfleet.engine.layers.triton_merge import merged_values
 
 # (BLOCK_N, BLOCK_K, STEPS, warps): each program takes BLOCK_N outputs over STEPS x BLOCK_K
 # inputs; bench/int4_gemm.py's sweep on the H100 at Llama-3-8B's shapes (bench/RESULTS.md):
@@ -128,7 +128,7 @@ def _merged_products(packed, parts_ptr, lse_ptr, lse_stride, k0, K, ok,
                      SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                      BITS: tl.constexpr):  # fmt: skip
     """`_unpacked_products` of the step's inputs k0 + [0, BLOCK_K) merged from decode
-    attention's unmerged splits (`SplitRows`, `triton_splits.merged_values`), each word
+    attention's unmerged splits (`SplitRows`, `triton_merge.merged_values`), each word
     row's values split out of the merged [BLOCK_K] row."""
     x = merged_values(parts_ptr, lse_ptr, lse_stride, k0, K, SPLITS, HEAD_DIM, BLOCK_K)
     if BITS == 4:  # (value j = 4 a + 2 b + c of word row w at [w, a, b, c])

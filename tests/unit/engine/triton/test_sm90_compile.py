@@ -103,7 +103,7 @@ def dependent_launch():
         triton_route,
         triton_rope,
     )
-    from kvfleet.engine.layers.quantization import triton_fp8, triton_packed
+    from kvfleet.engine.layers.quantization import triton_fp8, triton_packed, triton_packed_rows
     cache = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     mma_types = {"x_ptr": "*bf16", "x_scales_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                  "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*fp32",
@@ -116,16 +116,20 @@ def dependent_launch():
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
     no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False, QK_NORM=False,
                      QK_OFFSET=False)
-    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1)
+    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1, GATED=False, GELU_TANH=False)
     rotary_only = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64",
                    "slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
                    "v_cache_ptr": "*fp8e4nv", "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
                    "k_norm_ptr": "*bf16", "head_count_ptr": "*i32", "qk_eps": "fp32"}
     rotary_types = bf16_gemv_types | rotary_only | {"count_ptr": "*i32"}
     rotary = dict(ROTARY=True, HALF=64, CACHE_BLOCK=16, FP8_CACHE=True, QK_OFFSET=False)
-    packed_types = {"x_ptr": "*bf16", "perm_ptr": "*i32", "qweight_ptr": "*i32",
-                    "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "bias_ptr": "*bf16",
-                    "partial_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16"}
+    packed_types = {"x_ptr": "*bf16", "lse_ptr": "*fp32", "perm_ptr": "*i32",
+                    "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16",
+                    "bias_ptr": "*bf16", "partial_ptr": "*fp32", "count_ptr": "*i32",
+                    "out_ptr": "*bf16"}
+    packed = dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT=16, BLOCK_N=64, BLOCK_K=128,
+                  STEPS=2, GROUP=128)
+    rows = dict(HAS_BIAS=False, SPLIT=16, ROWS=32, GROUP=128, EVEN=True, AHEAD=1)
     moe_gemv_types = {"x_ptr": "*bf16", "logits_ptr": "*bf16", "w13_ptr": "*bf16",
                       "h_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                       "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32"}
@@ -253,8 +257,9 @@ def dependent_launch():
                                   bf16_gemv_types | {"lse_ptr": "*fp32"},
                                   dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8,
                                        BLOCK_K=2048, ROW_BLOCK=1)
-                                  | no_norm | no_rotary | dict(SPLITS=4, SPLIT_HEAD_DIM=128),
-                                  1),
+                                  | no_norm | no_rotary
+                                  | dict(SPLITS=4, SPLIT_HEAD_DIM=128, GATED=False,
+                                         GELU_TANH=False), 1),
         "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                                  BLOCK_K=256, ROW_BLOCK=4096)
@@ -267,9 +272,20 @@ def dependent_launch():
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
                  ROW_BLOCK=4096, QK_NORM=True) | norm | rotary | no_splits, 1),
+        "bf16 gemv, norm, act(gate) x up": (
+            triton_gemv._gemv_kernel, bf16_gemv_types,
+            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
+                 ROW_BLOCK=4096) | norm | no_rotary | no_splits | dict(GATED=True), 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, packed_types,
-                        dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT=16, BLOCK_N=64,
-                             BLOCK_K=128, STEPS=2, GROUP=128), 1),
+                        packed | dict(SPLITS=0, HEAD_DIM=1), 1),
+        "packed gemv, split rows": (triton_packed._packed_gemv_kernel, packed_types,
+                                    packed | dict(SPLITS=4, HEAD_DIM=128), 1),
+        "packed gemv, whole columns, named rows": (
+            triton_packed_rows._packed_gemv_rows_kernel, packed_types,
+            rows | dict(BLOCK_N=256, AHEAD=2), 1),
+        "packed gemv, whole columns, tiles": (
+            triton_packed_rows._packed_gemv_tile_kernel, packed_types,
+            rows | dict(BLOCK_N=512, CHUNK=8), 1),
     }
     for name, (kernel, types, constants, loads_first) in kernels.items():
         ptx = compile_for_sm90(kernel, types, constants | {"PDL": True}, 4, 3)
