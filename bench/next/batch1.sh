@@ -5,6 +5,8 @@
 #                                  (AB_ARGS: more arguments, e.g. a quantization; AB_TAG: a
 #                                  suffix of those names)
 #   batch1_trace MODEL             a batch-1 step's trace into $OUT/trace-MODEL.json.gz
+#   flag_on FILE NAME              `NAME = False` -> True in this copy's FILE (a flag built off,
+#                                  A/B against .stage/base, where it stays off)
 gpu_tests() {
   local files=() limit=${TEST_LIMIT:-240}
   while [ "$1" != "--" ]; do files+=("$1"); shift; done
@@ -28,4 +30,9 @@ batch1_trace() {
   timeout 150 bench/device_env.sh python3 bench/profile_decode.py --model "$1" \
     --batch-size 1 --trace "$OUT/trace-$1.json" > "$OUT/profile-$1.txt" 2>&1
   gzip -f "$OUT/trace-$1.json"
+}
+
+flag_on() {
+  sed -i "s/^$2 = False/$2 = True/" "$1"
+  grep -n "^$2 = " "$1" ".stage/base/$1"
 }

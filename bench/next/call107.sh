@@ -9,8 +9,7 @@
 set -uo pipefail
 OUT=${OUT:?}
 . bench/next/batch1.sh
-sed -i 's/^SPLITS_IN_PACKED_GEMV = False/SPLITS_IN_PACKED_GEMV = True/' engine/layers/linear.py
-grep -n "^SPLITS_IN_PACKED_GEMV" engine/layers/linear.py .stage/base/engine/layers/linear.py
+flag_on engine/layers/linear.py SPLITS_IN_PACKED_GEMV
 TEST_LIMIT=200 gpu_tests tests/gpu/test_families_cuda.py -- "splits_merged_by_the_4_bit"
 AB_ARGS="--quantization rtn" AB_TAG=-int4 batch1_ab 2 llama-3-8b
 python3 bench/next/summary.py "$OUT"

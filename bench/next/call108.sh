@@ -8,8 +8,7 @@
 set -uo pipefail
 OUT=${OUT:?}
 . bench/next/batch1.sh
-sed -i 's/^GATED_IN_GEMV = False/GATED_IN_GEMV = True/' engine/layers/linear.py
-grep -n "^GATED_IN_GEMV" engine/layers/linear.py .stage/base/engine/layers/linear.py
+flag_on engine/layers/linear.py GATED_IN_GEMV
 TEST_LIMIT=200 gpu_tests tests/gpu/test_families_cuda.py -- "made_by_the_gate_up_gemv"
 batch1_ab 2 llama-3-8b qwen3-8b
 batch1_ab 1 gemma-3-12b

@@ -558,6 +558,8 @@ def gemv(
         block_k = max(block_k, left.head_dim)
         assert block_k % left.head_dim == 0, "heads of a power of two"
     if gated is not None:
+        if gated not in ("silu", "gelu_tanh"):
+            raise ValueError(f"gated GEMV activation {gated!r}: 'silu' or 'gelu_tanh'")
         assert not quantize, "bf16/fp16 weights"
         assert rotary is None
         assert left is None, "a merged row"

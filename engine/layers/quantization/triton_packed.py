@@ -56,7 +56,7 @@ LARGE_GEMV_WEIGHTS = 1 << 25
 GEMM_TILES = {16: (16, 128, 32, 2, 4), 32: (32, 64, 32, 2, 4)}
 FUSED_ROWS = 32
 # One bf16 row through a large 4-bit layer: whole columns to a thread (triton_packed_rows:
-# INT4 Llama-3-8B batch 1 2.512 -> 2.321 ms on the H200, bench/RESULTS.md session 44); off for
+# INT4 Llama-3-8B batch 1 2.517 -> 2.321 ms on the H200, bench/RESULTS.md session 44); off for
 # A/B timing
 ROWS_GEMV = True
 # x q 2^-SUBNORMAL_SHIFT is what the one-row kernel sums: activations to 2^43 (far past any
@@ -148,18 +148,32 @@ def _merged_products(packed, parts_ptr, lse_ptr, lse_stride, k0, K, ok,
 
 
 @triton.jit
+def _add_products(acc, words, x0, x1, x2, x3, x4, x5, x6, x7):
+    """acc + sum_j x_j q_j 2^-SUBNORMAL_SHIFT over each word's eight 4-bit values q_j (value 5-7
+    from the word shifted right by 20), the inputs given scaled by their value's factor
+    (`_AT_BIT_*`) and broadcastable to `words`."""
+    high = words >> 20
+    acc += x0 * _subnormal(words, 0xF)
+    acc += x1 * _subnormal(words, 0xF0)
+    acc += x2 * _subnormal(words, 0xF00)
+    acc += x3 * _subnormal(words, 0xF000)
+    acc += x4 * _subnormal(words, 0xF0000)
+    acc += x5 * _subnormal(high, 0xF)
+    acc += x6 * _subnormal(high, 0xF0)
+    acc += x7 * _subnormal(high, 0xF00)
+    return acc
+
+
+@triton.jit
 def _inputs_products(packed, ok, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
     """`_unpacked_products` of the word rows' inputs x_j [rows] (float32; 8 bits: x0..x3)."""
     if BITS == 4:
-        high = packed >> 20
-        xq = (x0 * _AT_BIT_0)[:, None] * _subnormal(packed, 0xF)
-        xq += (x1 * _AT_BIT_4)[:, None] * _subnormal(packed, 0xF0)
-        xq += (x2 * _AT_BIT_8)[:, None] * _subnormal(packed, 0xF00)
-        xq += (x3 * _AT_BIT_12)[:, None] * _subnormal(packed, 0xF000)
-        xq += (x4 * _AT_BIT_16)[:, None] * _subnormal(packed, 0xF0000)
-        xq += (x5 * _AT_BIT_0)[:, None] * _subnormal(high, 0xF)
-        xq += (x6 * _AT_BIT_4)[:, None] * _subnormal(high, 0xF0)
-        xq += (x7 * _AT_BIT_8)[:, None] * _subnormal(high, 0xF00)
+        xq = _add_products(
+            tl.zeros(packed.shape, tl.float32), packed, (x0 * _AT_BIT_0)[:, None],
+            (x1 * _AT_BIT_4)[:, None], (x2 * _AT_BIT_8)[:, None], (x3 * _AT_BIT_12)[:, None],
+            (x4 * _AT_BIT_16)[:, None], (x5 * _AT_BIT_0)[:, None], (x6 * _AT_BIT_4)[:, None],
+            (x7 * _AT_BIT_8)[:, None],
+        )  # fmt: skip
         x_sum = tl.where(ok, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, 0.0)
     else:  # (8 bits: bytes 2 and 3 from the word shifted right by 16)
         high = packed >> 16

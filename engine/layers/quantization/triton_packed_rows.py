@@ -41,7 +41,7 @@ from kvfleet.engine.layers.quantization.triton_packed import (
     _AT_BIT_12,
     _AT_BIT_16,
     _SCALE_BACK,
-    _subnormal,
+    _add_products,
     shared_workspace,
     split_k_store,
 )
@@ -72,22 +72,6 @@ def _low(pair):
 @triton.jit
 def _high(pair):
     return (pair & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _add_products(acc, words, x0, x1, x2, x3, x4, x5, x6, x7):
-    """acc + sum_j x_j q_j 2^-64 over each word's eight 4-bit values q_j, the inputs given
-    scaled by their value's factor (`triton_packed._AT_BIT_*`) and broadcastable to `words`."""
-    high = words >> 20
-    acc += x0 * _subnormal(words, 0xF)
-    acc += x1 * _subnormal(words, 0xF0)
-    acc += x2 * _subnormal(words, 0xF00)
-    acc += x3 * _subnormal(words, 0xF000)
-    acc += x4 * _subnormal(words, 0xF0000)
-    acc += x5 * _subnormal(high, 0xF)
-    acc += x6 * _subnormal(high, 0xF0)
-    acc += x7 * _subnormal(high, 0xF00)
-    return acc
 
 
 @triton.jit

@@ -76,3 +76,9 @@ def test_the_layer_makes_it_only_with_the_flag(monkeypatch: pytest.MonkeyPatch) 
     made = gated_inner(layer, down, row, True, "silu", True)
     assert torch.equal(made, triton_layers.act_and_mul(gemv(_row(torch.float32, 9), weight,
                                                             bias=bias), "silu"))  # fmt: skip
+
+
+def test_an_activation_it_does_not_make_is_refused() -> None:
+    weight, _ = _gate_up(torch.float32)
+    with pytest.raises(ValueError, match=r"'relu'.*'silu' or 'gelu_tanh'"):
+        gemv(torch.ones(1, K), weight, gated="relu")
