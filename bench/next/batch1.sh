@@ -7,6 +7,10 @@
 #   batch1_trace MODEL             a batch-1 step's trace into $OUT/trace-MODEL.json.gz
 #   flag_on FILE NAME              `NAME = False` -> True in this copy's FILE (a flag built off,
 #                                  A/B against .stage/base, where it stays off)
+#   variant NAME FILE FLAG...      a copy of this tree at /tmp/var/NAME with those flags on
+#   batch1_variants ROUNDS MODEL TREE...
+#                                  `bench latency` at batch 1 on each tree in turn (.stage/base,
+#                                  /tmp/var/NAME, ...) into $OUT/MODEL/NAME-ROUND.json
 gpu_tests() {
   local files=() limit=${TEST_LIMIT:-240}
   while [ "$1" != "--" ]; do files+=("$1"); shift; done
@@ -35,4 +39,24 @@ batch1_trace() {
 flag_on() {
   sed -i "s/^$2 = False/$2 = True/" "$1"
   grep -n "^$2 = " "$1" ".stage/base/$1"
+}
+
+variant() {
+  local dir=/tmp/var/$1
+  shift
+  rm -rf "$dir" && mkdir -p "$dir" && cp -r cli engine gateway operator bench "$dir"/
+  while [ $# -gt 0 ]; do
+    sed -i "s/^$2 = False/$2 = True/" "$dir/$1"
+    grep -n "^$2 = " "$dir/$1"
+    shift 2
+  done
+}
+
+batch1_variants() {
+  local rounds=$1 model=$2
+  shift 2
+  # shellcheck disable=SC2086
+  timeout $((40 + 45 * rounds * $#)) bash bench/variants.sh "$rounds" "$OUT/$model${AB_TAG:-}" \
+    "$@" -- bench latency --model "$model" --load-format dummy --batch-size 1 ${AB_ARGS:-} \
+    > "$OUT/variants-$model${AB_TAG:-}.txt" 2>&1
 }

@@ -37,9 +37,9 @@ NORM_GEMV_MAX_INPUTS = 8192
 # kernel's last split merges them, as before; for A/B runs): their partials, counter and merge
 # took 4.5 us of the attention's 8.65 a layer at Qwen3-30B-A3B (bench/RESULTS.md session 41).
 SPLITS_IN_GEMV = 4
-# ... also into 4/8-bit layers' split-K GEMV (`triton_packed.packed_gemv`; built and tested on
-# the CPU, off until the device measures it: bench/next/README.md)
-SPLITS_IN_PACKED_GEMV = False
+# ... also into 4/8-bit layers' split-K GEMV (`triton_packed.packed_gemv`): INT4 (RTN)
+# Llama-3-8B batch 1 2.323 / 2.322 -> 2.296 / 2.295 ms (bench/RESULTS.md session 45, call 107)
+SPLITS_IN_PACKED_GEMV = True
 # One row's act(gate) x up made by its gate_up projection's bf16/fp16 GEMV, in place of
 # `act_and_mul`'s kernel after it (`Linear.forward_gated`; built and tested on the CPU, off
 # until the device measures it: bench/next/README.md)

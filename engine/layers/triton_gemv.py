@@ -106,7 +106,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
-    GELU_TANH: tl.constexpr = False,
+    GELU_TANH: tl.constexpr = False, AHEAD: tl.constexpr = False, EAGER: tl.constexpr = False,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
@@ -117,7 +117,9 @@ def _gemv_kernel(
     HALF): q rotated into out, k rotated and v written into the KV cache
     (`triton_rope.rotary_write_pairs`), k and v left out of out. GATED: w is a gate_up
     projection's [gate | up] (N = 2 inner) and out [inner] is act(gate) x up, as
-    `triton_layers.act_and_mul` makes it from the rounded output (`gated_rows`)."""
+    `triton_layers.act_and_mul` makes it from the rounded output (`gated_rows`). AHEAD: the
+    next weight tile loaded while one is used (the first two before the wait). EAGER: the
+    splits' rows loaded with their lse (`merged_values`)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,6 +132,8 @@ def _gemv_kernel(
     col_ok = cols < N
     let_next_start(PDL)
     w_first = weight_tile(w_ptr, cols, col_ok, offsets, K)
+    if AHEAD:
+        w_next = weight_tile(w_ptr, cols, col_ok, BLOCK_K + offsets, K)
     wait_for_previous(PDL)
     x_scale, inv_rms = whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
                                   pid_n == 0, K, fp8_max, min_scale, eps, ROW_BLOCK,
@@ -138,12 +142,16 @@ def _gemv_kernel(
     w_dtype = w_ptr.dtype.element_ty
     acc = _products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
                     norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
-                    OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
+                    OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
-        w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
+        if AHEAD:
+            w = w_next
+            w_next = weight_tile(w_ptr, cols, col_ok, k + BLOCK_K + offsets, K)
+        else:
+            w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
         acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
                          norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
-                         OFFSET, SPLITS, SPLIT_HEAD_DIM)  # fmt: skip
+                         OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -437,12 +445,13 @@ def _launch_mma(
 def _products(x_ptr, k0, offsets, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr,
               norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr,
               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
-              SPLITS: tl.constexpr, SPLIT_HEAD_DIM: tl.constexpr):  # fmt: skip
+              SPLITS: tl.constexpr, SPLIT_HEAD_DIM: tl.constexpr,
+              EAGER: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K] float32: the row's inputs k0 + offsets (`row_values`, or SPLITS
     `merged_values`; quantized to e4m3 when QUANTIZE) times the weight tile w."""
     if SPLITS > 0:
         x = merged_values(x_ptr, lse_ptr, lse_stride, k0, K, SPLITS, SPLIT_HEAD_DIM,
-                           offsets.shape[0])  # fmt: skip
+                           offsets.shape[0], EAGER)  # fmt: skip
     else:
         x = row_values(x_ptr, k0 + offsets, K, residual_ptr, norm_w_ptr, inv_rms, NORM,
                        HAS_RESIDUAL, OFFSET).to(tl.float32)  # fmt: skip
@@ -477,6 +486,16 @@ PRELOAD_MAX_INPUTS = 2048
 # ... and the whole of K where that fits PRELOAD_MAX_INPUTS (A3B's router, 128 x 2048: none of
 # its weight left to load after the wait; bench/next/call78.sh full)
 PRELOAD_WHOLE = True
+# Merging decode attention's splits (`SplitRows`), a program's loads wait on one another: each
+# tile's lse, then the rows of the splits its weights keep, then the weight tile (sm_90 SASS of
+# Llama-3-8B's o plan, 8 x 512 on 4 warps), one tile at a time; its o took 14.0 us on the
+# batch-1 path for 33.5 MB (floor ~8; bench/RESULTS.md session 45). SPLITS_AHEAD: the next
+# weight tile loaded while one is merged and used (4-warp plans; the 8-warp ones preload half
+# their weight and have no registers to spare), two before the wait. SPLITS_EAGER: the splits'
+# rows loaded with their lse (a split holding no keys read, its stale row not used). Off until
+# the device measures them (bench/next/README.md).
+SPLITS_AHEAD = False
+SPLITS_EAGER = False
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
@@ -586,6 +605,7 @@ def gemv(
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
         num_warps=warps, num_stages=stages, GATED=gated is not None,
-        GELU_TANH=gated == "gelu_tanh", **limits,
+        GELU_TANH=gated == "gelu_tanh", AHEAD=left is not None and SPLITS_AHEAD and warps == 4,
+        EAGER=left is not None and SPLITS_EAGER, **limits,
     )  # fmt: skip
     return out

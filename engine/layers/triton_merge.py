@@ -10,13 +10,14 @@ import triton.language as tl
 
 @triton.jit
 def merged_values(parts_ptr, lse_ptr, lse_stride, k0, K, SPLITS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EAGER: tl.constexpr = False):  # fmt: skip
     """float32 [BLOCK_K]: the row's inputs k0 + [0, BLOCK_K) (0 past K; BLOCK_K a multiple of
     HEAD_DIM, k0 too) from decode attention's unmerged splits (`SplitRows`): each split's rows
     weighted by exp(lse_s - max_s lse_s) of its head over the weights' sum
     (`triton_splits.merged`'s weights), the weights made once a head, not once an input. One
     split holding keys gives its row as it is (weight 1, the others 0); a split holding none is
-    not read."""
+    not read (EAGER: read with the others, its stale row not used: no load waits on an lse)."""
     HEADS: tl.constexpr = BLOCK_K // HEAD_DIM
     heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
     head_ok = heads * HEAD_DIM < K
@@ -31,7 +32,11 @@ def merged_values(parts_ptr, lse_ptr, lse_stride, k0, K, SPLITS: tl.constexpr,
         lse = tl.load(lse_at + s, mask=head_ok, other=float("-inf"))
         weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
         total += weight
-        part = tl.load(parts_ptr + s * K + ks, mask=(weight > 0.0)[:, None], other=0.0)
-        x += weight[:, None] * part.to(tl.float32)
+        if EAGER:
+            part = tl.load(parts_ptr + s * K + ks, mask=head_ok[:, None], other=0.0)
+            x += tl.where(weight[:, None] > 0.0, weight[:, None] * part.to(tl.float32), 0.0)
+        else:
+            part = tl.load(parts_ptr + s * K + ks, mask=(weight > 0.0)[:, None], other=0.0)
+            x += weight[:, None] * part.to(tl.float32)
     x = x * (1.0 / tl.where(total == 0.0, 1.0, total))[:, None]
     return tl.reshape(x, [BLOCK_K])

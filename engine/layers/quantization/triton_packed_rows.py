@@ -169,23 +169,19 @@ def _packed_gemv_rows_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, partial_ptr, count_ptr, out_ptr,
     N, K,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = 1,
+    GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out [N] = x [K] (bf16) . W (+ bias), W of 4-bit values in groups of GROUP inputs.
     Program (n, s) takes BLOCK_N columns over word rows s ROWS .. in chunks of 4 rows (32
-    inputs), the next chunk's inputs, scale and zero and the words of the chunk AHEAD (1 or 2)
-    on loaded while this one's are used; the first AHEAD chunks' words load before the wait
-    (dependent launch). NOTE: GROUP is a multiple of 32 and ROWS of 4 (`rows_plan`)."""
+    inputs), the next chunk's words, inputs, scale and zero loaded while this one's are used;
+    the first chunk's words load before the wait (dependent launch). NOTE: GROUP is a multiple
+    of 32 and ROWS of 4 (`rows_plan`)."""
     pid_n, pid_k, cols, col_ok, row0 = _program(N, BLOCK_N, ROWS)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_x = 0.0
     let_next_start(PDL)
     w0, w1, w2, w3 = _chunk(qweight_ptr, row0, cols, col_ok, N, K, EVEN)
-    v0, v1, v2, v3 = w0, w1, w2, w3
-    if AHEAD == 2:
-        second = row0 + tl.minimum(1, ROWS // 4 - 1) * 4
-        v0, v1, v2, v3 = _chunk(qweight_ptr, second, cols, col_ok, N, K, EVEN)
     wait_for_previous(PDL)
     a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _chunk_x(x_ptr, row0, K)
     scale, zero = _group_scale(scales_ptr, zeros_ptr, row0, cols, col_ok, N, K, GROUP, EVEN)
@@ -194,11 +190,7 @@ def _packed_gemv_rows_kernel(
         # the next chunk (the last chunk again at the end: in bounds, unused), its inputs and
         # its group's scale and zero, loaded while this chunk is used
         following = row0 + tl.minimum(chunk + 1, ROWS // 4 - 1) * 4
-        if AHEAD == 2:
-            after = row0 + tl.minimum(chunk + 2, ROWS // 4 - 1) * 4
-            u0, u1, u2, u3 = _chunk(qweight_ptr, after, cols, col_ok, N, K, EVEN)
-        else:
-            u0, u1, u2, u3 = _chunk(qweight_ptr, following, cols, col_ok, N, K, EVEN)
+        u0, u1, u2, u3 = _chunk(qweight_ptr, following, cols, col_ok, N, K, EVEN)
         e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3, h0, h1, h2, h3 = _chunk_x(
             x_ptr, following, K
         )
@@ -211,11 +203,7 @@ def _packed_gemv_rows_kernel(
             acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
             group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
             group_x = 0.0
-        if AHEAD == 2:
-            w0, w1, w2, w3 = v0, v1, v2, v3
-            v0, v1, v2, v3 = u0, u1, u2, u3
-        else:
-            w0, w1, w2, w3 = u0, u1, u2, u3
+        w0, w1, w2, w3 = u0, u1, u2, u3
         a0, a1, a2, a3 = e0, e1, e2, e3
         b0, b1, b2, b3 = f0, f1, f2, f3
         c0, c1, c2, c3 = g0, g1, g2, g3
@@ -248,11 +236,9 @@ def _packed_gemv_tile_kernel(
     N, K,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
-    AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     """`_packed_gemv_rows_kernel` with chunks of CHUNK rows as [CHUNK, BLOCK_N] tiles (a
-    thread holds all CHUNK rows of its columns: BLOCK_N at least 128 x warps), the words of the
-    chunk AHEAD (1 or 2) on loaded while one is used."""
+    thread holds all CHUNK rows of its columns: BLOCK_N at least 128 x warps)."""
     pid_n, pid_k, cols, col_ok, row0 = _program(N, BLOCK_N, ROWS)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -260,21 +246,13 @@ def _packed_gemv_tile_kernel(
     within = tl.arange(0, CHUNK)
     let_next_start(PDL)
     words = _tile_words(qweight_ptr, row0 + within, cols, col_ok, N, K, EVEN)
-    second_words = words
-    if AHEAD == 2:
-        second = row0 + tl.minimum(1, ROWS // CHUNK - 1) * CHUNK
-        second_words = _tile_words(qweight_ptr, second + within, cols, col_ok, N, K, EVEN)
     wait_for_previous(PDL)
     p01, p23, p45, p67 = _tile_x(x_ptr, row0 + within, K)
     scale, zero = _group_scale(scales_ptr, zeros_ptr, row0, cols, col_ok, N, K, GROUP, EVEN)
     for chunk in range(ROWS // CHUNK):
         rows = row0 + chunk * CHUNK + within
         following = row0 + tl.minimum(chunk + 1, ROWS // CHUNK - 1) * CHUNK
-        if AHEAD == 2:
-            after = row0 + tl.minimum(chunk + 2, ROWS // CHUNK - 1) * CHUNK
-            loaded = _tile_words(qweight_ptr, after + within, cols, col_ok, N, K, EVEN)
-        else:
-            loaded = _tile_words(qweight_ptr, following + within, cols, col_ok, N, K, EVEN)
+        loaded = _tile_words(qweight_ptr, following + within, cols, col_ok, N, K, EVEN)
         n01, n23, n45, n67 = _tile_x(x_ptr, following + within, K)
         next_scale, next_zero = _group_scale(scales_ptr, zeros_ptr, following, cols, col_ok, N,
                                              K, GROUP, EVEN)  # fmt: skip
@@ -292,11 +270,7 @@ def _packed_gemv_tile_kernel(
             acc += group_xq * (scale * _SCALE_BACK) - group_x * (zero * scale)
             group_xq = tl.zeros((BLOCK_N,), dtype=tl.float32)
             group_x = 0.0
-        if AHEAD == 2:
-            words = second_words
-            second_words = loaded
-        else:
-            words = loaded
+        words = loaded
         p01, p23, p45, p67 = n01, n23, n45, n67
         scale, zero = next_scale, next_zero
     _store(acc, bias_ptr, partial_ptr, count_ptr, out_ptr, cols, col_ok, pid_n, pid_k, N,
@@ -311,8 +285,8 @@ ROWS_FROM_WEIGHTS = 1 << 25
 
 
 def rows_plan(n: int, k: int, group_size: int, tiles: tuple[int, ...]) -> tuple[int, bool] | None:
-    """(SPLIT, EVEN) for N outputs of K inputs at `tiles` (BLOCK_N, ROWS, warps[, CHUNK[,
-    AHEAD]]), or None where the kernels cannot take the layer (K or the group not a multiple
+    """(SPLIT, EVEN) for N outputs of K inputs at `tiles` (BLOCK_N, ROWS, warps[, CHUNK]),
+    or None where the kernels cannot take the layer (K or the group not a multiple
     of a chunk's inputs, ROWS not of whole chunks, or groups and programs that do not nest)."""
     block_n, rows, _, *more = tiles
     step = 8 * (more[0] if more and more[0] else 4)
@@ -341,15 +315,13 @@ def packed_gemv_rows(
     tiles: tuple[int, ...],
 ) -> torch.Tensor:  # fmt: skip
     """One bf16 row x [1, K] times 4-bit `weights` (no act-order) (+ bias): [1, N] in bf16;
-    `tiles` (BLOCK_N, ROWS, warps[, CHUNK[, AHEAD]]), which `rows_plan` takes: CHUNK rows a
-    tile in the tile form (0 or none: named 4-row chunks), the words of the chunk AHEAD (1 or
-    2) on loaded while one is used."""
+    `tiles` (BLOCK_N, ROWS, warps[, CHUNK]), which `rows_plan` takes: CHUNK rows a tile in the
+    tile form (0 or none: named 4-row chunks)."""
     assert weights.bits == 4
     assert weights.perm is None
     assert x.dtype == torch.bfloat16
     block_n, rows, warps, *more = tiles
     chunk = more[0] if more else 0  # (0: the named 4-row chunks)
-    ahead = more[1] if len(more) > 1 else 1
     k = x.shape[1]
     n = weights.qweight.shape[1]
     plan = rows_plan(n, k, weights.group_size, tiles)
@@ -358,9 +330,9 @@ def packed_gemv_rows(
     tiles_n = cdiv(n, block_n)
     space = shared_workspace(x.device, split * n, tiles_n)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    kernel, extra = _packed_gemv_rows_kernel, {"AHEAD": ahead}
+    kernel, extra = _packed_gemv_rows_kernel, {}
     if chunk:
-        kernel, extra = _packed_gemv_tile_kernel, {"CHUNK": chunk, "AHEAD": ahead}
+        kernel, extra = _packed_gemv_tile_kernel, {"CHUNK": chunk}
     # (num_stages 1: the chunks are loaded ahead by hand; Triton's pipelining would stage them
     # through shared memory)
     kernel[(tiles_n, split)](

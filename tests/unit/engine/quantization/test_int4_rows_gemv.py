@@ -11,15 +11,8 @@ import torch
 from kvfleet.engine.layers.quantization import triton_packed, triton_packed_rows
 from kvfleet.engine.layers.quantization.packed import PackedWeights, pack_rows
 
-# (BLOCK_N, ROWS, warps[, CHUNK[, AHEAD]]): named 4-row chunks, 8-row tiles, 4-row tiles; the
-# words two chunks ahead
-FORMS = {
-    "rows": (64, 16, 1),
-    "tile8": (64, 16, 1, 8),
-    "tile4": (32, 8, 2, 4),
-    "rows-ahead2": (64, 16, 1, 0, 2),
-    "tile8-ahead2": (64, 32, 1, 8, 2),
-}
+# (BLOCK_N, ROWS, warps[, CHUNK]): named 4-row chunks, 8-row tiles, 4-row tiles
+FORMS = {"rows": (64, 16, 1), "tile8": (64, 16, 1, 8), "tile4": (32, 8, 2, 4)}
 
 
 def _weights(n: int, k: int, group: int, seed: int) -> PackedWeights:

@@ -129,7 +129,7 @@ def dependent_launch():
                     "out_ptr": "*bf16"}
     packed = dict(BITS=4, HAS_PERM=False, HAS_BIAS=False, SPLIT=16, BLOCK_N=64, BLOCK_K=128,
                   STEPS=2, GROUP=128)
-    rows = dict(HAS_BIAS=False, SPLIT=16, ROWS=32, GROUP=128, EVEN=True, AHEAD=1)
+    rows = dict(HAS_BIAS=False, SPLIT=16, ROWS=32, GROUP=128, EVEN=True)
     moe_gemv_types = {"x_ptr": "*bf16", "logits_ptr": "*bf16", "w13_ptr": "*bf16",
                       "h_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                       "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32"}
@@ -282,7 +282,7 @@ def dependent_launch():
                                     packed | dict(SPLITS=4, HEAD_DIM=128), 1),
         "packed gemv, whole columns, named rows": (
             triton_packed_rows._packed_gemv_rows_kernel, packed_types,
-            rows | dict(BLOCK_N=256, AHEAD=2), 1),
+            rows | dict(BLOCK_N=256), 1),
         "packed gemv, whole columns, tiles": (
             triton_packed_rows._packed_gemv_tile_kernel, packed_types,
             rows | dict(BLOCK_N=512, CHUNK=8), 1),

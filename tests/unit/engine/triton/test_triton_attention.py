@@ -320,16 +320,24 @@ def test_the_splits_merge_in_the_kernel_or_after_it_alike(
 
 
 @pytest.mark.parametrize("sliding_window", [None, 150])
+@pytest.mark.parametrize("loads_ahead", [False, True])
 def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
     sliding_window: int | None,
+    loads_ahead: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One sequence's decode leaving up to 4 splits holding keys unmerged (`SplitRows`): the
     one-row GEMV merging them as it reads them multiplies the kernel's merged output, and with
     an identity weight gives it back; one split holding keys, the same bits. Past 4 the kernel
     merges into the first row (8 splits: 1, 2, 4 and 6 hold keys at these lengths, at most 3
-    in a window of 150), run after and before shorter ones (stale rows must not count)."""
+    in a window of 150), run after and before shorter ones (stale rows must not count, also
+    read with the others: `loads_ahead`, the GEMV's SPLITS_AHEAD and SPLITS_EAGER)."""
+    from kvfleet.engine.layers import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "SPLITS_AHEAD", loads_ahead)
+    monkeypatch.setattr(triton_gemv, "SPLITS_EAGER", loads_ahead)
     k = 4 * 32
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(48, k, generator=gen)
@@ -342,13 +350,15 @@ def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
         left = triton_decode.decode_leaving_splits(*args, None, 8, None, None, 4)
         assert isinstance(left, SplitRows)
         assert left.parts.shape == (4, k)
+        dead = (left.lse[:, :4] == float("-inf")).all(dim=0)
+        left.parts[dead] = float("nan")  # (a split holding no keys: its row never used)
         merged = gemv(left, torch.eye(k))
         if seq_len <= 64 or (sliding_window is None and seq_len > 250):
             assert torch.equal(merged, expected)  # (one split's row, or the kernel's merge)
         assert (merged - expected).abs().max() < 1e-5
         product = gemv(left, weight)
         assert (product - gemv(expected, weight)).abs().max() < 1e-4
-        in_tiles = gemv(left, weight, tiles=(16, 64, 4, 1))  # (two heads a tile, two tiles)
+        in_tiles = gemv(left, weight, tiles=(16, 32, 4, 1))  # (a head a tile, four tiles)
         assert (in_tiles - product).abs().max() < 1e-5
 
 
