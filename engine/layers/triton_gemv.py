@@ -492,10 +492,11 @@ PRELOAD_WHOLE = True
 # batch-1 path for 33.5 MB (floor ~8; bench/RESULTS.md session 45). SPLITS_AHEAD: the next
 # weight tile loaded while one is merged and used (4-warp plans; the 8-warp ones preload half
 # their weight and have no registers to spare), two before the wait. SPLITS_EAGER: the splits'
-# rows loaded with their lse (a split holding no keys read, its stale row not used). Off until
-# the device measures them (bench/next/README.md).
-SPLITS_AHEAD = False
-SPLITS_EAGER = False
+# rows loaded with their lse (a split holding no keys read, its stale row not used). Batch 1
+# (call 109, two rounds): Llama-3-8B 4.100 / 4.100 -> 4.081 / 4.082 ms, Qwen3-8B 4.329 / 4.331
+# -> 4.275 / 4.277 (each alone: Llama 4.100 and 4.11), A3B (8 warps: eager only) 2.584 -> 2.581.
+SPLITS_AHEAD = True
+SPLITS_EAGER = True
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
