@@ -40,10 +40,6 @@ SPLITS_IN_GEMV = 4
 # ... also into 4/8-bit layers' split-K GEMV (`triton_packed.packed_gemv`): INT4 (RTN)
 # Llama-3-8B batch 1 2.323 / 2.322 -> 2.296 / 2.295 ms (bench/RESULTS.md session 45, call 107)
 SPLITS_IN_PACKED_GEMV = True
-# One row's act(gate) x up made by its gate_up projection's bf16/fp16 GEMV, in place of
-# `act_and_mul`'s kernel after it (`Linear.forward_gated`; built and tested on the CPU, off
-# until the device measures it: bench/next/README.md)
-GATED_IN_GEMV = False
 
 
 @dataclass(frozen=True)
@@ -98,19 +94,6 @@ class Linear(nn.Linear):
             out = gemv(x.reshape(1, self.in_features).contiguous(), self.weight, bias=self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
-
-    def forward_gated(
-        self, x: torch.Tensor | UnnormalizedRow, activation: str
-    ) -> torch.Tensor | None:
-        """A gate_up projection's one row as act(gate) x up [1, out_features / 2], made by its
-        Triton GEMV (GATED_IN_GEMV); None where that does not run."""
-        takes = isinstance(x, UnnormalizedRow) or (x.is_cuda and self.uses_triton_gemv(x))
-        if not (GATED_IN_GEMV and takes):
-            return None
-        from kvfleet.engine.layers.triton_gemv import gemv
-
-        row = x if isinstance(x, UnnormalizedRow) else x.reshape(1, self.in_features).contiguous()
-        return gemv(row, self.weight, bias=self.bias, gated=activation)
 
     def forward_rotated(
         self, x: torch.Tensor | UnnormalizedRow, rotary: RotaryWrite

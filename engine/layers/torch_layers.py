@@ -97,29 +97,6 @@ def takes_norm(layer: nn.Module | None, x: torch.Tensor) -> bool:
     return type(layer) is Fp8Linear
 
 
-def gated_inner(
-    gate_up: nn.Module,
-    down: nn.Module,
-    x: torch.Tensor | QuantizedRows | UnnormalizedRow,
-    fused: bool,
-    activation: str,
-    quantize: bool,
-) -> torch.Tensor | QuantizedRows:
-    """act(gate) x up of `gate_up`'s output, the input of `down`: made by gate_up's one-row
-    GEMV where it makes it (`Linear.forward_gated`), else after gate_up, by one kernel that also
-    quantizes it where `quantize` and down takes quantized rows, else by `act_and_mul`."""
-    if fused and type(gate_up) is Linear and not isinstance(x, QuantizedRows):
-        inner = gate_up.forward_gated(x, activation)
-        if inner is not None:
-            return inner
-    out = gate_up(x)
-    if fused and quantize and takes_quantized_rows(down, out):
-        from kvfleet.engine.layers import triton_layers
-
-        return triton_layers.act_and_mul_fp8(out, activation)
-    return act_and_mul(out, fused, activation)
-
-
 def act_and_mul(
     gate_up: torch.Tensor, fused: bool = False, activation: str = "silu"
 ) -> torch.Tensor:

@@ -46,7 +46,6 @@ from kvfleet.engine.layers.triton_gemv_rows import (
     weight_tile,
     whole_row,
 )
-from kvfleet.engine.layers.triton_layers import gated_product
 from kvfleet.engine.layers.triton_merge import merged_values
 from kvfleet.engine.layers.triton_rope import (
     RotaryWrite,
@@ -105,8 +104,8 @@ def _gemv_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
-    SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
-    GELU_TANH: tl.constexpr = False, AHEAD: tl.constexpr = False, EAGER: tl.constexpr = False,
+    SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
+    EAGER: tl.constexpr = False,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
@@ -115,20 +114,13 @@ def _gemv_kernel(
     row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here;
     the first program writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x
     HALF): q rotated into out, k rotated and v written into the KV cache
-    (`triton_rope.rotary_write_pairs`), k and v left out of out. GATED: w is a gate_up
-    projection's [gate | up] (N = 2 inner) and out [inner] is act(gate) x up, as
-    `triton_layers.act_and_mul` makes it from the rounded output (`gated_rows`). AHEAD: the
+    (`triton_rope.rotary_write_pairs`), k and v left out of out. AHEAD: the
     next weight tile loaded while one is used (the first two before the wait). EAGER: the
     splits' rows loaded with their lse (`merged_values`)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if ROTARY:
-        cols = pair_rows(pid_n, BLOCK_N, HALF)
-    elif GATED:
-        cols = gated_rows(pid_n, BLOCK_N, N // 2)
-    else:
-        cols = rows
+    cols = pair_rows(pid_n, BLOCK_N, HALF) if ROTARY else rows
     col_ok = cols < N
     let_next_start(PDL)
     w_first = weight_tile(w_ptr, cols, col_ok, offsets, K)
@@ -164,29 +156,8 @@ def _gemv_kernel(
                            num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, count_ptr, qk_eps,
                            BLOCK_N, HALF, CACHE_BLOCK, FP8_CACHE, QK_NORM,
                            QK_OFFSET)  # fmt: skip
-    elif GATED:
-        store_gated(out, pid_n, out_ptr, N // 2, BLOCK_N, GELU_TANH)
     else:
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def gated_rows(pid_n, BLOCK_N: tl.constexpr, inner):
-    """The BLOCK_N rows of a gate_up projection program `pid_n` takes when it makes act(gate)
-    x up: BLOCK_N / 2 gate rows, each followed by its up row (`inner` on)."""
-    i = tl.arange(0, BLOCK_N)
-    return pid_n * (BLOCK_N // 2) + i // 2 + (i % 2) * inner
-
-
-@triton.jit
-def store_gated(out, pid_n, out_ptr, inner, BLOCK_N: tl.constexpr, GELU_TANH: tl.constexpr):
-    """act(gate) x up of a `gated_rows` program's float32 sums `out` [BLOCK_N] into out_ptr
-    [inner]: each factor rounded to the output's dtype first, as the layer's output would be."""
-    dtype = out_ptr.dtype.element_ty
-    gate, up = tl.split(tl.reshape(out, [BLOCK_N // 2, 2]))
-    at = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    product = gated_product(gate.to(dtype), up.to(dtype), GELU_TANH)
-    tl.store(out_ptr + at, product.to(dtype), mask=at < inner)
 
 
 # The e4m3 GEMV on the tensor cores takes 64 weight rows a program (one warpgroup's wgmma M)
@@ -542,7 +513,6 @@ def gemv(
     tiles: tuple[int, int, int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     rotary: RotaryWrite | None = None,
-    gated: str | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype (or
     `out_dtype`: float32 for logits, out of the float32 sums as they are). An
@@ -552,9 +522,7 @@ def gemv(
     x + residual written to its `residual_out` (one kernel fewer). `rotary`: the weight is a
     qkv projection's, [q | k | v] heads; q comes out rotated and k, v go into the cache as
     `rotary_and_write_kv` would put them (its columns of the output are left unwritten). A
-    `SplitRows` (bf16/fp16 weights): the row is decode attention's splits, merged as read.
-    `gated` ("silu" or "gelu_tanh", bf16/fp16 weights): the weight is a gate_up projection's
-    [gate | up] and the result [1, N / 2] is act(gate) x up, as `act_and_mul` makes it."""
+    `SplitRows` (bf16/fp16 weights): the row is decode attention's splits, merged as read."""
     if isinstance(x, SplitRows):
         left: SplitRows | None = x
         row, norm = x.parts, None
@@ -577,15 +545,7 @@ def gemv(
     if left is not None:  # (`merged_values` takes whole heads a tile)
         block_k = max(block_k, left.head_dim)
         assert block_k % left.head_dim == 0, "heads of a power of two"
-    if gated is not None:
-        if gated not in ("silu", "gelu_tanh"):
-            raise ValueError(f"gated GEMV activation {gated!r}: 'silu' or 'gelu_tanh'")
-        assert not quantize, "bf16/fp16 weights"
-        assert rotary is None
-        assert left is None, "a merged row"
-        assert out_dtype is None
-        assert n % 2 == 0
-    out = torch.empty((1, n // 2 if gated else n), dtype=out_dtype or row.dtype, device=row.device)
+    out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)
@@ -605,8 +565,7 @@ def gemv(
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
-        num_warps=warps, num_stages=stages, GATED=gated is not None,
-        GELU_TANH=gated == "gelu_tanh", AHEAD=left is not None and SPLITS_AHEAD and warps == 4,
+        num_warps=warps, num_stages=stages, AHEAD=left is not None and SPLITS_AHEAD and warps == 4,
         EAGER=left is not None and SPLITS_EAGER, **limits,
     )  # fmt: skip
     return out

@@ -21,14 +21,14 @@ from kvfleet.engine.attention.metadata import AttentionLayer, AttentionMetadata
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow, float32_logits
 from kvfleet.engine.layers.moe import SparseMoeBlock
-from kvfleet.engine.layers.quantization.fp8 import QuantizedRows
+from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
 from kvfleet.engine.layers.quantization.linear import (
     LinearFactory,
     layer_bias,
     linear_without_bias,
     make_linear_factory,
 )
-from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, gated_inner
+from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, act_and_mul
 
 if TYPE_CHECKING:
     from kvfleet.engine.parallel.group import TPGroup
@@ -176,8 +176,14 @@ class LlamaMLP(nn.Module):
         self.activation = config.mlp_activation
 
     def forward(self, x: torch.Tensor | QuantizedRows | UnnormalizedRow) -> torch.Tensor:
-        inner = gated_inner(self.gate_up_proj, self.down_proj, x, self.fused, self.activation,
-                            quantize=self.tp is None)  # fmt: skip
+        gate_up = self.gate_up_proj(x)
+        inner: torch.Tensor | QuantizedRows
+        if self.fused and self.tp is None and takes_quantized_rows(self.down_proj, gate_up):
+            from kvfleet.engine.layers import triton_layers
+
+            inner = triton_layers.act_and_mul_fp8(gate_up, self.activation)
+        else:
+            inner = act_and_mul(gate_up, self.fused, self.activation)
         return row_parallel(self.down_proj, inner, self.tp)
 
 

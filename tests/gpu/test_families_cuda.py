@@ -375,31 +375,6 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     _same_tokens(runs[4], runs[0], 0.1)
 
 
-@pytest.mark.parametrize("family", ["llama-3-8b", "gemma-2-9b", "qwen3-8b"])
-def test_act_gate_times_up_made_by_the_gate_up_gemv_keeps_batch_one_tokens(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Batch-1 decode (two layers of the shipped shape; Gemma 2's GeGLU) with act(gate) x up
-    made by the gate_up projection's GEMV (`linear.GATED_IN_GEMV`) and by `act_and_mul`'s
-    kernel after it: the same bits (each factor rounded as the layer's output is)."""
-    from kvfleet.engine.layers import linear
-
-    made: list[bool] = []
-    gated = linear.Linear.forward_gated
-
-    def counted(self: linear.Linear, x: Any, activation: str) -> Any:
-        inner = gated(self, x, activation)
-        made.append(inner is not None)
-        return inner
-
-    monkeypatch.setattr(linear.Linear, "forward_gated", counted)
-    _two_layers_of(family, tmp_path)
-    runs, _ = _batch_one_either_way(tmp_path, monkeypatch, (linear, "GATED_IN_GEMV"),
-                                    (True, False), 9)  # fmt: skip
-    assert any(made)
-    assert runs[True] == runs[False]
-
-
 @pytest.mark.parametrize(("family", "takes_it"), [("llama-3-8b", True), ("gemma-2-9b", False)])
 def test_attention_splits_merged_by_the_4_bit_o_gemv_keep_batch_one_tokens(
     family: str, takes_it: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

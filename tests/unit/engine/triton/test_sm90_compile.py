@@ -116,7 +116,7 @@ def dependent_launch():
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
     no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False, QK_NORM=False,
                      QK_OFFSET=False)
-    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1, GATED=False, GELU_TANH=False)
+    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1, AHEAD=False, EAGER=False)
     rotary_only = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64",
                    "slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
                    "v_cache_ptr": "*fp8e4nv", "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
@@ -258,8 +258,13 @@ def dependent_launch():
                                   dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8,
                                        BLOCK_K=2048, ROW_BLOCK=1)
                                   | no_norm | no_rotary
-                                  | dict(SPLITS=4, SPLIT_HEAD_DIM=128, GATED=False,
-                                         GELU_TANH=False), 1),
+                                  | dict(SPLITS=4, SPLIT_HEAD_DIM=128, AHEAD=False,
+                                         EAGER=False), 1),
+        "bf16 gemv, split rows, loads ahead": (
+            triton_gemv._gemv_kernel, bf16_gemv_types | {"lse_ptr": "*fp32"},
+            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=512,
+                 ROW_BLOCK=1) | no_norm | no_rotary
+            | dict(SPLITS=4, SPLIT_HEAD_DIM=128, AHEAD=True, EAGER=True), 1),
         "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                                  BLOCK_K=256, ROW_BLOCK=4096)
@@ -272,10 +277,6 @@ def dependent_launch():
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
                  ROW_BLOCK=4096, QK_NORM=True) | norm | rotary | no_splits, 1),
-        "bf16 gemv, norm, act(gate) x up": (
-            triton_gemv._gemv_kernel, bf16_gemv_types,
-            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
-                 ROW_BLOCK=4096) | norm | no_rotary | no_splits | dict(GATED=True), 1),
         "packed gemv": (triton_packed._packed_gemv_kernel, packed_types,
                         packed | dict(SPLITS=0, HEAD_DIM=1), 1),
         "packed gemv, split rows": (triton_packed._packed_gemv_kernel, packed_types,
