@@ -6,7 +6,11 @@ graphs of 20 calls over distinct weights (no cache reuse), beside the copy bandw
 heads (128k-152k words) stay with cuBLAS in the engine (`linear.TRITON_GEMV_MAX_BYTES`); they
 are timed here to say whether they should not.
 
-    bench/device_env.sh python3 bench/gemv.py [--shapes 8b-lm-head ...]
+    bench/device_env.sh python3 bench/gemv.py [--shapes 8b-lm-head ...] [--methods triton]
+        [--tiles 8,512,4,3 ...]
+
+`--tiles BLOCK_N,BLOCK_K,warps,stages`: the Triton GEMV also at these tiles (`gemv(tiles=)`);
+`ahead`: with `triton_gemv.GEMV_AHEAD` on.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
+from kvfleet.engine.layers import triton_gemv
 from kvfleet.engine.layers.triton_gemv import gemv
 
 # name: (out_features, in_features) per rank
@@ -30,6 +35,8 @@ SHAPES = {
     "8b-tp1-o": (4096, 4096),
     "8b-tp1-gate_up": (28672, 4096),
     "8b-tp1-down": (4096, 14336),
+    "qwen3-8b-gate_up": (24576, 4096),
+    "qwen3-8b-down": (4096, 12288),
     "30b-a3b-qkv": (5120, 2048),
     "30b-a3b-o": (2048, 4096),
     "30b-a3b-router": (128, 2048),
@@ -37,6 +44,35 @@ SHAPES = {
     "30b-a3b-lm-head": (151936, 2048),
 }
 COPIES = 20
+
+
+METHODS = ("linear", "mv", "matmul_t", "triton", "ahead")
+
+
+def _tiles(text: str) -> tuple[int, int, int, int]:
+    parts = tuple(int(v) for v in text.split(","))
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: BLOCK_N,BLOCK_K,warps,stages")
+    return parts[0], parts[1], parts[2], parts[3]
+
+
+def _at_tiles(
+    x: torch.Tensor, tiles: tuple[int, int, int, int]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: gemv(x, w, tiles=tiles)
+
+
+def _ahead(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The Triton GEMV with `triton_gemv.GEMV_AHEAD` on (where its plan's tile takes it)."""
+
+    def run(w: torch.Tensor) -> torch.Tensor:
+        triton_gemv.GEMV_AHEAD = True
+        try:
+            return gemv(x, w)
+        finally:
+            triton_gemv.GEMV_AHEAD = False
+
+    return run
 
 
 def replay_us(
@@ -50,6 +86,8 @@ def replay_us(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--tiles", nargs="*", default=[], type=_tiles)
     args = parser.parse_args()
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
@@ -59,12 +97,16 @@ def main() -> None:
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         floor_us = n * k * 2 / (copy_gbps * 1e9) * 1e6
-        methods = {
+        every = {
             "linear": lambda w: F.linear(x, w),  # noqa: B023
             "mv": lambda w: torch.mv(w, x[0]),  # noqa: B023
             "matmul_t": lambda w: (w @ x.t()).t(),  # noqa: B023
             "triton": lambda w: gemv(x, w),  # noqa: B023
+            "ahead": _ahead(x),
         }
+        methods = {label: every[label] for label in args.methods}
+        for tiles in args.tiles:
+            methods["/".join(map(str, tiles))] = _at_tiles(x, tiles)
         want = F.linear(x, weights[0]).float()
         row = [f"{name:16s} floor {floor_us:7.1f} us"]
         for label, fn in methods.items():

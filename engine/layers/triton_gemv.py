@@ -468,6 +468,11 @@ PRELOAD_WHOLE = True
 # -> 4.275 / 4.277 (each alone: Llama 4.100 and 4.11), A3B (8 warps: eager only) 2.584 -> 2.581.
 SPLITS_AHEAD = True
 SPLITS_EAGER = True
+# ... the next weight tile ahead in every one-row GEMV whose tile is at most AHEAD_MAX_WEIGHTS
+# (a thread's 32 weights at 4 warps: gate_up's 16 x 256, down's 8 x 512), not only where it
+# merges splits (off until the device measures it: bench/next/README.md)
+GEMV_AHEAD = False
+AHEAD_MAX_WEIGHTS = 8 * 512
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
@@ -502,6 +507,13 @@ def takes_rotary(weight: torch.Tensor, half: int) -> bool:
     else:
         block_n = gemv_tiles(n, k, weight.element_size())[0]
     return half % (block_n // 2) == 0
+
+
+def _ahead(splits: bool, tile_weights: int, warps: int) -> bool:
+    """Whether the one-row GEMV loads its next weight tile while one is used (`AHEAD`)."""
+    if warps != 4:  # (the 8-warp plans preload half their weight: no registers to spare)
+        return False
+    return (splits and SPLITS_AHEAD) or (GEMV_AHEAD and tile_weights <= AHEAD_MAX_WEIGHTS)
 
 
 def gemv(
@@ -565,7 +577,8 @@ def gemv(
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
-        num_warps=warps, num_stages=stages, AHEAD=left is not None and SPLITS_AHEAD and warps == 4,
+        num_warps=warps, num_stages=stages,
+        AHEAD=_ahead(left is not None, block_n * block_k, warps),
         EAGER=left is not None and SPLITS_EAGER, **limits,
     )  # fmt: skip
     return out

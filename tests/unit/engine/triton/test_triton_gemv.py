@@ -20,7 +20,11 @@ from kvfleet.engine.layers.triton_gemv import gemv
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool) -> None:
+def test_the_dense_gemv_equals_linear(
+    dtype: torch.dtype, with_bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over 4 tiles of inputs (the last partial), and the same bits with each next tile loaded
+    while one is used (`GEMV_AHEAD`)."""
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(40, generator=generator).to(dtype) if with_bias else None
@@ -30,6 +34,9 @@ def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool) -> No
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+    monkeypatch.setattr(triton_gemv, "GEMV_AHEAD", True)
+    assert triton_gemv._ahead(False, 16 * 64, 4)
+    assert torch.equal(gemv(x, weight, bias=bias, tiles=(16, 64, 4, 3)), out)
 
 
 @pytest.mark.parametrize(
