@@ -9,8 +9,7 @@ are timed here to say whether they should not.
     bench/device_env.sh python3 bench/gemv.py [--shapes 8b-lm-head ...] [--methods triton]
         [--tiles 8,512,4,3 ...]
 
-`--tiles BLOCK_N,BLOCK_K,warps,stages`: the Triton GEMV also at these tiles (`gemv(tiles=)`);
-`ahead`: with `triton_gemv.GEMV_AHEAD` on.
+`--tiles BLOCK_N,BLOCK_K,warps,stages`: the Triton GEMV also at these tiles (`gemv(tiles=)`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
-from kvfleet.engine.layers import triton_gemv
 from kvfleet.engine.layers.triton_gemv import gemv
 
 # name: (out_features, in_features) per rank
@@ -46,7 +44,7 @@ SHAPES = {
 COPIES = 20
 
 
-METHODS = ("linear", "mv", "matmul_t", "triton", "ahead")
+METHODS = ("linear", "mv", "matmul_t", "triton")
 
 
 def _tiles(text: str) -> tuple[int, int, int, int]:
@@ -60,19 +58,6 @@ def _at_tiles(
     x: torch.Tensor, tiles: tuple[int, int, int, int]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda w: gemv(x, w, tiles=tiles)
-
-
-def _ahead(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The Triton GEMV with `triton_gemv.GEMV_AHEAD` on (where its plan's tile takes it)."""
-
-    def run(w: torch.Tensor) -> torch.Tensor:
-        triton_gemv.GEMV_AHEAD = True
-        try:
-            return gemv(x, w)
-        finally:
-            triton_gemv.GEMV_AHEAD = False
-
-    return run
 
 
 def replay_us(
@@ -102,7 +87,6 @@ def main() -> None:
             "mv": lambda w: torch.mv(w, x[0]),  # noqa: B023
             "matmul_t": lambda w: (w @ x.t()).t(),  # noqa: B023
             "triton": lambda w: gemv(x, w),  # noqa: B023
-            "ahead": _ahead(x),
         }
         methods = {label: every[label] for label in args.methods}
         for tiles in args.tiles:

@@ -468,10 +468,13 @@ PRELOAD_WHOLE = True
 # -> 4.275 / 4.277 (each alone: Llama 4.100 and 4.11), A3B (8 warps: eager only) 2.584 -> 2.581.
 SPLITS_AHEAD = True
 SPLITS_EAGER = True
-# ... the next weight tile ahead in every one-row GEMV whose tile is at most AHEAD_MAX_WEIGHTS
-# (a thread's 32 weights at 4 warps: gate_up's 16 x 256, down's 8 x 512), not only where it
-# merges splits (off until the device measures it: bench/next/README.md)
-GEMV_AHEAD = False
+# bf16/fp16 layers of up to 4,096 outputs not preloading (Llama-3-8B's and Qwen3-8B's o and down)
+# with tiles of 1,024 inputs, the e4m3 sweep's bytes a tile doubled, not halved for the wider
+# element: alone (bench/gemv.py, call 111) o 12.2 -> 8.7 us (floor 7.9), down 40.1 -> 27.4
+# (27.8); WIDE_BF16_FOUR: 4 rows a program (8.6, 27.3). Off until measured in the engine.
+WIDE_BF16 = False
+WIDE_BF16_FOUR = False
+# (a tile of at most this many weights loads its next one ahead: a thread's 32 at 4 warps)
 AHEAD_MAX_WEIGHTS = 8 * 512
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
@@ -495,6 +498,8 @@ def one_row_plan(
     if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048
             and cdiv(n, block_n) <= WIDE_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, 2 * block_k, 4, 3
+    if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
+        return 4 if WIDE_BF16_FOUR else 8, 2 * block_k, 4, 3
     return block_n, block_k, 4, 3
 
 
@@ -510,10 +515,10 @@ def takes_rotary(weight: torch.Tensor, half: int) -> bool:
 
 
 def _ahead(splits: bool, tile_weights: int, warps: int) -> bool:
-    """Whether the one-row GEMV loads its next weight tile while one is used (`AHEAD`)."""
-    if warps != 4:  # (the 8-warp plans preload half their weight: no registers to spare)
-        return False
-    return (splits and SPLITS_AHEAD) or (GEMV_AHEAD and tile_weights <= AHEAD_MAX_WEIGHTS)
+    """Whether the one-row GEMV loads its next weight tile while one is used (`AHEAD`): where
+    it merges splits, on 4 warps (8-warp plans preload half their weight), a tile of at most
+    AHEAD_MAX_WEIGHTS (registers)."""
+    return splits and SPLITS_AHEAD and warps == 4 and tile_weights <= AHEAD_MAX_WEIGHTS
 
 
 def gemv(

@@ -20,23 +20,18 @@ from kvfleet.engine.layers.triton_gemv import gemv
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_dense_gemv_equals_linear(
-    dtype: torch.dtype, with_bias: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over 4 tiles of inputs (the last partial), and the same bits with each next tile loaded
-    while one is used (`GEMV_AHEAD`)."""
+@pytest.mark.parametrize("rows", [16, 4])
+def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool, rows: int) -> None:
+    """Over 4 tiles of inputs (the last partial), 16 or 4 rows a program."""
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(40, generator=generator).to(dtype) if with_bias else None
     x = torch.randn(1, 200, generator=generator).to(dtype)
-    out = gemv(x, weight, bias=bias, tiles=(16, 64, 4, 3))
+    out = gemv(x, weight, bias=bias, tiles=(rows, 64, 4, 3))
     want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
-    monkeypatch.setattr(triton_gemv, "GEMV_AHEAD", True)
-    assert triton_gemv._ahead(False, 16 * 64, 4)
-    assert torch.equal(gemv(x, weight, bias=bias, tiles=(16, 64, 4, 3)), out)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +74,26 @@ def test_sixteen_row_programs_take_512_inputs_where_four_an_sm_hold_them_all(
     assert (kwargs["BLOCK_K"], kwargs["num_warps"]) == planned
     torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=2e-3,
                                atol=2e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize(("four", "planned"), [(False, (8, 1024, 4)), (True, (4, 1024, 4))])
+def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
+    four: bool, planned: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With WIDE_BF16 a bf16 layer of up to 4,096 outputs that does not preload (Llama-3-8B's o
+    and down) takes 1,024 inputs a tile (8 or, WIDE_BF16_FOUR, 4 rows a program); one that
+    preloads (Qwen3-30B-A3B's o), a wider one (16 rows) and e4m3 weights keep their plans."""
+    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    before = {shape: triton_gemv.one_row_plan(*shape, cpu)
+              for shape in [(4096, 4096, 2), (4096, 14336, 2), (2048, 4096, 2), (6144, 4096, 2),
+                            (4096, 4096, 1)]}  # fmt: skip
+    assert before[(4096, 4096, 2)] == (8, 512, 4, 3)
+    monkeypatch.setattr(triton_gemv, "WIDE_BF16", True)
+    monkeypatch.setattr(triton_gemv, "WIDE_BF16_FOUR", four)
+    for shape, plan in before.items():
+        wide = shape in [(4096, 4096, 2), (4096, 14336, 2)]
+        assert triton_gemv.one_row_plan(*shape, cpu) == ((*planned, 3) if wide else plan)
 
 
 def test_scales_go_with_e4m3_weights_only() -> None:
