@@ -469,11 +469,12 @@ PRELOAD_WHOLE = True
 SPLITS_AHEAD = True
 SPLITS_EAGER = True
 # bf16/fp16 layers of up to 4,096 outputs not preloading (Llama-3-8B's and Qwen3-8B's o and down)
-# with tiles of 1,024 inputs, the e4m3 sweep's bytes a tile doubled, not halved for the wider
-# element: alone (bench/gemv.py, call 111) o 12.2 -> 8.7 us (floor 7.9), down 40.1 -> 27.4
-# (27.8); WIDE_BF16_FOUR: 4 rows a program (8.6, 27.3). Off until measured in the engine.
-WIDE_BF16 = False
-WIDE_BF16_FOUR = False
+# with tiles of 1,024 inputs (8 x 1,024 on 4 warps, all programs resident), the e4m3 sweep's
+# bytes a tile doubled, not halved for the wider element: alone (bench/gemv.py, call 111) o
+# 12.2 -> 8.7 us (floor 7.9), down 40.1 -> 27.4 (27.8); batch 1 (call 112, two rounds)
+# Llama-3-8B 4.080 / 4.082 -> 3.998 / 3.997 ms, Qwen3-8B 4.264 / 4.268 -> 4.167 / 4.164 (4 rows
+# a program: 4.063, 4.238). Gemma-3-12B's o and down (3,840 outputs) not yet measured so.
+WIDE_BF16 = True
 # (a tile of at most this many weights loads its next one ahead: a thread's 32 at 4 warps)
 AHEAD_MAX_WEIGHTS = 8 * 512
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
@@ -499,7 +500,7 @@ def one_row_plan(
             and cdiv(n, block_n) <= WIDE_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
-        return 4 if WIDE_BF16_FOUR else 8, 2 * block_k, 4, 3
+        return block_n, 2 * block_k, 4, 3
     return block_n, block_k, 4, 3
 
 

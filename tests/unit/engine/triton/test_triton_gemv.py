@@ -20,9 +20,9 @@ from kvfleet.engine.layers.triton_gemv import gemv
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("rows", [16, 4])
+@pytest.mark.parametrize("rows", [16, 8])
 def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool, rows: int) -> None:
-    """Over 4 tiles of inputs (the last partial), 16 or 4 rows a program."""
+    """Over 4 tiles of inputs (the last partial), 16 or 8 rows a program."""
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(40, generator=generator).to(dtype) if with_bias else None
@@ -36,15 +36,15 @@ def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool, rows:
 
 @pytest.mark.parametrize(
     ("n", "k", "planned"),
-    [(16, 4000, (2048, 8)), (16, 2000, (2048, 8)), (80, 2000, (512, 4)), (16, 5000, (512, 4))],
+    [(16, 4000, (2048, 8)), (16, 2000, (2048, 8)), (80, 2000, (1024, 4)), (16, 5000, (1024, 4))],
 )
 def test_a_layer_whose_programs_fit_at_once_loads_half_its_inputs_a_tile(
     n: int, k: int, planned: tuple[int, int], kernel_launches: Any
 ) -> None:
     """16 rows (2 programs, at most 2 an SM of the interpreter's 4) take half of K a tile on 8
     warps (4000 -> 2048 inputs of 4096), or all of it where it fits 2048 (2000); 80 rows (10
-    programs) keep the 512-input tile, and so does a K whose half passes 2048 (its registers
-    would leave one program an SM)."""
+    programs) keep the 4-warp plan (1,024-input tiles: WIDE_BF16), and so does a K whose half
+    passes 2048 (its registers would leave one program an SM)."""
     launches = kernel_launches(triton_gemv, "_gemv_kernel")
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(n, k, generator=generator) * 0.1).half()
@@ -76,24 +76,22 @@ def test_sixteen_row_programs_take_512_inputs_where_four_an_sm_hold_them_all(
                                atol=2e-3)  # fmt: skip
 
 
-@pytest.mark.parametrize(("four", "planned"), [(False, (8, 1024, 4)), (True, (4, 1024, 4))])
 def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
-    four: bool, planned: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With WIDE_BF16 a bf16 layer of up to 4,096 outputs that does not preload (Llama-3-8B's o
-    and down) takes 1,024 inputs a tile (8 or, WIDE_BF16_FOUR, 4 rows a program); one that
-    preloads (Qwen3-30B-A3B's o), a wider one (16 rows) and e4m3 weights keep their plans."""
+    """A bf16 layer of up to 4,096 outputs that does not preload (Llama-3-8B's o and down)
+    takes 1,024 inputs a tile where it took 512 (WIDE_BF16); one that preloads (Qwen3-30B-A3B's
+    o), a wider one (16 rows) and e4m3 weights keep their plans."""
     monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
-    before = {shape: triton_gemv.one_row_plan(*shape, cpu)
-              for shape in [(4096, 4096, 2), (4096, 14336, 2), (2048, 4096, 2), (6144, 4096, 2),
-                            (4096, 4096, 1)]}  # fmt: skip
-    assert before[(4096, 4096, 2)] == (8, 512, 4, 3)
-    monkeypatch.setattr(triton_gemv, "WIDE_BF16", True)
-    monkeypatch.setattr(triton_gemv, "WIDE_BF16_FOUR", four)
-    for shape, plan in before.items():
-        wide = shape in [(4096, 4096, 2), (4096, 14336, 2)]
-        assert triton_gemv.one_row_plan(*shape, cpu) == ((*planned, 3) if wide else plan)
+    shapes = [(4096, 4096, 2), (4096, 14336, 2), (2048, 4096, 2), (6144, 4096, 2), (4096, 4096, 1)]
+    wide = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
+    monkeypatch.setattr(triton_gemv, "WIDE_BF16", False)
+    narrow = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
+    assert narrow[(4096, 4096, 2)] == narrow[(4096, 14336, 2)] == (8, 512, 4, 3)
+    assert wide[(4096, 4096, 2)] == wide[(4096, 14336, 2)] == (8, 1024, 4, 3)
+    for shape in shapes[2:]:
+        assert wide[shape] == narrow[shape]
 
 
 def test_scales_go_with_e4m3_weights_only() -> None:
