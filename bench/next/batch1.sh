@@ -8,6 +8,7 @@
 #   flag_on FILE NAME              `NAME = False` -> True in this copy's FILE (a flag built off,
 #                                  A/B against .stage/base, where it stays off)
 #   variant NAME FILE FLAG...      a copy of this tree at /tmp/var/NAME with those flags on
+#                                  (FILE !FLAG: that one off)
 #   batch1_variants ROUNDS MODEL TREE...
 #                                  `bench latency` at batch 1 on each tree in turn (.stage/base,
 #                                  /tmp/var/NAME, ...) into $OUT/MODEL/NAME-ROUND.json
@@ -46,8 +47,12 @@ variant() {
   shift
   rm -rf "$dir" && mkdir -p "$dir" && cp -r cli engine gateway operator bench "$dir"/
   while [ $# -gt 0 ]; do
-    sed -i "s/^$2 = False/$2 = True/" "$dir/$1"
-    grep -n "^$2 = " "$dir/$1"
+    if [ "${2#!}" != "$2" ]; then
+      sed -i "s/^${2#!} = True/${2#!} = False/" "$dir/$1"
+    else
+      sed -i "s/^$2 = False/$2 = True/" "$dir/$1"
+    fi
+    grep -n "^${2#!} = " "$dir/$1"
     shift 2
   done
 }
