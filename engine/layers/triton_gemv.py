@@ -475,6 +475,12 @@ SPLITS_EAGER = True
 # Llama-3-8B 4.080 / 4.082 -> 3.998 / 3.997 ms, Qwen3-8B 4.264 / 4.268 -> 4.167 / 4.164 (4 rows
 # a program: 4.063, 4.238). Gemma-3-12B's o and down (3,840 outputs) not yet measured so.
 WIDE_BF16 = True
+# ... and the qkv-like layers WIDE_QKV takes (up to four 16-row programs an SM) at 8 x 1,024
+# (NARROW_QKV; NARROW_QKV_FOUR: 4 x 1,024): Llama-3-8B's qkv alone 15.1 -> 13.9 / 13.2 us (floor
+# 11.9; call 111), more programs a head for the q/k norms' counters and the row's norm. Off
+# until measured in the engine (bench/next/call114.sh).
+NARROW_QKV = False
+NARROW_QKV_FOUR = False
 # (a tile of at most this many weights loads its next one ahead: a thread's 32 at 4 warps)
 AHEAD_MAX_WEIGHTS = 8 * 512
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
@@ -498,6 +504,8 @@ def one_row_plan(
         return block_n, 2 * half if whole else half, 8, 1
     if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048
             and cdiv(n, block_n) <= WIDE_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
+        if NARROW_QKV:
+            return 4 if NARROW_QKV_FOUR else 8, 4 * block_k, 4, 3
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
         return block_n, 2 * block_k, 4, 3

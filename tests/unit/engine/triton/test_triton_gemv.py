@@ -94,6 +94,23 @@ def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
         assert wide[shape] == narrow[shape]
 
 
+@pytest.mark.parametrize(("four", "rows"), [(False, 8), (True, 4)])
+def test_narrow_qkv_tiles_take_1024_inputs_where_wide_qkv_took_512(
+    four: bool, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NARROW_QKV: the layers WIDE_QKV takes (Llama-3-8B's qkv, 6,144 x 4,096) at 8 (or,
+    NARROW_QKV_FOUR, 4) rows of 1,024 inputs a program; a gate_up (too many programs) keeps
+    its plan."""
+    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert triton_gemv.one_row_plan(6144, 4096, 2, cpu) == (16, 512, 4, 3)
+    gate_up = triton_gemv.one_row_plan(28672, 4096, 2, cpu)
+    monkeypatch.setattr(triton_gemv, "NARROW_QKV", True)
+    monkeypatch.setattr(triton_gemv, "NARROW_QKV_FOUR", four)
+    assert triton_gemv.one_row_plan(6144, 4096, 2, cpu) == (rows, 1024, 4, 3)
+    assert triton_gemv.one_row_plan(28672, 4096, 2, cpu) == gate_up
+
+
 def test_scales_go_with_e4m3_weights_only() -> None:
     with pytest.raises(AssertionError, match="e4m3"):
         gemv(torch.ones(1, 8), torch.ones(4, 8), torch.ones(4, 1))
@@ -175,7 +192,7 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
 @pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm"), [
     ((16, 64, 4, 3), False, False, None), ((8, 64, 4, 3), True, False, None),
     ((16, 64, 4, 3), True, True, None), ((8, 64, 4, 3), False, True, "qk norms"),
-    ((16, 64, 4, 3), False, False, "qk norms, 1 + w"),
+    ((16, 64, 4, 3), False, False, "qk norms, 1 + w"), ((4, 64, 4, 3), False, True, "qk norms"),
 ])  # fmt: skip
 def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     dtype: torch.dtype,
