@@ -508,7 +508,7 @@ def one_row_plan(
             return 4 if NARROW_QKV_FOUR else 8, 4 * block_k, 4, 3
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
-        return block_n, 2 * block_k, 4, 3
+        return block_n, min(2 * block_k, next_power_of_2(k)), 4, 3
     return block_n, block_k, 4, 3
 
 

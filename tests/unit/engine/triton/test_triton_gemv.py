@@ -92,6 +92,7 @@ def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
     assert wide[(4096, 4096, 2)] == wide[(4096, 14336, 2)] == (8, 1024, 4, 3)
     for shape in shapes[2:]:
         assert wide[shape] == narrow[shape]
+    assert triton_gemv.one_row_plan(600, 256, 2, cpu)[1] == 256  # (not past K's power of two)
 
 
 @pytest.mark.parametrize(("four", "rows"), [(False, 8), (True, 4)])
