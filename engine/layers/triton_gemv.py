@@ -114,9 +114,9 @@ def _gemv_kernel(
     row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here;
     the first program writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x
     HALF): q rotated into out, k rotated and v written into the KV cache
-    (`triton_rope.rotary_write_pairs`), k and v left out of out. AHEAD: the
-    next weight tile loaded while one is used (the first two before the wait). EAGER: the
-    splits' rows loaded with their lse (`merged_values`)."""
+    (`triton_rope.rotary_write_pairs`), k and v left out of out. AHEAD: the next weight tile
+    loaded while one is used (the first two before the wait). EAGER: the splits' rows loaded
+    with their lse (`merged_values`)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -466,6 +466,8 @@ PRELOAD_WHOLE = True
 # rows loaded with their lse (a split holding no keys read, its stale row not used). Batch 1
 # (call 109, two rounds): Llama-3-8B 4.100 / 4.100 -> 4.081 / 4.082 ms, Qwen3-8B 4.329 / 4.331
 # -> 4.275 / 4.277 (each alone: Llama 4.100 and 4.11), A3B (8 warps: eager only) 2.584 -> 2.581.
+# (Since WIDE_BF16, below, those o layers take 8 x 1,024 tiles, past AHEAD_MAX_WEIGHTS: eager
+# only there; call 112 measured them so.)
 SPLITS_AHEAD = True
 SPLITS_EAGER = True
 # bf16/fp16 layers of up to 4,096 outputs not preloading (Llama-3-8B's and Qwen3-8B's o and down)
