@@ -190,10 +190,13 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm"), [
-    ((16, 64, 4, 3), False, False, None), ((8, 64, 4, 3), True, False, None),
-    ((16, 64, 4, 3), True, True, None), ((8, 64, 4, 3), False, True, "qk norms"),
-    ((16, 64, 4, 3), False, False, "qk norms, 1 + w"), ((4, 64, 4, 3), False, True, "qk norms"),
+@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm", "tables_first"), [
+    ((16, 64, 4, 3), False, False, None, False), ((8, 64, 4, 3), True, False, None, False),
+    ((16, 64, 4, 3), True, True, None, False), ((8, 64, 4, 3), False, True, "qk norms", False),
+    ((16, 64, 4, 3), False, False, "qk norms, 1 + w", False),
+    ((4, 64, 4, 3), False, True, "qk norms", False), ((8, 64, 4, 3), False, True, "qk norms", True),
+    ((16, 64, 4, 3), False, False, "qk norms, 1 + w", True),
+    ((4, 64, 4, 3), False, True, "qk norms", True),
 ])  # fmt: skip
 def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     dtype: torch.dtype,
@@ -202,16 +205,22 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     normalized: bool,
     qk_norm: str | None,
     block_layout: str,
+    tables_first: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A one-row qkv GEMV given a `RotaryWrite` (4 q heads, 2 KV heads of 32, the row maybe
     its RMSNorm made inside, each head of q and k maybe RMS-normalized: Qwen3's, Gemma 3's)
     gives the bits of the GEMV then `rotary_and_write_kv`: q rotated in its output, rotated k
     and v in the cache at the token's slot, blocks token-major or head-major; no other slot
-    touched; the heads' counters back at zero."""
+    touched; the heads' counters back at zero. The same with the q/k norms' weights and tables
+    loaded before each program's count (`QK_TABLES_FIRST`)."""
     from kvfleet.engine.attention.metadata import cache_views
+    from kvfleet.engine.layers import triton_rope
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
     from kvfleet.engine.layers.triton_rope import QKNorm, RotaryWrite, rotary_and_write_kv
+
+    monkeypatch.setattr(triton_rope, "QK_TABLES_FIRST", tables_first)
 
     generator = torch.Generator().manual_seed(11)
     weight = (torch.randn(8 * 32, 200, generator=generator) * 0.1).to(dtype)
