@@ -48,9 +48,15 @@ METHODS = ("linear", "mv", "matmul_t", "triton")
 
 
 def _tiles(text: str) -> tuple[int, int, int, int]:
-    parts = tuple(int(v) for v in text.split(","))
-    if len(parts) != 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: BLOCK_N,BLOCK_K,warps,stages")
+    """`--tiles` BLOCK_N,BLOCK_K,warps,stages: four positive integers, the blocks and warps
+    powers of two (Triton's ranges and launches take no others)."""
+    want = f"{text!r}: want BLOCK_N,BLOCK_K,warps,stages, positive, all but stages powers of two"
+    try:
+        parts = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(want) from None
+    if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[:3]):
+        raise argparse.ArgumentTypeError(want)
     return parts[0], parts[1], parts[2], parts[3]
 
 

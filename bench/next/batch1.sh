@@ -1,7 +1,8 @@
 # Sourced by the device calls (bench/next/callNN.sh): the pieces they repeat.
 #   gpu_tests FILES... -- K        the GPU tests FILES selected by -k K into $OUT/tests.txt
 #   batch1_ab ROUNDS MODEL...      `bench latency` at batch 1, main (.stage/base) -> this tree,
-#                                  ROUNDS rounds a model, into $OUT/MODEL and $OUT/ab-MODEL.txt
+#                                  ROUNDS rounds a model, into $OUT/MODEL and
+#                                  $OUT/variants-MODEL.txt (`batch1_variants` of the two)
 #                                  (AB_ARGS: more arguments, e.g. a quantization; AB_TAG: a
 #                                  suffix of those names)
 #   batch1_trace MODEL             a batch-1 step's trace into $OUT/trace-MODEL.json.gz
@@ -9,7 +10,7 @@
 #                                  A/B against .stage/base, where it stays off)
 #   variant NAME FILE FLAG...      a copy of this tree at /tmp/var/NAME with those flags on
 #                                  (FILE !FLAG: that one off)
-#   batch1_variants ROUNDS MODEL TREE...
+#   batch1_variants ROUNDS MODEL [NAME=]TREE...
 #                                  `bench latency` at batch 1 on each tree in turn (.stage/base,
 #                                  /tmp/var/NAME, ...) into $OUT/MODEL/NAME-ROUND.json
 gpu_tests() {
@@ -24,10 +25,7 @@ batch1_ab() {
   local rounds=$1 m
   shift
   for m in "$@"; do
-    # shellcheck disable=SC2086
-    timeout $((70 + 60 * rounds)) bash bench/ab.sh .stage/base "$rounds" "$OUT/$m${AB_TAG:-}" \
-      bench latency --model "$m" --load-format dummy --batch-size 1 ${AB_ARGS:-} \
-      > "$OUT/ab-$m${AB_TAG:-}.txt" 2>&1
+    batch1_variants "$rounds" "$m" after=. before=.stage/base
   done
 }
 

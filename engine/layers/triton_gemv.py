@@ -104,8 +104,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
-    SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
-    EAGER: tl.constexpr = False,
+    SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr = False,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
@@ -114,9 +113,8 @@ def _gemv_kernel(
     row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here;
     the first program writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x
     HALF): q rotated into out, k rotated and v written into the KV cache
-    (`triton_rope.rotary_write_pairs`), k and v left out of out. AHEAD: the next weight tile
-    loaded while one is used (the first two before the wait). EAGER: the splits' rows loaded
-    with their lse (`merged_values`)."""
+    (`triton_rope.rotary_write_pairs`), k and v left out of out. EAGER: the splits' rows
+    loaded with their lse (`merged_values`)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,8 +122,6 @@ def _gemv_kernel(
     col_ok = cols < N
     let_next_start(PDL)
     w_first = weight_tile(w_ptr, cols, col_ok, offsets, K)
-    if AHEAD:
-        w_next = weight_tile(w_ptr, cols, col_ok, BLOCK_K + offsets, K)
     wait_for_previous(PDL)
     x_scale, inv_rms = whole_row(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, x_scale_ptr,
                                   pid_n == 0, K, fp8_max, min_scale, eps, ROW_BLOCK,
@@ -136,11 +132,7 @@ def _gemv_kernel(
                     norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
                     OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
-        if AHEAD:
-            w = w_next
-            w_next = weight_tile(w_ptr, cols, col_ok, k + BLOCK_K + offsets, K)
-        else:
-            w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
+        w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
         acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
                          norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
                          OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
@@ -457,18 +449,14 @@ PRELOAD_MAX_INPUTS = 2048
 # ... and the whole of K where that fits PRELOAD_MAX_INPUTS (A3B's router, 128 x 2048: none of
 # its weight left to load after the wait; bench/next/call78.sh full)
 PRELOAD_WHOLE = True
-# Merging decode attention's splits (`SplitRows`), a program's loads wait on one another: each
+# Merging decode attention's splits (`SplitRows`), a program's loads waited on one another: each
 # tile's lse, then the rows of the splits its weights keep, then the weight tile (sm_90 SASS of
-# Llama-3-8B's o plan, 8 x 512 on 4 warps), one tile at a time; its o took 14.0 us on the
-# batch-1 path for 33.5 MB (floor ~8; bench/RESULTS.md session 45). SPLITS_AHEAD: the next
-# weight tile loaded while one is merged and used (4-warp plans; the 8-warp ones preload half
-# their weight and have no registers to spare), two before the wait. SPLITS_EAGER: the splits'
-# rows loaded with their lse (a split holding no keys read, its stale row not used). Batch 1
-# (call 109, two rounds): Llama-3-8B 4.100 / 4.100 -> 4.081 / 4.082 ms, Qwen3-8B 4.329 / 4.331
-# -> 4.275 / 4.277 (each alone: Llama 4.100 and 4.11), A3B (8 warps: eager only) 2.584 -> 2.581.
-# (Since WIDE_BF16, below, those o layers take 8 x 1,024 tiles, past AHEAD_MAX_WEIGHTS: eager
-# only there; call 112 measured them so.)
-SPLITS_AHEAD = True
+# Llama-3-8B's o plan, then 8 x 512 on 4 warps); its o took 14.0 us on the batch-1 path for
+# 33.5 MB (floor ~8; bench/RESULTS.md session 45). SPLITS_EAGER: the splits' rows loaded with
+# their lse (a split holding no keys read, its stale row not used). With the next weight tile
+# also loaded ahead (call 109, two rounds): Llama-3-8B 4.100 -> 4.081 ms, Qwen3-8B 4.330 ->
+# 4.276 (each alone: no gain); since WIDE_BF16 (below) those o layers take 8 x 1,024 tiles, with
+# no registers for a tile ahead (166 at sm_90), and eager rows alone (call 112's figures).
 SPLITS_EAGER = True
 # bf16/fp16 layers of up to 4,096 outputs not preloading (Llama-3-8B's and Qwen3-8B's o and down)
 # with tiles of 1,024 inputs (8 x 1,024 on 4 warps, all programs resident), the e4m3 sweep's
@@ -483,8 +471,6 @@ WIDE_BF16 = True
 # until measured in the engine (bench/next/call114.sh).
 NARROW_QKV = False
 NARROW_QKV_FOUR = False
-# (a tile of at most this many weights loads its next one ahead: a thread's 32 at 4 warps)
-AHEAD_MAX_WEIGHTS = 8 * 512
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
@@ -523,13 +509,6 @@ def takes_rotary(weight: torch.Tensor, half: int) -> bool:
     else:
         block_n = gemv_tiles(n, k, weight.element_size())[0]
     return half % (block_n // 2) == 0
-
-
-def _ahead(splits: bool, tile_weights: int, warps: int) -> bool:
-    """Whether the one-row GEMV loads its next weight tile while one is used (`AHEAD`): where
-    it merges splits, on 4 warps (8-warp plans preload half their weight), a tile of at most
-    AHEAD_MAX_WEIGHTS (registers)."""
-    return splits and SPLITS_AHEAD and warps == 4 and tile_weights <= AHEAD_MAX_WEIGHTS
 
 
 def gemv(
@@ -593,8 +572,6 @@ def gemv(
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
-        num_warps=warps, num_stages=stages,
-        AHEAD=_ahead(left is not None, block_n * block_k, warps),
-        EAGER=left is not None and SPLITS_EAGER, **limits,
+        num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER, **limits,
     )  # fmt: skip
     return out

@@ -116,7 +116,7 @@ def dependent_launch():
     norm = dict(NORM=True, HAS_RESIDUAL=True, OFFSET=False)
     no_rotary = dict(ROTARY=False, HALF=1, CACHE_BLOCK=1, FP8_CACHE=False, QK_NORM=False,
                      QK_OFFSET=False)
-    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1, AHEAD=False, EAGER=False)
+    no_splits = dict(SPLITS=0, SPLIT_HEAD_DIM=1, EAGER=False)
     rotary_only = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64",
                    "slot_mapping_ptr": "*i64", "k_cache_ptr": "*fp8e4nv",
                    "v_cache_ptr": "*fp8e4nv", "kv_scales_ptr": "*fp32", "q_norm_ptr": "*bf16",
@@ -268,13 +268,12 @@ def dependent_launch():
                                   dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8,
                                        BLOCK_K=2048, ROW_BLOCK=1)
                                   | no_norm | no_rotary
-                                  | dict(SPLITS=4, SPLIT_HEAD_DIM=128, AHEAD=False,
-                                         EAGER=False), 1),
-        "bf16 gemv, split rows, loads ahead": (
+                                  | dict(SPLITS=4, SPLIT_HEAD_DIM=128, EAGER=False), 1),
+        "bf16 gemv, split rows, eager": (
             triton_gemv._gemv_kernel, bf16_gemv_types | {"lse_ptr": "*fp32"},
-            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=512,
-                 ROW_BLOCK=1) | no_norm | no_rotary
-            | dict(SPLITS=4, SPLIT_HEAD_DIM=128, AHEAD=True, EAGER=True), 1),
+            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024,
+                 ROW_BLOCK=1)
+            | no_norm | no_rotary | dict(SPLITS=4, SPLIT_HEAD_DIM=128, EAGER=True), 1),
         "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                                  BLOCK_K=256, ROW_BLOCK=4096)

@@ -320,12 +320,12 @@ def test_the_splits_merge_in_the_kernel_or_after_it_alike(
 
 
 @pytest.mark.parametrize("sliding_window", [None, 150])
-@pytest.mark.parametrize("loads_ahead", [False, True])
+@pytest.mark.parametrize("eager", [False, True])
 def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
     sliding_window: int | None,
-    loads_ahead: bool,
+    eager: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One sequence's decode leaving up to 4 splits holding keys unmerged (`SplitRows`): the
@@ -333,11 +333,10 @@ def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
     an identity weight gives it back; one split holding keys, the same bits. Past 4 the kernel
     merges into the first row (8 splits: 1, 2, 4 and 6 hold keys at these lengths, at most 3
     in a window of 150), run after and before shorter ones (stale rows must not count, also
-    read with the others: `loads_ahead`, the GEMV's SPLITS_AHEAD and SPLITS_EAGER)."""
+    read with the others: `eager`, the GEMV's SPLITS_EAGER)."""
     from kvfleet.engine.layers import triton_gemv
 
-    monkeypatch.setattr(triton_gemv, "SPLITS_AHEAD", loads_ahead)
-    monkeypatch.setattr(triton_gemv, "SPLITS_EAGER", loads_ahead)
+    monkeypatch.setattr(triton_gemv, "SPLITS_EAGER", eager)
     k = 4 * 32
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(48, k, generator=gen)
