@@ -463,14 +463,13 @@ SPLITS_EAGER = True
 # bytes a tile doubled, not halved for the wider element: alone (bench/gemv.py, call 111) o
 # 12.2 -> 8.7 us (floor 7.9), down 40.1 -> 27.4 (27.8); batch 1 (call 112, two rounds)
 # Llama-3-8B 4.080 / 4.082 -> 3.998 / 3.997 ms, Qwen3-8B 4.264 / 4.268 -> 4.167 / 4.164 (4 rows
-# a program: 4.063, 4.238). Gemma-3-12B's o and down (3,840 outputs) not yet measured so.
+# a program: 4.063, 4.238). The other shapes it reaches (call 113, two rounds, main against it
+# off): Gemma-3-12B 7.122 / 7.117 -> 6.946 / 6.938, Qwen2.5-7B 3.893 / 3.890 -> 3.804 / 3.805,
+# Phi-3-mini 3.549 / 3.548 -> 3.474 / 3.472, Mixtral-8x7B 6.737 -> 6.718, Llama-3.2-1B (bound by
+# the host) 0.936 / 0.940 / 0.938 -> 0.905 / 0.938 / 0.910 (call 119). Its qkv-like layers at 8
+# or 4 x 1,024 instead of WIDE_QKV's 16 x 512 lost though faster alone (call 114: Llama-3-8B
+# 3.997 -> 4.006 / 4.006, Qwen3-8B 4.167 -> 4.213 / 4.192, A3B 2.578 -> 2.600 / 2.623).
 WIDE_BF16 = True
-# ... and the qkv-like layers WIDE_QKV takes (up to four 16-row programs an SM) at 8 x 1,024
-# (NARROW_QKV; NARROW_QKV_FOUR: 4 x 1,024): Llama-3-8B's qkv alone 15.1 -> 13.9 / 13.2 us (floor
-# 11.9; call 111), more programs a head for the q/k norms' counters and the row's norm. Off
-# until measured in the engine (bench/next/call114.sh).
-NARROW_QKV = False
-NARROW_QKV_FOUR = False
 # 16-row programs take 512 inputs a tile (128 registers, four an SM; 256: 72) where four an SM
 # still hold them all: a quarter of each program's weight before the wait, not an eighth.
 # Batch 1: Qwen3-30B-A3B 2.806 -> 2.769 ms, Qwen3-8B 4.503 -> 4.406, Gemma-3-12B 7.148 ->
@@ -492,8 +491,6 @@ def one_row_plan(
         return block_n, 2 * half if whole else half, 8, 1
     if (WIDE_QKV and weight_bytes == 2 and block_n == 16 and k >= 2048
             and cdiv(n, block_n) <= WIDE_PROGRAMS_PER_SM * num_sms(device)):  # fmt: skip
-        if NARROW_QKV:
-            return 4 if NARROW_QKV_FOUR else 8, 4 * block_k, 4, 3
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
         return block_n, min(2 * block_k, next_power_of_2(k)), 4, 3

@@ -53,12 +53,6 @@ from kvfleet.engine.layers.triton_route import top_k_rows
 # layer (main before: 39.3), Mixtral 174.1 (187.0); the other tiles no faster.
 MANY_EXPERTS = ((8, 256, 4), (8, 256, 4), False)
 FEW_EXPERTS = ((4, 512, 4), (4, 512, 4), True)
-# The gate_up and split down GEMVs loading their next tiles while one is used, more bytes in
-# flight a program (session 45: the bf16 o and down gained 2-2.3% of a batch-1 token from twice
-# the bytes a program; the many-expert gate_up at 8 x 512 takes 184 registers, two programs an
-# SM: no more bytes in flight an SM). sm_90: gate_up 126 -> 128 registers, down 48 -> 72. Off
-# until measured (bench/next/call115.sh).
-MOE_AHEAD = False
 
 
 def shipped_tiles(top_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int], bool]:
@@ -88,10 +82,9 @@ def _gate_up_gemv_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
-    AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """NORM: the token's row is RMSNorm(x + residual), made here as the router's GEMV made it
-    (`triton_gemv_rows.row_values`). AHEAD: the next tiles loaded while one's are used."""
+    (`triton_gemv_rows.row_values`)."""
     choice = tl.program_id(0)
     pid_n = tl.program_id(1)
     let_next_start(PDL)
@@ -122,16 +115,12 @@ def _gate_up_gemv_kernel(
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
         ks = k + offsets
-        if AHEAD:  # (past hidden: masked, nothing read)
-            next_gate, next_up = _expert_tiles(gate_ptrs, up_ptrs, ks + BLOCK_K, row_ok, hidden)
-        elif k > 0:  # (the first tiles are loaded above)
+        if k > 0:  # (the first tiles are loaded above)
             w_gate, w_up = _expert_tiles(gate_ptrs, up_ptrs, ks, row_ok, hidden)
         x = row_values(x_ptr, ks, hidden, residual_ptr, norm_w_ptr, inv_rms, NORM, HAS_RESIDUAL,
                        OFFSET).to(tl.float32)[None, :]  # fmt: skip
         gate += w_gate.to(tl.float32) * x
         up += w_up.to(tl.float32) * x
-        if AHEAD:
-            w_gate, w_up = next_gate, next_up
     g = tl.sum(gate, 1)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
     tl.store(h_ptr + choice * inner + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
@@ -148,11 +137,9 @@ def _down_gemv_kernel(
     out_ptr,  # [hidden]
     hidden, inner, stride_we,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Program (block of hidden rows, choice): that expert's rows times its h, scaled by its
-    router weight; the last of the TOP_K programs of a row block adds them in order. AHEAD:
-    the next tile loaded while one is used."""
+    router weight; the last of the TOP_K programs of a row block adds them in order."""
     pid_n = tl.program_id(0)
     choice = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,26 +151,13 @@ def _down_gemv_kernel(
     weight = tl.load(weights_ptr + choice)
     w_ptrs = w2_ptr + expert * stride_we + rows[:, None] * inner
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if AHEAD:
-        w = tl.load(w_ptrs + offsets[None, :], mask=row_ok[:, None] & (offsets < inner)[None, :],
-                    other=0.0)  # fmt: skip
     for k in range(0, inner, BLOCK_K):
         ks = k + offsets
         k_ok = ks < inner
         # (the weights' load first: h's waits on a layout exchange through shared memory)
-        if AHEAD:
-            following = ks + BLOCK_K
-            next_w = tl.load(
-                w_ptrs + following[None, :],
-                mask=row_ok[:, None] & (following < inner)[None, :],
-                other=0.0,
-            )
-        else:
-            w = tl.load(w_ptrs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * h[None, :]
-        if AHEAD:
-            w = next_w
     part = tl.sum(acc, 1) * weight
     split_k_store(part, 0.0, partial_ptr, count_ptr, out_ptr, rows, row_ok, pid_n, hidden,
                   choice, TOP_K)  # fmt: skip
@@ -265,7 +239,7 @@ def one_token_moe(
         RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k // wide,
         ROW_BLOCK=next_power_of_2(hidden) if norm is not None else 1, NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, AHEAD=MOE_AHEAD,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, warps = down_tiles
@@ -279,6 +253,5 @@ def one_token_moe(
     _down_gemv_kernel[(cdiv(hidden, block_n), top_k)](
         h, w2, weights, ids, space.partials, space.counters, out, hidden, inner, w2.stride(0),
         TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k // wide, **pdl, num_warps=warps,
-        AHEAD=MOE_AHEAD,
     )  # fmt: skip
     return out

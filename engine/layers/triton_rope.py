@@ -121,18 +121,10 @@ def _normed_halves(
     """RMSNorm over each row of [x1 | x2] (one head's two halves, float32 [heads, HALF]),
     rounded where `rms_normalize` rounds: the normalized values in `dtype`, then times the
     weight, in `dtype` (OFFSET: times 1 + weight in float32, rounded once); float32 out."""
-    w1 = tl.load(weight_ptr + d).to(tl.float32)
-    w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
-    return _normed_with(x1, x2, w1, w2, eps, HALF, OFFSET, dtype)
-
-
-@triton.jit
-def _normed_with(
-    x1, x2, w1, w2, eps, HALF: tl.constexpr, OFFSET: tl.constexpr, dtype: tl.constexpr
-):  # fmt: skip
-    """`_normed_halves` with the weight's halves w1, w2 (float32) loaded already."""
     squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     rstd = tl.rsqrt(squares * (1.0 / (2 * HALF)) + eps)[:, None]
+    w1 = tl.load(weight_ptr + d).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
     if OFFSET:
         return rounded(x1 * rstd * (1.0 + w1), dtype), rounded(x2 * rstd * (1.0 + w2), dtype)
     n1 = rounded(w1 * rounded(x1 * rstd, dtype), dtype)
@@ -291,14 +283,6 @@ class RawToken:
     sin: torch.Tensor
 
 
-# The q/k norms' last program of a head (`rotary_write_pairs`) with the head's norm weight and
-# rotation tables loaded by every program before its count, so that the last one's tail after
-# the count is the head's load, the norm, the rotation and the stores (Qwen3's qkv took ~1.4 us
-# a layer more than Llama's: bench/RESULTS.md session 45). Off until measured
-# (bench/next/call117.sh).
-QK_TABLES_FIRST = False
-
-
 def rotary_arguments(
     rotary: RotaryWrite | None, n: int, block_n: int, counters: torch.Tensor
 ) -> tuple[tuple[object, ...], dict[str, object]]:
@@ -316,7 +300,7 @@ def rotary_arguments(
     norm = rotary.qk_norm
     constants = dict[str, object](ROTARY=True, HALF=half, CACHE_BLOCK=rotary.k_cache.shape[1],
                                   FP8_CACHE=rotary.k_cache.dtype == torch.float8_e4m3fn,
-                                  QK_NORM=(2 if QK_TABLES_FIRST else 1) if norm else 0,
+                                  QK_NORM=norm is not None,
                                   QK_OFFSET=norm is not None and norm.offset)  # fmt: skip
     return rotary.args(counters), constants
 
@@ -343,9 +327,7 @@ def rotary_write_pairs(
     K cache, v rows into the V cache, each at the token's slot (the same bits: rounded to
     out's dtype first). QK_NORM: each head of q and k RMS-normalized first (`QKNorm`): its
     programs write their rows into out and count themselves in at `count_ptr` [heads]; the
-    last of a head's to arrive normalizes, rotates and writes the whole head (QK_NORM 2: with
-    the head's norm weight and rotation tables loaded before its count, as every program does,
-    not after it: `QK_TABLES_FIRST`)."""
+    last of a head's to arrive normalizes, rotates and writes the whole head."""
     PAIRS: tl.constexpr = BLOCK_N // 2
     dtype = out_ptr.dtype.element_ty
     x1, x2 = tl.split(tl.reshape(rounded(out, dtype), (PAIRS, 2)))
@@ -359,31 +341,18 @@ def rotary_write_pairs(
         if QK_NORM:
             tl.store(out_ptr + head * 2 * HALF + d, x1.to(dtype))
             tl.store(out_ptr + head * 2 * HALF + HALF + d, x2.to(dtype))
-            whole = tl.arange(0, HALF)[None, :]
-            weight_ptr = tl.where(head < num_heads, q_norm_ptr, k_norm_ptr)
-            if QK_NORM == 2:
-                w1 = tl.load(weight_ptr + whole).to(tl.float32)
-                w2 = tl.load(weight_ptr + HALF + whole).to(tl.float32)
-                cos = rounded(tl.load(cos_ptr + position * HALF + whole), dtype)
-                sin = rounded(tl.load(sin_ptr + position * HALF + whole), dtype)
             tl.debug_barrier()  # (every thread's rows written before the count says so)
             arrived = tl.atomic_add(count_ptr + head, 1, sem="acq_rel")
             if arrived == HALF // PAIRS - 1:
+                whole = tl.arange(0, HALF)[None, :]
                 row = out_ptr + head * 2 * HALF + whole
                 h1 = tl.load(row, cache_modifier=".cg").to(tl.float32)
                 h2 = tl.load(row + HALF, cache_modifier=".cg").to(tl.float32)
-                slot_at = block * stride_cb + offset * stride_cs
-                if QK_NORM == 2:
-                    h1, h2 = _normed_with(h1, h2, w1, w2, qk_eps, HALF, QK_OFFSET, dtype)
-                    _rotated_into(h1, h2, cos, sin, head, whole, out_ptr, k_cache_ptr,
-                                  kv_scales_ptr, slot_at, stride_ch, num_heads, HALF,
-                                  FP8)  # fmt: skip
-                else:
-                    h1, h2 = _normed_halves(h1, h2, weight_ptr, whole, qk_eps, HALF, QK_OFFSET,
-                                            dtype)  # fmt: skip
-                    _rotate_into(h1, h2, head, whole, position, cos_ptr, sin_ptr, out_ptr,
-                                 k_cache_ptr, kv_scales_ptr, slot_at, stride_ch, num_heads, HALF,
-                                 FP8)  # fmt: skip
+                weight_ptr = tl.where(head < num_heads, q_norm_ptr, k_norm_ptr)
+                h1, h2 = _normed_halves(h1, h2, weight_ptr, whole, qk_eps, HALF, QK_OFFSET, dtype)
+                _rotate_into(h1, h2, head, whole, position, cos_ptr, sin_ptr, out_ptr,
+                             k_cache_ptr, kv_scales_ptr, block * stride_cb + offset * stride_cs,
+                             stride_ch, num_heads, HALF, FP8)  # fmt: skip
                 tl.atomic_xchg(count_ptr + head, 0)
         else:
             _rotate_into(x1, x2, head, d, position, cos_ptr, sin_ptr, out_ptr, k_cache_ptr,
@@ -408,17 +377,6 @@ def _rotate_into(
     dtype = out_ptr.dtype.element_ty
     cos = rounded(tl.load(cos_ptr + position * HALF + d), dtype)
     sin = rounded(tl.load(sin_ptr + position * HALF + d), dtype)
-    _rotated_into(x1, x2, cos, sin, head, d, out_ptr, k_cache_ptr, kv_scales_ptr, slot_at,
-                  stride_ch, num_heads, HALF, FP8)  # fmt: skip
-
-
-@triton.jit
-def _rotated_into(
-    x1, x2, cos, sin, head, d, out_ptr, k_cache_ptr, kv_scales_ptr, slot_at, stride_ch,
-    num_heads, HALF: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """`_rotate_into` with the rotation's tables `cos`, `sin` (rounded) loaded already."""
-    dtype = out_ptr.dtype.element_ty
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     if head < num_heads:
         tl.store(out_ptr + head * 2 * HALF + d, out1.to(dtype))

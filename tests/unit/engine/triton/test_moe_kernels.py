@@ -232,31 +232,6 @@ def test_one_tokens_layer_as_two_gemvs_matches_the_reference(
         assert not shared_workspace(out.device, 0, 0).counters.any()
 
 
-@pytest.mark.parametrize("shipped", [False, True])
-def test_one_tokens_gemvs_loading_ahead_give_the_same_bits(
-    shipped: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The gate_up and split down GEMVs loading each next tile while one is used (MOE_AHEAD),
-    over 5 and 3 tiles (the last partial), or at the shipped tiles: the bits of the GEMVs
-    loading in turn, the reference's output."""
-    from kvfleet.engine.layers import triton_moe_gemv
-
-    gen = torch.Generator().manual_seed(17)
-    num_experts, top_k, hidden, inner = 16, 4, 272, 84
-    x = torch.randn(1, hidden, generator=gen).half()
-    w13 = (torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5).half()
-    w2 = (torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5).half()
-    logits = torch.randn(1, num_experts, generator=gen).half()
-    tiles = None if shipped else ((8, 64, 4), (8, 32, 4))
-    in_turn = one_token_moe(x, logits, w13, w2, top_k, False, tiles=tiles, down_all=False)
-    monkeypatch.setattr(triton_moe_gemv, "MOE_AHEAD", True)
-    ahead = one_token_moe(x, logits, w13, w2, top_k, False, tiles=tiles, down_all=False)
-    assert torch.equal(ahead, in_turn)
-    weights, ids = route(logits, top_k, False)
-    expected = experts_reference(x, w13, w2, weights, ids)
-    assert (ahead.float() - expected.float()).abs().max() < 2e-3
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("with_residual", "offset"), [(True, False), (False, False), (True, True)])
 def test_one_tokens_gemvs_normalize_the_row_as_the_norm_kernel_does(

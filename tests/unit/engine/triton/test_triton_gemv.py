@@ -95,23 +95,6 @@ def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
     assert triton_gemv.one_row_plan(600, 256, 2, cpu)[1] == 256  # (not past K's power of two)
 
 
-@pytest.mark.parametrize(("four", "rows"), [(False, 8), (True, 4)])
-def test_narrow_qkv_tiles_take_1024_inputs_where_wide_qkv_took_512(
-    four: bool, rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """NARROW_QKV: the layers WIDE_QKV takes (Llama-3-8B's qkv, 6,144 x 4,096) at 8 (or,
-    NARROW_QKV_FOUR, 4) rows of 1,024 inputs a program; a gate_up (too many programs) keeps
-    its plan."""
-    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
-    cpu = torch.device("cpu")
-    assert triton_gemv.one_row_plan(6144, 4096, 2, cpu) == (16, 512, 4, 3)
-    gate_up = triton_gemv.one_row_plan(28672, 4096, 2, cpu)
-    monkeypatch.setattr(triton_gemv, "NARROW_QKV", True)
-    monkeypatch.setattr(triton_gemv, "NARROW_QKV_FOUR", four)
-    assert triton_gemv.one_row_plan(6144, 4096, 2, cpu) == (rows, 1024, 4, 3)
-    assert triton_gemv.one_row_plan(28672, 4096, 2, cpu) == gate_up
-
-
 def test_scales_go_with_e4m3_weights_only() -> None:
     with pytest.raises(AssertionError, match="e4m3"):
         gemv(torch.ones(1, 8), torch.ones(4, 8), torch.ones(4, 1))
@@ -190,13 +173,10 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm", "tables_first"), [
-    ((16, 64, 4, 3), False, False, None, False), ((8, 64, 4, 3), True, False, None, False),
-    ((16, 64, 4, 3), True, True, None, False), ((8, 64, 4, 3), False, True, "qk norms", False),
-    ((16, 64, 4, 3), False, False, "qk norms, 1 + w", False),
-    ((4, 64, 4, 3), False, True, "qk norms", False), ((8, 64, 4, 3), False, True, "qk norms", True),
-    ((16, 64, 4, 3), False, False, "qk norms, 1 + w", True),
-    ((4, 64, 4, 3), False, True, "qk norms", True),
+@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm"), [
+    ((16, 64, 4, 3), False, False, None), ((8, 64, 4, 3), True, False, None),
+    ((16, 64, 4, 3), True, True, None), ((8, 64, 4, 3), False, True, "qk norms"),
+    ((16, 64, 4, 3), False, False, "qk norms, 1 + w"), ((4, 64, 4, 3), False, True, "qk norms"),
 ])  # fmt: skip
 def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     dtype: torch.dtype,
@@ -205,22 +185,16 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     normalized: bool,
     qk_norm: str | None,
     block_layout: str,
-    tables_first: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A one-row qkv GEMV given a `RotaryWrite` (4 q heads, 2 KV heads of 32, the row maybe
     its RMSNorm made inside, each head of q and k maybe RMS-normalized: Qwen3's, Gemma 3's)
     gives the bits of the GEMV then `rotary_and_write_kv`: q rotated in its output, rotated k
     and v in the cache at the token's slot, blocks token-major or head-major; no other slot
-    touched; the heads' counters back at zero. The same with the q/k norms' weights and tables
-    loaded before each program's count (`QK_TABLES_FIRST`)."""
+    touched; the heads' counters back at zero."""
     from kvfleet.engine.attention.metadata import cache_views
-    from kvfleet.engine.layers import triton_rope
     from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
     from kvfleet.engine.layers.triton_rope import QKNorm, RotaryWrite, rotary_and_write_kv
-
-    monkeypatch.setattr(triton_rope, "QK_TABLES_FIRST", tables_first)
 
     generator = torch.Generator().manual_seed(11)
     weight = (torch.randn(8 * 32, 200, generator=generator) * 0.1).to(dtype)
