@@ -124,10 +124,11 @@ def gemv_rotated(
 ) -> torch.Tensor | None:
     """`triton_gemv.gemv(rotary=...)` of a qkv projection's one row: `x` an `UnnormalizedRow`,
     or a row tensor the layer's one-row GEMV `takes`; None otherwise, or where the GEMV's
-    programs' pairs of rows would not stay in one head (`triton_gemv.takes_rotary`)."""
+    programs' pairs of rows would not stay in one head, or a head normalized would not fit one
+    tile (`triton_gemv.takes_rotary`)."""
     from kvfleet.engine.layers.triton_gemv import gemv, takes_rotary
 
-    if not takes_rotary(weight, rotary.cos.shape[1]):
+    if not takes_rotary(weight, rotary.cos.shape[1], rotary.qk_norm is not None):
         return None
     row: torch.Tensor | UnnormalizedRow = x
     if isinstance(x, torch.Tensor):

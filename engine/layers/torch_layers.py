@@ -198,6 +198,14 @@ def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
     return mscale(1.0)
 
 
+# Heads whose halves are no power of two (Phi-3's 96) through the Triton RoPE kernels too, their
+# lanes padded to one and masked (and rotated in the bf16 qkv GEMV at batch 1), not the torch
+# chain: Phi-3-mini's batch-1 trace (H200, bench/RESULTS.md session 46) had ~25 us a layer of
+# torch RoPE and cache-write kernels on the path, 3.47 ms a token at ~51% of its floor. Off until
+# measured (bench/next/call121.sh).
+ROTARY_ANY_HEAD = False
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves), cos/sin cached per position in float32."""
 
@@ -211,9 +219,10 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        # One Triton kernel per tensor on CUDA (its lanes a power of two, or any head with
+        # ROTARY_ANY_HEAD).
         half = head_dim // 2
-        # One Triton kernel per tensor on CUDA (its lane count must be a power of two).
-        self.fused = fused and half & (half - 1) == 0
+        self.fused = fused and (ROTARY_ANY_HEAD or half & (half - 1) == 0)
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]

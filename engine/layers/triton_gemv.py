@@ -497,9 +497,12 @@ def one_row_plan(
     return block_n, block_k, 4, 3
 
 
-def takes_rotary(weight: torch.Tensor, half: int) -> bool:
+def takes_rotary(weight: torch.Tensor, half: int, qk_norm: bool = False) -> bool:
     """Whether `gemv(weight, rotary=...)` takes heads of `half` pairs (d, d + half): each
-    program's BLOCK_N rows are BLOCK_N / 2 pairs of one head (`triton_rope.pair_rows`)."""
+    program's BLOCK_N rows are BLOCK_N / 2 pairs of one head (`triton_rope.pair_rows`); with
+    q/k norms, `half` a power of two (a head's last program normalizes it in one tile)."""
+    if qk_norm and half != next_power_of_2(half):
+        return False
     n, k = weight.shape
     if weight.dtype == FP8 and FP8_TENSOR_CORES:
         block_n = MMA_ROWS  # (`fp8_mma_plan`'s)

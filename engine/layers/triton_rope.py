@@ -62,18 +62,20 @@ def _rotary_kernel(
     stride_h,
     num_heads,
     HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # HALF's power of two (Phi-3's heads of 96: 48 lanes of 64)
     BLOCK_H: tl.constexpr,
 ):
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
     dtype = x_ptr.dtype.element_ty
     # NOTE: every product and the sum are rounded to the model dtype, as the torch chain does,
     # so both paths give the same bits.
-    cos = rounded(tl.load(cos_ptr + position * HALF + d)[None, :], dtype)
-    sin = rounded(tl.load(sin_ptr + position * HALF + d)[None, :], dtype)
+    cos = rounded(tl.load(cos_ptr + position * HALF + d, mask=d_ok, other=0.0)[None, :], dtype)
+    sin = rounded(tl.load(sin_ptr + position * HALF + d, mask=d_ok, other=0.0)[None, :], dtype)
     heads = tl.arange(0, BLOCK_H)[:, None]
-    mask = heads < num_heads
+    mask = (heads < num_heads) & d_ok[None, :]
     base = x_ptr + token * stride_t + heads * stride_h + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -99,6 +101,7 @@ def rotary_inplace(
         x.stride(1),
         num_heads,
         HALF=head_dim // 2,
+        HALF_PAD=next_power_of_2(head_dim // 2),
         BLOCK_H=next_power_of_2(num_heads),
     )
 
@@ -116,15 +119,17 @@ def kv_cache_value(x, kv_scales_ptr, part: tl.constexpr, cache_ptr, FP8: tl.cons
 
 @triton.jit
 def _normed_halves(
-    x1, x2, weight_ptr, d, eps, HALF: tl.constexpr, OFFSET: tl.constexpr, dtype: tl.constexpr
-):
-    """RMSNorm over each row of [x1 | x2] (one head's two halves, float32 [heads, HALF]),
-    rounded where `rms_normalize` rounds: the normalized values in `dtype`, then times the
-    weight, in `dtype` (OFFSET: times 1 + weight in float32, rounded once); float32 out."""
+    x1, x2, weight_ptr, d, d_ok, eps, HALF: tl.constexpr, OFFSET: tl.constexpr,
+    dtype: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm over each row of [x1 | x2] (one head's two halves, float32 [heads, lanes d],
+    0 past HALF), rounded where `rms_normalize` rounds: the normalized values in `dtype`, then
+    times the weight, in `dtype` (OFFSET: times 1 + weight in float32, rounded once); float32
+    out. `d_ok`: the lanes below HALF."""
     squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     rstd = tl.rsqrt(squares * (1.0 / (2 * HALF)) + eps)[:, None]
-    w1 = tl.load(weight_ptr + d).to(tl.float32)
-    w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
+    w1 = tl.load(weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
     if OFFSET:
         return rounded(x1 * rstd * (1.0 + w1), dtype), rounded(x2 * rstd * (1.0 + w2), dtype)
     n1 = rounded(w1 * rounded(x1 * rstd, dtype), dtype)
@@ -187,6 +192,7 @@ def _rotary_write_kv_kernel(
     num_kv_heads,
     eps,  # the q/k norms' (QK_NORM)
     HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # HALF's power of two (`_rotary_kernel`'s)
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -199,27 +205,28 @@ def _rotary_write_kv_kernel(
     let_next_start(PDL)
     wait_for_previous(PDL)
     position = tl.load(positions_ptr + token)
-    d = tl.arange(0, HALF)[None, :]
+    d = tl.arange(0, HALF_PAD)[None, :]
+    d_ok = d < HALF
     dtype = q_ptr.dtype.element_ty
-    cos = rounded(tl.load(cos_ptr + position * HALF + d), dtype)
-    sin = rounded(tl.load(sin_ptr + position * HALF + d), dtype)
+    cos = rounded(tl.load(cos_ptr + position * HALF + d, mask=d_ok, other=0.0), dtype)
+    sin = rounded(tl.load(sin_ptr + position * HALF + d, mask=d_ok, other=0.0), dtype)
     heads = tl.arange(0, BLOCK_H)[:, None]
     q = q_ptr + token * stride_qt + heads * stride_qh + d
-    mask = heads < num_heads
+    mask = (heads < num_heads) & d_ok
     x1 = tl.load(q, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(q + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        x1, x2 = _normed_halves(x1, x2, q_norm_ptr, d, eps, HALF, OFFSET, dtype)
+        x1, x2 = _normed_halves(x1, x2, q_norm_ptr, d, d_ok, eps, HALF, OFFSET, dtype)
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     tl.store(q, out1.to(dtype), mask=mask)
     tl.store(q + HALF, out2.to(dtype), mask=mask)
     kv_heads = tl.arange(0, BLOCK_KV)[:, None]
-    kv_mask = kv_heads < num_kv_heads
+    kv_mask = (kv_heads < num_kv_heads) & d_ok
     k = k_ptr + token * stride_kt + kv_heads * stride_kh + d
     x1 = tl.load(k, mask=kv_mask, other=0.0).to(tl.float32)
     x2 = tl.load(k + HALF, mask=kv_mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        x1, x2 = _normed_halves(x1, x2, k_norm_ptr, d, eps, HALF, OFFSET, dtype)
+        x1, x2 = _normed_halves(x1, x2, k_norm_ptr, d, d_ok, eps, HALF, OFFSET, dtype)
     slot = tl.load(slot_mapping_ptr + token)
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_heads * stride_ch
     dest += d
@@ -298,6 +305,7 @@ def rotary_arguments(
     assert n == (rotary.num_heads + 2 * rotary.num_kv_heads) * 2 * half, "q | k | v heads"
     assert half % (block_n // 2) == 0, "a program's pairs in one head"
     norm = rotary.qk_norm
+    assert norm is None or half == next_power_of_2(half), "a head's norm in one tile"
     constants = dict[str, object](ROTARY=True, HALF=half, CACHE_BLOCK=rotary.k_cache.shape[1],
                                   FP8_CACHE=rotary.k_cache.dtype == torch.float8_e4m3fn,
                                   QK_NORM=norm is not None,
@@ -349,7 +357,8 @@ def rotary_write_pairs(
                 h1 = tl.load(row, cache_modifier=".cg").to(tl.float32)
                 h2 = tl.load(row + HALF, cache_modifier=".cg").to(tl.float32)
                 weight_ptr = tl.where(head < num_heads, q_norm_ptr, k_norm_ptr)
-                h1, h2 = _normed_halves(h1, h2, weight_ptr, whole, qk_eps, HALF, QK_OFFSET, dtype)
+                h1, h2 = _normed_halves(h1, h2, weight_ptr, whole, whole < HALF, qk_eps, HALF,
+                                        QK_OFFSET, dtype)  # fmt: skip
                 _rotate_into(h1, h2, head, whole, position, cos_ptr, sin_ptr, out_ptr,
                              k_cache_ptr, kv_scales_ptr, block * stride_cb + offset * stride_cs,
                              stride_ch, num_heads, HALF, FP8)  # fmt: skip
@@ -442,6 +451,7 @@ def rotary_and_write_kv(
         num_kv_heads,
         qk_norm.eps if qk_norm is not None else 0.0,
         HALF=head_dim // 2,
+        HALF_PAD=next_power_of_2(head_dim // 2),
         BLOCK_H=next_power_of_2(num_heads),
         BLOCK_KV=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1],

@@ -173,10 +173,11 @@ def test_the_gemv_writes_float32_logits_from_its_float32_sums() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm"), [
-    ((16, 64, 4, 3), False, False, None), ((8, 64, 4, 3), True, False, None),
-    ((16, 64, 4, 3), True, True, None), ((8, 64, 4, 3), False, True, "qk norms"),
-    ((16, 64, 4, 3), False, False, "qk norms, 1 + w"), ((4, 64, 4, 3), False, True, "qk norms"),
+@pytest.mark.parametrize(("tiles", "with_bias", "normalized", "qk_norm", "head"), [
+    ((16, 64, 4, 3), False, False, None, 32), ((8, 64, 4, 3), True, False, None, 32),
+    ((16, 64, 4, 3), True, True, None, 32), ((8, 64, 4, 3), False, True, "qk norms", 32),
+    ((16, 64, 4, 3), False, False, "qk norms, 1 + w", 32),
+    ((4, 64, 4, 3), False, True, "qk norms", 32), ((8, 64, 4, 3), False, True, None, 24),
 ])  # fmt: skip
 def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     dtype: torch.dtype,
@@ -184,10 +185,12 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     with_bias: bool,
     normalized: bool,
     qk_norm: str | None,
+    head: int,
     block_layout: str,
 ) -> None:
-    """A one-row qkv GEMV given a `RotaryWrite` (4 q heads, 2 KV heads of 32, the row maybe
-    its RMSNorm made inside, each head of q and k maybe RMS-normalized: Qwen3's, Gemma 3's)
+    """A one-row qkv GEMV given a `RotaryWrite` (4 q heads, 2 KV heads of 32, or of 24 as
+    Phi-3's 96 are no power of two, the row maybe its RMSNorm made inside, each head of q and
+    k maybe RMS-normalized: Qwen3's, Gemma 3's)
     gives the bits of the GEMV then `rotary_and_write_kv`: q rotated in its output, rotated k
     and v in the cache at the token's slot, blocks token-major or head-major; no other slot
     touched; the heads' counters back at zero."""
@@ -197,14 +200,14 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     from kvfleet.engine.layers.triton_rope import QKNorm, RotaryWrite, rotary_and_write_kv
 
     generator = torch.Generator().manual_seed(11)
-    weight = (torch.randn(8 * 32, 200, generator=generator) * 0.1).to(dtype)
-    bias = torch.randn(8 * 32, generator=generator).to(dtype) if with_bias else None
-    cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))
+    weight = (torch.randn(8 * head, 200, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(8 * head, generator=generator).to(dtype) if with_bias else None
+    cos, sin = RotaryEmbedding(head, 256, 10000.0).caches(torch.device("cpu"))
     positions, slots = torch.tensor([173]), torch.tensor([13])
     norm = None
     if qk_norm is not None:
         offset = qk_norm.endswith("1 + w")
-        weights = (torch.rand(2, 32, generator=generator) * 0.5 + 0.75).to(dtype)
+        weights = (torch.rand(2, head, generator=generator) * 0.5 + 0.75).to(dtype)
         norm = QKNorm(weights[0], weights[1], 1e-6, offset)
 
     def row() -> torch.Tensor | UnnormalizedRow:
@@ -215,14 +218,14 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
     def target(cache: torch.Tensor) -> RotaryWrite:
         return RotaryWrite(positions, cos, sin, *cache_views(cache), slots, None, 4, 2, norm)
 
-    expected_cache = torch.full((2, 6, 4, 2, 32), 7.0, dtype=dtype)
+    expected_cache = torch.full((2, 6, 4, 2, head), 7.0, dtype=dtype)
     qkv = gemv(row(), weight, bias=bias, tiles=tiles)
-    q, k, v = qkv[:, :128].view(1, 4, 32), qkv[:, 128:192].view(1, 2, 32), qkv[:, 192:]
-    rotary_and_write_kv(q, k, v.view(1, 2, 32), positions, cos, sin,
+    q, k = qkv[:, : 4 * head].view(1, 4, head), qkv[:, 4 * head : 6 * head].view(1, 2, head)
+    rotary_and_write_kv(q, k, qkv[:, 6 * head :].view(1, 2, head), positions, cos, sin,
                         *cache_views(expected_cache), slots, None, norm)  # fmt: skip
     cache = torch.full_like(expected_cache, 7.0)
     out = gemv(row(), weight, bias=bias, tiles=tiles, rotary=target(cache))
-    assert torch.equal(out[:, :128], qkv[:, :128])
+    assert torch.equal(out[:, : 4 * head], qkv[:, : 4 * head])
     assert torch.equal(cache, expected_cache)
     assert not shared_workspace(out.device, 0, 6).counters.any()
 
@@ -238,7 +241,9 @@ def test_a_qkv_layer_takes_the_rotary_gemv_where_its_programs_stay_in_one_head()
 
     bf16 = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")
     e4m3 = torch.empty(6144, 4096, dtype=FP8, device="meta")
-    assert [takes_rotary(bf16, half) for half in (64, 8, 4)] == [True, True, False]
+    assert [takes_rotary(bf16, half) for half in (64, 8, 4, 48)] == [True, True, False, True]
+    assert not takes_rotary(bf16, 48, qk_norm=True)  # (a head normalized in one tile: 2^n)
+    assert takes_rotary(bf16, 64, qk_norm=True)
     assert [takes_rotary(e4m3, half) for half in (64, 32, 16)] == [True, True, False]
     layer = Linear(200, 8 * 32, bias=False)
     cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))

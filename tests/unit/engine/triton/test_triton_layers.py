@@ -38,7 +38,8 @@ def test_add_rms_norm(
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
-def test_rotary_in_place(dtype: torch.dtype, tolerance: float) -> None:
+@pytest.mark.parametrize("head", [32, 24])  # (24: a half of 12 lanes in 16, as Phi-3's 48 in 64)
+def test_rotary_in_place(dtype: torch.dtype, tolerance: float, head: int) -> None:
     gen = torch.Generator().manual_seed(1)
     scaling = {
         "rope_type": "llama3",
@@ -47,17 +48,17 @@ def test_rotary_in_place(dtype: torch.dtype, tolerance: float) -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    rotary = RotaryEmbedding(32, 256, 500000.0, scaling)
+    rotary = RotaryEmbedding(head, 256, 500000.0, scaling)
     positions = torch.randint(0, 256, (9,), generator=gen)
-    qkv = torch.randn(9, 6 * 32, generator=gen).to(dtype)  # 4 q heads, 1 k head, 1 v head
-    q, k = qkv[:, :128].view(9, 4, 32), qkv[:, 128:160].view(9, 1, 32)
-    v_before = qkv[:, 160:].clone()
+    qkv = torch.randn(9, 6 * head, generator=gen).to(dtype)  # 4 q heads, 1 k head, 1 v head
+    q, k = qkv[:, : 4 * head].view(9, 4, head), qkv[:, 4 * head : 5 * head].view(9, 1, head)
+    v_before = qkv[:, 5 * head :].clone()
     expected_q, expected_k = rotary(positions, q.clone(), k.clone())
     rotary_inplace(q, positions, rotary.cos_cache, rotary.sin_cache)
     rotary_inplace(k, positions, rotary.cos_cache, rotary.sin_cache)
     assert (q.float() - expected_q.float()).abs().max() < tolerance
     assert (k.float() - expected_k.float()).abs().max() < tolerance
-    assert torch.equal(qkv[:, 160:], v_before)  # v, in the same buffer, untouched
+    assert torch.equal(qkv[:, 5 * head :], v_before)  # v, in the same buffer, untouched
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
@@ -101,20 +102,42 @@ def test_rotary_layer_rotates_q_and_k_of_one_qkv_buffer_together(
     assert launches[1:] == [(5, 4, 32), (5, 2, 32)]
 
 
+def test_heads_of_no_power_of_two_take_the_kernels_with_rotary_any_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Phi-3's heads of 96 (here 24): the torch chain unless `ROTARY_ANY_HEAD`, then the same
+    values through the kernel as heads of a power of two."""
+    assert not RotaryEmbedding(24, 128, 10000.0, fused=True).fused
+    assert RotaryEmbedding(32, 128, 10000.0, fused=True).fused
+    monkeypatch.setattr(layers, "ROTARY_ANY_HEAD", True)
+    fused = RotaryEmbedding(24, 128, 10000.0, fused=True)
+    assert fused.fused
+    gen = torch.Generator().manual_seed(6)
+    positions = torch.randint(0, 128, (5,), generator=gen)
+    q, k = torch.randn(5, 4, 24, generator=gen), torch.randn(5, 2, 24, generator=gen)
+    expected_q, expected_k = fused(positions, q.clone(), k.clone())  # (on the CPU: torch's)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    fused(positions, q, k)
+    assert (q - expected_q).abs().max() < 1e-5
+    assert (k - expected_k).abs().max() < 1e-5
+
+
 BLOCK = 4  # (cache block size of the RoPE + cache write tests)
 
 
-def _rope_step(seed: int, dtype: torch.dtype, scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """q, k, v (4, 2, 2 heads of 32) as views of one fused QKV output, with positions, slots
-    (past the null block) and the rotary tables, for a few tokens."""
+def _rope_step(
+    seed: int, dtype: torch.dtype, scale: float = 1.0, head: int = 32
+) -> dict[str, torch.Tensor]:
+    """q, k, v (4, 2, 2 heads of `head`) as views of one fused QKV output, with positions,
+    slots (past the null block) and the rotary tables, for a few tokens."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = 7
-    cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))
-    qkv = (torch.randn(num_tokens, 8 * 32, generator=gen) * scale).to(dtype)
+    cos, sin = RotaryEmbedding(head, 256, 10000.0).caches(torch.device("cpu"))
+    qkv = (torch.randn(num_tokens, 8 * head, generator=gen) * scale).to(dtype)
     return {
-        "q": qkv[:, :128].view(-1, 4, 32),
-        "k": qkv[:, 128:192].view(-1, 2, 32),
-        "v": qkv[:, 192:].view(-1, 2, 32),
+        "q": qkv[:, : 4 * head].view(-1, 4, head),
+        "k": qkv[:, 4 * head : 6 * head].view(-1, 2, head),
+        "v": qkv[:, 6 * head :].view(-1, 2, head),
         "positions": torch.randint(0, 256, (num_tokens,), generator=gen),
         "slots": torch.randperm(6 * BLOCK, generator=gen)[:num_tokens] + BLOCK,
         "cos": cos,
@@ -131,7 +154,7 @@ def _rotated_and_written(
 
     rotary_inplace(q, step["positions"], step["cos"], step["sin"])
     rotary_inplace(k, step["positions"], step["cos"], step["sin"])
-    cache = torch.zeros(2, 8, BLOCK, 2, 32, dtype=q.dtype)
+    cache = torch.zeros(2, 8, BLOCK, 2, q.shape[-1], dtype=q.dtype)
     write_kv_cache(k, step["v"], cache, step["slots"])
     return q, cache
 
@@ -142,7 +165,7 @@ def _rotary_and_write_kv(
     """The fused kernel on the step (q rotated in place): the cache it fills."""
     from kvfleet.engine.attention.metadata import cache_views
 
-    cache = torch.zeros(2, 8, BLOCK, 2, 32, dtype=step["q"].dtype)
+    cache = torch.zeros(2, 8, BLOCK, 2, step["q"].shape[-1], dtype=step["q"].dtype)
     with torch.no_grad():
         triton_rope.rotary_and_write_kv(
             step["q"], step["k"], step["v"], step["positions"], step["cos"], step["sin"],
@@ -152,13 +175,14 @@ def _rotary_and_write_kv(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head", [32, 24])
 def test_rotary_and_kv_write_in_one_kernel_equal_the_two(
-    dtype: torch.dtype, block_layout: str
+    dtype: torch.dtype, head: int, block_layout: str
 ) -> None:
     """The fused RoPE + cache write gives the bits of rotary_inplace then write_kv_cache (q
     rotated in place; rotated k and v in the cache at each token's slot, blocks token-major or
-    head-major; k itself unchanged)."""
-    step = _rope_step(4, dtype)
+    head-major; k itself unchanged), heads of a power of two or not (lanes past it masked)."""
+    step = _rope_step(4, dtype, head=head)
     expected_q, expected_cache = _rotated_and_written(step, step["q"].clone(), step["k"].clone())
     k_before = step["k"].clone()
     cache = _rotary_and_write_kv(step)
@@ -187,19 +211,19 @@ def test_rms_norm_over_each_head_of_a_strided_view(
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
-@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize(("offset", "head"), [(False, 32), (True, 32), (False, 24)])
 def test_q_and_k_norms_fused_into_rope_and_the_kv_write(
-    dtype: torch.dtype, tolerance: float, offset: bool
+    dtype: torch.dtype, tolerance: float, offset: bool, head: int
 ) -> None:
     """The q/k norms (Qwen3's; Gemma 3's, times 1 + w) inside the RoPE + cache write kernel
     give what rms_norm_heads before it gives: q normalized then rotated in place, k normalized
     and rotated into the cache, k itself unchanged."""
-    step = _rope_step(8, dtype, scale=3.0)
+    step = _rope_step(8, dtype, scale=3.0, head=head)
     gen = torch.Generator().manual_seed(9)
-    norms = [RMSNorm(32, 1e-6, offset=offset).to(dtype) for _ in range(2)]
+    norms = [RMSNorm(head, 1e-6, offset=offset).to(dtype) for _ in range(2)]
     with torch.no_grad():
         for norm in norms:
-            norm.weight.copy_(1 + 0.3 * torch.randn(32, generator=gen))
+            norm.weight.copy_(1 + 0.3 * torch.randn(head, generator=gen))
         expected_q, expected_cache = _rotated_and_written(
             step,
             triton_layers.rms_norm_heads(step["q"], norms[0].weight, 1e-6, offset),
