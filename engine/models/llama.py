@@ -66,6 +66,15 @@ def reduce_and_norm(
     return tp.all_reduce_add_rms_norm(hidden, residual, norm)
 
 
+# Sandwich-norm layers (Gemma 2 / 3) leaving their input norm and pre-feed-forward norm (each a
+# residual add + RMSNorm) to the qkv and gate_up GEMVs after them (`RMSNorm.forward_for`), as
+# Llama's layers do; their attention's and MLP's own output norms stay kernels of their own
+# (they need the whole output row). Gemma-3-12B's batch-1 trace (H200, bench/RESULTS.md session
+# 46): four norm kernels a layer, 1.4 us each on the path. Off until measured
+# (bench/next/call122.sh).
+SANDWICH_ROWS_IN_GEMV = False
+
+
 def norm_for(
     norm: RMSNorm,
     layer: nn.Module | None,
@@ -254,11 +263,21 @@ class LlamaDecoderLayer(nn.Module):
                 self.post_attention_layernorm, after, hidden, residual, self.tp
             )
             return self.mlp(normed), residual
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        if not SANDWICH_ROWS_IN_GEMV:
+            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+            hidden, _ = self.post_attention_layernorm(_whole(hidden, self.tp))
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            hidden, _ = self.post_feedforward_layernorm(_whole(self.mlp(hidden), self.tp))
+            return hidden, residual
+        # (whole sums: each add + norm into the layer after, as Llama's without parallelism)
+        qkv = self.self_attn.qkv_proj
+        normed, residual = norm_for(self.input_layernorm, qkv, hidden, residual, None)
+        hidden = self.self_attn(positions, normed, kv_cache, metadata)
         hidden, _ = self.post_attention_layernorm(_whole(hidden, self.tp))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        hidden, _ = self.post_feedforward_layernorm(_whole(self.mlp(hidden), self.tp))
+        after = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
+        normed, residual = norm_for(self.pre_feedforward_layernorm, after, hidden, residual, None)
+        hidden, _ = self.post_feedforward_layernorm(_whole(self.mlp(normed), self.tp))
         return hidden, residual
 
 

@@ -384,6 +384,33 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     _same_tokens(runs[4], runs[0], 0.1)
 
 
+@pytest.mark.parametrize("family", ["gemma-2-9b", "gemma-3-12b"])
+def test_sandwich_norms_made_by_the_gemvs_keep_batch_one_tokens(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode (two layers of the shipped shape) with Gemma's input and pre-feed-forward
+    norms (each a residual add + RMSNorm) made by the qkv and gate_up GEMVs after them
+    (`llama.SANDWICH_ROWS_IN_GEMV`: those norms hand `UnnormalizedRow`s) and by their own
+    kernels: the same tokens, logprobs within 1e-2."""
+    from kvfleet.engine.layers.torch_layers import RMSNorm
+    from kvfleet.engine.models import llama
+
+    handed: list[bool] = []
+    forward_for = RMSNorm.forward_for
+
+    def spy(*args: Any) -> Any:
+        out = forward_for(*args)
+        handed.append(isinstance(out[0], UnnormalizedRow))
+        return out
+
+    monkeypatch.setattr(RMSNorm, "forward_for", spy)
+    _two_layers_of(family, tmp_path)
+    runs, _ = _batch_one_either_way(tmp_path, monkeypatch, (llama, "SANDWICH_ROWS_IN_GEMV"),
+                                    (True, False), 7)  # fmt: skip
+    assert any(handed)  # (only the run with it on calls `forward_for`)
+    _same_tokens(runs[True], runs[False], 1e-2)
+
+
 @pytest.mark.parametrize(("family", "takes_it"), [("llama-3-8b", True), ("gemma-2-9b", False)])
 def test_attention_splits_merged_by_the_4_bit_o_gemv_keep_batch_one_tokens(
     family: str, takes_it: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
