@@ -38,8 +38,9 @@ NORM_GEMV_MAX_INPUTS = 8192
 # took 4.5 us of the attention's 8.65 a layer at Qwen3-30B-A3B (bench/RESULTS.md session 41).
 SPLITS_IN_GEMV = 4
 # ... also for heads of no power of two (Phi-3's 96) into a bf16/fp16 GEMV, whose tiles then
-# split heads and merge input by input (`triton_merge.merged_values`); the attention kernel
-# merges them otherwise. Off until measured (bench/next/call121.sh).
+# split heads (each touched head's merge weights gathered to its inputs:
+# `triton_merge.merged_values`); the attention kernel merges them otherwise. Off until measured
+# (bench/next/call121.sh).
 SPLITS_ANY_HEAD = False
 # ... also into 4/8-bit layers' split-K GEMV (`triton_packed.packed_gemv`): INT4 (RTN)
 # Llama-3-8B batch 1 2.323 / 2.322 -> 2.296 / 2.295 ms (bench/RESULTS.md session 45, call 107)
