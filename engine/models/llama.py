@@ -22,13 +22,9 @@ from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow, float32_logits
 from kvfleet.engine.layers.moe import SparseMoeBlock
 from kvfleet.engine.layers.quantization.fp8 import QuantizedRows, takes_quantized_rows
-from kvfleet.engine.layers.quantization.linear import (
-    LinearFactory,
-    layer_bias,
-    linear_without_bias,
-    make_linear_factory,
-)
+from kvfleet.engine.layers.quantization.linear import LinearFactory, make_linear_factory
 from kvfleet.engine.layers.torch_layers import RMSNorm, RotaryEmbedding, act_and_mul
+from kvfleet.engine.models.parallel_rows import norm_for, reduce_and_norm, row_parallel, whole
 
 if TYPE_CHECKING:
     from kvfleet.engine.parallel.group import TPGroup
@@ -39,54 +35,12 @@ AttentionFactory = Callable[[ModelConfig], AttentionLayer]
 KV_CALIBRATION_RANGE = 224.0
 
 
-def row_parallel(
-    linear: nn.Module, x: torch.Tensor | QuantizedRows, tp: TPGroup | None
-) -> torch.Tensor:
-    """A linear layer whose input features are split over the ranks: this rank's partial sum
-    (the bias, replicated, added on rank 0 only). `reduce_and_norm` sums the ranks' parts.
-    (Rows already quantized come only without tensor parallelism.)"""
-    if tp is None:
-        out: torch.Tensor = linear(x)
-        return out
-    assert isinstance(x, torch.Tensor)
-    out = linear_without_bias(linear, x)
-    bias = layer_bias(linear)
-    return out + bias if bias is not None and tp.rank == 0 else out
-
-
-def reduce_and_norm(
-    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None, tp: TPGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm(hidden, residual)`, where with tensor parallelism `hidden` is each rank's partial
-    sum (a row-parallel layer's output): summed over the ranks first, in the norm's kernel when
-    peer memory allows."""
-    if tp is None:
-        normed: tuple[torch.Tensor, torch.Tensor] = norm(hidden, residual)
-        return normed
-    return tp.all_reduce_add_rms_norm(hidden, residual, norm)
-
-
-# Sandwich-norm layers (Gemma 2 / 3) leaving their input norm and pre-feed-forward norm (each a
-# residual add + RMSNorm) to the qkv and gate_up GEMVs after them (`RMSNorm.forward_for`), as
-# Llama's layers do; their attention's and MLP's own output norms stay kernels of their own
-# (they need the whole output row). Gemma-3-12B's batch-1 trace (H200, bench/RESULTS.md session
-# 46): four norm kernels a layer, 1.4 us each on the path. Off until measured
-# (bench/next/call122.sh).
+# Sandwich-norm layers (Gemma 2 / 3; whole sums in and out) leaving their input and
+# pre-feed-forward norms (residual add + RMSNorm) to the qkv and gate_up GEMVs after them, as
+# Llama's do; their attention's and MLP's output norms need the whole row and stay kernels.
+# Gemma-3-12B's batch-1 trace (H200, session 46): four norm kernels a layer, 1.4 us each on the
+# path. Off until measured (bench/next/call122.sh).
 SANDWICH_ROWS_IN_GEMV = False
-
-
-def norm_for(
-    norm: RMSNorm,
-    layer: nn.Module | None,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    tp: TPGroup | None,
-) -> tuple[torch.Tensor | QuantizedRows | UnnormalizedRow, torch.Tensor]:
-    """`reduce_and_norm` for the input of `layer`: without tensor parallelism, quantized in the
-    norm's kernel where an FP8 layer takes its rows so (`RMSNorm.forward_for`)."""
-    if tp is None:
-        return norm.forward_for(layer, hidden, residual)
-    return tp.all_reduce_add_rms_norm(hidden, residual, norm)
 
 
 class LlamaAttention(nn.Module):
@@ -251,39 +205,24 @@ class LlamaDecoderLayer(nn.Module):
         """`hidden`: the last layer's output (the embeddings for the first), with tensor
         parallelism each rank's partial sum; so is the output. (Sandwich norms: whole sums in
         and out, the attention's and the MLP's outputs summed over the ranks for their norms.)"""
+        # (an FP8 layer's rows quantized by the norm's kernel: `norm_for`; the modules looked up
+        # now, after any LoRA wrapping; the MLP's gate_up or the experts' block takes the row)
+        qkv = self.self_attn.qkv_proj
+        after = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
         if not self.sandwich:
-            # (an FP8 layer's rows quantized by the norm's kernel: `norm_for`; the modules
-            # looked up now, after any LoRA wrapping)
-            qkv = self.self_attn.qkv_proj
             normed, residual = norm_for(self.input_layernorm, qkv, hidden, residual, self.tp)
             hidden = self.self_attn(positions, normed, kv_cache, metadata)
-            # (the MLP's gate_up or the experts' block takes the normalized row)
-            after = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
             normed, residual = norm_for(
                 self.post_attention_layernorm, after, hidden, residual, self.tp
             )
             return self.mlp(normed), residual
-        if not SANDWICH_ROWS_IN_GEMV:
-            hidden, residual = self.input_layernorm(hidden, residual)
-            hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-            hidden, _ = self.post_attention_layernorm(_whole(hidden, self.tp))
-            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-            hidden, _ = self.post_feedforward_layernorm(_whole(self.mlp(hidden), self.tp))
-            return hidden, residual
-        # (whole sums: each add + norm into the layer after, as Llama's without parallelism)
-        qkv = self.self_attn.qkv_proj
-        normed, residual = norm_for(self.input_layernorm, qkv, hidden, residual, None)
+        into = (qkv, after) if SANDWICH_ROWS_IN_GEMV else (None, None)
+        normed, residual = norm_for(self.input_layernorm, into[0], hidden, residual, None)
         hidden = self.self_attn(positions, normed, kv_cache, metadata)
-        hidden, _ = self.post_attention_layernorm(_whole(hidden, self.tp))
-        after = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
-        normed, residual = norm_for(self.pre_feedforward_layernorm, after, hidden, residual, None)
-        hidden, _ = self.post_feedforward_layernorm(_whole(self.mlp(normed), self.tp))
+        hidden, _ = self.post_attention_layernorm(whole(hidden, self.tp))
+        normed, residual = norm_for(self.pre_feedforward_layernorm, into[1], hidden, residual, None)
+        hidden, _ = self.post_feedforward_layernorm(whole(self.mlp(normed), self.tp))
         return hidden, residual
-
-
-def _whole(partial: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """A row-parallel layer's output summed over the ranks."""
-    return partial if tp is None else tp.all_reduce(partial)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -354,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor = self.embed(input_ids)
         tp = self.tp
         if self.config.sandwich_norms:  # (its layers take and give whole sums)
-            hidden, tp = _whole(hidden, tp), None
+            hidden, tp = whole(hidden, tp), None
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
