@@ -200,10 +200,10 @@ def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
 
 # Heads whose halves are no power of two (Phi-3's 96) through the Triton RoPE kernels too, their
 # lanes padded to one and masked (and rotated in the bf16 qkv GEMV at batch 1), not the torch
-# chain: Phi-3-mini's batch-1 trace (H200, bench/RESULTS.md session 46) had ~25 us a layer of
-# torch RoPE and cache-write kernels on the path, 3.47 ms a token at ~51% of its floor. Off until
-# measured (bench/next/call121.sh).
-ROTARY_ANY_HEAD = False
+# chain (~25 us a layer of torch RoPE and cache-write kernels on Phi-3-mini's batch-1 path, call
+# 120). Phi-3-mini batch 1 (H200, call 121, two rounds) 3.472 / 3.477 -> 2.450 / 2.449 ms a token
+# (~51% -> ~73% of its floor); Llama-3-8B unchanged (3.941 -> 3.942; bench/RESULTS.md session 47).
+ROTARY_ANY_HEAD = True
 
 
 class RotaryEmbedding(nn.Module):

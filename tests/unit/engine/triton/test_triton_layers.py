@@ -105,8 +105,9 @@ def test_rotary_layer_rotates_q_and_k_of_one_qkv_buffer_together(
 def test_heads_of_no_power_of_two_take_the_kernels_with_rotary_any_head(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Phi-3's heads of 96 (here 24): the torch chain unless `ROTARY_ANY_HEAD`, then the same
-    values through the kernel as heads of a power of two."""
+    """Phi-3's heads of 96 (here 24): the torch chain without `ROTARY_ANY_HEAD` (on), with it
+    the same values through the kernel as heads of a power of two."""
+    monkeypatch.setattr(layers, "ROTARY_ANY_HEAD", False)
     assert not RotaryEmbedding(24, 128, 10000.0, fused=True).fused
     assert RotaryEmbedding(32, 128, 10000.0, fused=True).fused
     monkeypatch.setattr(layers, "ROTARY_ANY_HEAD", True)
