@@ -197,8 +197,8 @@ class TritonAttention(AttentionLayer):
                 return None
         q = qkv[:, : self.num_heads * self.head_dim]
         leave = 0
-        if out_proj is not None and alone:
-            leave = takes_splits(out_proj, q, self.head_dim)
+        if out_proj is not None and alone and self.head_dim == next_power_of_2(self.head_dim):
+            leave = takes_splits(out_proj, q, self.head_dim)  # (whole heads a GEMV tile)
         if leave or raw is not None:
             return decode_leaving_splits(
                 q.view(1, self.num_heads, self.head_dim), kv_cache, metadata, self.scale,

@@ -37,11 +37,6 @@ NORM_GEMV_MAX_INPUTS = 8192
 # kernel's last split merges them, as before; for A/B runs): their partials, counter and merge
 # took 4.5 us of the attention's 8.65 a layer at Qwen3-30B-A3B (bench/RESULTS.md session 41).
 SPLITS_IN_GEMV = 4
-# ... also for heads of no power of two (Phi-3's 96) into a bf16/fp16 GEMV, whose tiles then
-# split heads (each touched head's merge weights gathered to its inputs:
-# `triton_merge.merged_values`); the attention kernel merges them otherwise. Off until measured
-# (bench/next/call121.sh).
-SPLITS_ANY_HEAD = False
 # ... also into 4/8-bit layers' split-K GEMV (`triton_packed.packed_gemv`): INT4 (RTN)
 # Llama-3-8B batch 1 2.323 / 2.322 -> 2.296 / 2.295 ms (bench/RESULTS.md session 45, call 107)
 SPLITS_IN_PACKED_GEMV = True
@@ -159,13 +154,12 @@ def takes_splits(layer: nn.Module, x: torch.Tensor, head_dim: int) -> int:
     """How many unmerged decode-attention splits `layer` may be handed for its input `x` (one
     row of heads of `head_dim`) as `SplitRows` (0: none): SPLITS_IN_GEMV where `forward(x)`
     runs the one-row bf16/fp16 GEMV (a `Linear`, not wrapped, e.g. by LoRA, which needs the
-    merged row; heads of a power of two unless SPLITS_ANY_HEAD), or, with
-    SPLITS_IN_PACKED_GEMV, a 4/8-bit layer's GEMV that merges them (`takes_split_rows`)."""
+    merged row), or, with SPLITS_IN_PACKED_GEMV, a 4/8-bit layer's GEMV that merges them
+    (`takes_split_rows`)."""
     if not (SPLITS_IN_GEMV and x.is_cuda):
         return 0
     if type(layer) is Linear:
-        whole_heads = head_dim & (head_dim - 1) == 0 or SPLITS_ANY_HEAD
-        return SPLITS_IN_GEMV if whole_heads and layer.uses_triton_gemv(x) else 0
+        return SPLITS_IN_GEMV if layer.uses_triton_gemv(x) else 0
     takes = getattr(layer, "takes_split_rows", None)
     if SPLITS_IN_PACKED_GEMV and takes is not None and takes(x, head_dim):
         return SPLITS_IN_GEMV

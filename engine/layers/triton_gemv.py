@@ -549,8 +549,9 @@ def gemv(
         assert not isinstance(x, SplitRows)
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
     block_n, block_k, warps, stages = tiles or one_row_plan(n, k, weight.element_size(), row.device)
-    if left is not None and left.head_dim == next_power_of_2(left.head_dim):
-        block_k = max(block_k, left.head_dim)  # (`merged_values`: whole heads a tile)
+    if left is not None:  # (`merged_values` takes whole heads a tile)
+        block_k = max(block_k, left.head_dim)
+        assert block_k % left.head_dim == 0, "heads of a power of two"
     out = torch.empty((1, n), dtype=out_dtype or row.dtype, device=row.device)
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out

@@ -307,7 +307,7 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     where a bf16 step can cross one; the interpreter checks the bits: test_triton_gemv.py,
     test_fp8_linear.py.)"""
     from kvfleet.engine.attention import triton_attention
-    from kvfleet.engine.layers import linear, torch_layers
+    from kvfleet.engine.layers import linear
     from kvfleet.engine.layers.linear import Linear
     from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
 
@@ -328,7 +328,6 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
     # (the splits merged by the attention kernel, both runs: left to o's GEMV, each split's
     # output is rounded to bf16 on its own, test_attention_splits_merged_by_the_o_gemv_...)
     monkeypatch.setattr(linear, "SPLITS_IN_GEMV", 0)
-    monkeypatch.setattr(torch_layers, "ROTARY_ANY_HEAD", True)  # (Phi-3's heads of 96)
     runs = {}
     for fused in (True, False):
         monkeypatch.setattr(triton_attention, "ROTARY_IN_QKV", fused)
@@ -356,7 +355,7 @@ def test_rope_in_the_qkv_gemv_keeps_batch_one_tokens(
 @pytest.mark.parametrize(
     ("family", "kv_cache_dtype"),
     [("llama-3-8b", "auto"), ("gemma-2-9b", "auto"), ("qwen3-30b-a3b", "auto"),
-     ("gemma-2-9b", "fp8"), ("phi-3-mini", "auto")],
+     ("gemma-2-9b", "fp8")],
 )  # fmt: skip
 def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     family: str, kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -370,12 +369,9 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     against float32 attention: as close as the kernel's). Prompts
     of 7, 150 and 600 tokens under 16 splits: one split holding keys, three, and past four
     (the kernel merges: the GEMV reads its one row). Gemma 2 over an FP8 cache: its soft-caps
-    keep the upcasting decode kernel (not the e4m3 one), which leaves its splits too. Phi-3's
-    heads of 96 (`linear.SPLITS_ANY_HEAD`): the GEMV's tiles split heads, merged input by
-    input."""
+    keep the upcasting decode kernel (not the e4m3 one), which leaves its splits too."""
     from kvfleet.engine.layers import linear
 
-    monkeypatch.setattr(linear, "SPLITS_ANY_HEAD", True)
     _two_layers_of(family, tmp_path)
     runs, seen = _batch_one_either_way(tmp_path, monkeypatch, (linear, "SPLITS_IN_GEMV"), (4, 0),
                                        6, kv_cache_dtype=kv_cache_dtype)  # fmt: skip

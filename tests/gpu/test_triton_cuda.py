@@ -23,7 +23,6 @@ from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA_8B_HEADS = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
-PHI3_HEADS = {"num_heads": 32, "num_kv_heads": 32, "head_dim": 96}
 # (Gemma 2 / 3's heads of 256: the kernels' tiles take fewer tokens, `kv_tile_tokens`)
 SHAPES = {"llama": LLAMA_8B_HEADS, "gemma": {"num_heads": 16, "num_kv_heads": 8, "head_dim": 256}}
 CASES = {
@@ -102,25 +101,21 @@ def test_decode_kernel_matches_torch_at_real_shapes(
 
 
 @pytest.mark.parametrize("seq_len", [150, 200, 250])
-@pytest.mark.parametrize("heads", ["llama", "phi-3"])
 def test_splits_left_to_the_o_gemv_are_as_close_to_float32_as_the_kernels_merge(
-    attention_case: Callable[..., dict[str, Any]], seq_len: int, heads: str
+    attention_case: Callable[..., dict[str, Any]], seq_len: int
 ) -> None:
-    """One sequence's decode (Llama-3-8B heads; Phi-3's 32 of 96, whose GEMV tiles split heads;
-    3-4 splits of 64 keys holding keys) leaving its splits unmerged (`SplitRows`: each split's
-    output rounded to bf16) and the one-row GEMV merging them as it reads them (an identity
-    weight, float32 out): against float32 attention as close as the kernel's own merge
-    (float32 partials, the output rounded to bf16 once)."""
+    """One sequence's decode (Llama-3-8B heads, 3-4 splits of 64 keys holding keys) leaving its
+    splits unmerged (`SplitRows`: each split's output rounded to bf16) and the one-row GEMV
+    merging them as it reads them (an identity weight, float32 out): against float32 attention
+    as close as the kernel's own merge (float32 partials, the output rounded to bf16 once)."""
     from kvfleet.engine.attention import triton_decode
     from kvfleet.engine.layers.triton_gemv import gemv
 
-    shape = LLAMA_8B_HEADS if heads == "llama" else PHI3_HEADS
     inputs = attention_case(
-        [1], [seq_len], dtype=torch.bfloat16, device="cuda", seed=seq_len, **shape
+        [1], [seq_len], dtype=torch.bfloat16, device="cuda", seed=seq_len, **LLAMA_8B_HEADS
     )
     metadata = inputs["metadata"]
-    width = shape["num_heads"] * shape["head_dim"]
-    reference = TorchAttention(shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
+    reference = TorchAttention(32, 8, 128)
     cache = inputs["kv_cache"].clone()
     expected = reference.forward(
         inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), cache.float(), metadata
@@ -131,7 +126,7 @@ def test_splits_left_to_the_o_gemv_are_as_close_to_float32_as_the_kernels_merge(
     left = triton_decode.decode_leaving_splits(*args, None, 8, None, None, 4)
     assert isinstance(left, SplitRows)
     assert int((left.lse[:, :4] > float("-inf")).sum(1).min()) >= 3  # (the GEMV merges)
-    identity = torch.eye(width, device="cuda", dtype=torch.bfloat16)
+    identity = torch.eye(32 * 128, device="cuda", dtype=torch.bfloat16)
     by_gemv = gemv(left, identity, out_dtype=torch.float32)
     kernel_error = float((by_kernel - expected).norm() / expected.norm())
     gemv_error = float((by_gemv - expected).norm() / expected.norm())

@@ -271,11 +271,6 @@ def dependent_launch():
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024,
                  ROW_BLOCK=1)
             | no_norm | no_rotary | dict(SPLITS=4, SPLIT_HEAD_DIM=128, EAGER=True), 1),
-        "bf16 gemv, split rows of heads of 96, eager": (
-            triton_gemv._gemv_kernel, bf16_gemv_types | {"lse_ptr": "*fp32"},
-            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024,
-                 ROW_BLOCK=1)
-            | no_norm | no_rotary | dict(SPLITS=4, SPLIT_HEAD_DIM=96, EAGER=True), 1),
         "bf16 gemv, norm": (triton_gemv._gemv_kernel, bf16_gemv_types,
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                                  BLOCK_K=256, ROW_BLOCK=4096)

@@ -319,13 +319,12 @@ def test_the_splits_merge_in_the_kernel_or_after_it_alike(
         assert not triton_decode.split_counters(out.device, 8)[:8].any()
 
 
-@pytest.mark.parametrize(("sliding_window", "head_dim"), [(None, 32), (150, 32), (None, 24)])
+@pytest.mark.parametrize("sliding_window", [None, 150])
 @pytest.mark.parametrize("eager", [False, True])
 def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
     attention_case: Callable[..., dict[str, Any]],
     block_layout: str,
     sliding_window: int | None,
-    head_dim: int,
     eager: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -334,18 +333,16 @@ def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
     an identity weight gives it back; one split holding keys, the same bits. Past 4 the kernel
     merges into the first row (8 splits: 1, 2, 4 and 6 hold keys at these lengths, at most 3
     in a window of 150), run after and before shorter ones (stale rows must not count, also
-    read with the others: `eager`, the GEMV's SPLITS_EAGER). Heads of 24 (as Phi-3's 96: no
-    power of two): tiles split heads, merged input by input."""
+    read with the others: `eager`, the GEMV's SPLITS_EAGER)."""
     from kvfleet.engine.layers import triton_gemv
 
     monkeypatch.setattr(triton_gemv, "SPLITS_EAGER", eager)
-    k = 4 * head_dim
+    k = 4 * 32
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(48, k, generator=gen)
     for seq_len in (700, 60, 100, 250, 700, 100):
-        inputs = attention_case([1], [seq_len], num_heads=4, num_kv_heads=2, seed=seq_len,
-                                head_dim=head_dim)  # fmt: skip
-        reference = TorchAttention(4, 2, head_dim, sliding_window=sliding_window)
+        inputs = attention_case([1], [seq_len], num_heads=4, num_kv_heads=2, seed=seq_len)
+        reference = TorchAttention(4, 2, 32, sliding_window=sliding_window)
         cache = inputs["kv_cache"].clone()
         args = (inputs["q"], cache, inputs["metadata"], reference.scale, sliding_window)
         expected = triton_decode.decode_attention(*args, num_splits=8).view(1, k)
@@ -360,7 +357,7 @@ def test_splits_left_unmerged_are_merged_by_the_gemv_as_the_kernel_merges_them(
         assert (merged - expected).abs().max() < 1e-5
         product = gemv(left, weight)
         assert (product - gemv(expected, weight)).abs().max() < 1e-4
-        in_tiles = gemv(left, weight, tiles=(16, 32, 4, 1))  # (a head a tile, or parts)
+        in_tiles = gemv(left, weight, tiles=(16, 32, 4, 1))  # (a head a tile, four tiles)
         assert (in_tiles - product).abs().max() < 1e-5
 
 
