@@ -47,6 +47,10 @@ SHAPES = {
     "phi3-o": (3072, 3072),
     "phi3-gate_up": (16384, 3072),
     "phi3-down": (3072, 8192),
+    "phi3-lm-head": (32064, 3072),
+    "qwen2.5-gate_up": (37888, 3584),
+    "gemma3-gate_up": (30720, 3840),
+    "gemma3-lm-head": (262144, 3840),
 }
 COPIES = 20
 

@@ -476,6 +476,11 @@ WIDE_BF16 = True
 # 7.060, Llama-3-8B 4.152 -> 4.153 (calls 75, 76).
 WIDE_QKV = True
 WIDE_PROGRAMS_PER_SM = 4
+# bf16/fp16 layers of 16-row programs too many for WIDE_QKV's four an SM (gate_up layers, Phi-3's
+# qkv, LM heads) at 8 x 1,024 on 4 warps, as WIDE_BF16's: alone (bench/gemv.py, H200, call 121)
+# Phi-3-mini's gate_up 28.7 -> 23.6 us (floor 23.8 at the copy rate), qkv 18.2 -> 15.3 (13.4).
+# Off until measured at batch 1 (bench/next/call123.sh).
+WIDE_BF16_MANY = False
 
 
 def one_row_plan(
@@ -494,6 +499,8 @@ def one_row_plan(
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
         return block_n, min(2 * block_k, next_power_of_2(k)), 4, 3
+    if WIDE_BF16_MANY and weight_bytes == 2 and block_n == 16:
+        return 8, min(4 * block_k, next_power_of_2(k)), 4, 3
     return block_n, block_k, 4, 3
 
 
@@ -507,7 +514,7 @@ def takes_rotary(weight: torch.Tensor, half: int, qk_norm: bool = False) -> bool
     if weight.dtype == FP8 and FP8_TENSOR_CORES:
         block_n = MMA_ROWS  # (`fp8_mma_plan`'s)
     else:
-        block_n = gemv_tiles(n, k, weight.element_size())[0]
+        block_n = one_row_plan(n, k, weight.element_size(), weight.device)[0]
     return half % (block_n // 2) == 0
 
 

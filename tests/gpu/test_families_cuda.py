@@ -407,6 +407,32 @@ def test_sandwich_norms_made_by_the_gemvs_keep_batch_one_tokens(
     _same_tokens(runs[True], runs[False], 1e-2)
 
 
+@pytest.mark.parametrize("family", ["phi-3-mini", "llama-3-8b", "gemma-3-12b"])
+def test_many_sixteen_row_layers_at_8_x_1024_keep_batch_one_tokens(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode (two layers of the shipped shape) with the bf16 layers whose 16-row
+    programs are too many for four an SM (gate_up, Phi-3's qkv, which rotates then in 8-row
+    programs, the LM head) at 8 x 1,024 (`triton_gemv.WIDE_BF16_MANY`) and at 16 x 256: the
+    same tokens, logprobs within 1e-2 (sums in another order)."""
+    from kvfleet.engine.layers import triton_gemv
+
+    plans: list[tuple[int, tuple[int, int, int, int]]] = []
+    planned = triton_gemv.one_row_plan
+
+    def spy(n: int, *args: Any) -> tuple[int, int, int, int]:
+        plans.append((n, planned(n, *args)))
+        return plans[-1][1]
+
+    monkeypatch.setattr(triton_gemv, "one_row_plan", spy)
+    _two_layers_of(family, tmp_path)
+    runs, _ = _batch_one_either_way(tmp_path, monkeypatch, (triton_gemv, "WIDE_BF16_MANY"),
+                                    (False, True), 8)  # fmt: skip
+    wide = {n for n, plan in plans if n > 8448 and plan == (8, 1024, 4, 3)}
+    assert len(wide) >= 2, plans  # (gate_up and the LM head at least)
+    _same_tokens(runs[True], runs[False], 1e-2)
+
+
 @pytest.mark.parametrize(("family", "takes_it"), [("llama-3-8b", True), ("gemma-2-9b", False)])
 def test_attention_splits_merged_by_the_4_bit_o_gemv_keep_batch_one_tokens(
     family: str, takes_it: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
