@@ -477,10 +477,15 @@ WIDE_BF16 = True
 WIDE_QKV = True
 WIDE_PROGRAMS_PER_SM = 4
 # bf16/fp16 layers of 16-row programs too many for WIDE_QKV's four an SM (gate_up layers, Phi-3's
-# qkv, LM heads) at 8 x 1,024 on 4 warps, as WIDE_BF16's: alone (bench/gemv.py, H200, call 121)
-# Phi-3-mini's gate_up 28.7 -> 23.6 us (floor 23.8 at the copy rate), qkv 18.2 -> 15.3 (13.4).
-# Off until measured at batch 1 (bench/next/call123.sh).
+# qkv, LM heads) at 8 x 1,024 on 4 warps, as WIDE_BF16's, where K is under WIDE_MANY_BELOW_K.
+# Alone (bench/gemv.py, H200, call 123): Phi-3-mini's gate_up 28.9 -> 23.9 us (floor 24.0 at the
+# copy rate), qkv 17.9 -> 15.4 (13.5), LM head 49.1 -> 45.3 (46.9), Gemma-3's gate_up 59.6 ->
+# 55.5 (56.2); gate_up layers of K = 4,096 were at their floor either way. Batch 1 with it at
+# every K (call 123, two rounds): Gemma-3-12B 6.946 -> 6.797 ms, Phi-3-mini 2.466 / 2.459 ->
+# 2.322 / 2.322, but Llama-3-8B 3.995 -> 4.054 and Qwen3-8B 4.168 -> 4.180 (K = 4,096). Off
+# until the K rule is measured (bench/next/call124.sh).
 WIDE_BF16_MANY = False
+WIDE_MANY_BELOW_K = 4096
 
 
 def one_row_plan(
@@ -499,7 +504,7 @@ def one_row_plan(
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
         return block_n, min(2 * block_k, next_power_of_2(k)), 4, 3
-    if WIDE_BF16_MANY and weight_bytes == 2 and block_n == 16:
+    if WIDE_BF16_MANY and weight_bytes == 2 and block_n == 16 and k < WIDE_MANY_BELOW_K:
         return 8, min(4 * block_k, next_power_of_2(k)), 4, 3
     return block_n, block_k, 4, 3
 

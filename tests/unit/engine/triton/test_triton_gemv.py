@@ -98,20 +98,22 @@ def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
 def test_wide_bf16_many_takes_8_x_1024_where_sixteen_row_programs_do_not_fit_four_an_sm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`WIDE_BF16_MANY`: a bf16 layer of 16-row programs too many for four an SM (Llama-3-8B's
-    gate_up, Phi-3's qkv at 132 SMs) takes 8 x 1,024 on 4 warps; one that fits (Llama-3-8B's
-    qkv: WIDE_QKV) and e4m3 weights keep their plans, and so does every layer with it off; the
-    qkv GEMV's rotation follows the plan's rows (`takes_rotary`: 4 pairs a program)."""
+    """`WIDE_BF16_MANY`: a bf16 layer of 16-row programs too many for four an SM and K under
+    4,096 (Gemma-3's gate_up, Phi-3's qkv at 132 SMs) takes 8 x 1,024 on 4 warps; one of K =
+    4,096 (Llama-3-8B's gate_up), one that fits (Llama-3-8B's qkv: WIDE_QKV) and e4m3 weights
+    keep their plans, and so does every layer with it off; the qkv GEMV's rotation follows the
+    plan's rows (`takes_rotary`: 4 pairs a program)."""
     from kvfleet.engine.layers.triton_gemv import takes_rotary
 
     monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
-    shapes = [(28672, 4096, 2), (9216, 3072, 2), (6144, 4096, 2), (28672, 4096, 1)]
+    shapes = [(30720, 3840, 2), (9216, 3072, 2), (28672, 4096, 2), (6144, 4096, 2),
+              (28672, 2048, 1)]  # fmt: skip
     off = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
     monkeypatch.setattr(triton_gemv, "WIDE_BF16_MANY", True)
     on = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
-    assert off[(28672, 4096, 2)] == off[(9216, 3072, 2)] == (16, 256, 4, 3)
-    assert on[(28672, 4096, 2)] == on[(9216, 3072, 2)] == (8, 1024, 4, 3)
+    assert off[(30720, 3840, 2)] == off[(9216, 3072, 2)] == (16, 256, 4, 3)
+    assert on[(30720, 3840, 2)] == on[(9216, 3072, 2)] == (8, 1024, 4, 3)
     for shape in shapes[2:]:
         assert on[shape] == off[shape]
     assert triton_gemv.one_row_plan(9216, 300, 2, cpu)[:2] == (8, 512)  # (K's power of two)
