@@ -476,22 +476,31 @@ WIDE_BF16 = True
 # 7.060, Llama-3-8B 4.152 -> 4.153 (calls 75, 76).
 WIDE_QKV = True
 WIDE_PROGRAMS_PER_SM = 4
-# bf16/fp16 layers of 16-row programs too many for WIDE_QKV's four an SM (gate_up layers, Phi-3's
-# qkv, LM heads) at 8 x 1,024 on 4 warps, as WIDE_BF16's, where K is under WIDE_MANY_BELOW_K.
-# Alone (bench/gemv.py, H200, call 123): Phi-3-mini's gate_up 28.9 -> 23.9 us (floor 24.0 at the
-# copy rate), qkv 17.9 -> 15.4 (13.5), LM head 49.1 -> 45.3 (46.9), Gemma-3's gate_up 59.6 ->
-# 55.5 (56.2); gate_up layers of K = 4,096 were at their floor either way. Batch 1 with it at
-# every K (call 123, two rounds): Gemma-3-12B 6.946 -> 6.797 ms, Phi-3-mini 2.466 / 2.459 ->
-# 2.322 / 2.322, but Llama-3-8B 3.995 -> 4.054 and Qwen3-8B 4.168 -> 4.180 (K = 4,096). Off
-# until the K rule is measured (bench/next/call124.sh).
-WIDE_BF16_MANY = False
-WIDE_MANY_BELOW_K = 4096
+# bf16/fp16 layers' plans measured faster at batch 1 than the rules above give them, by (N, K),
+# as vLLM and SGLang ship tuned kernel configs by shape: 8 x 1,024 on 4 warps (WIDE_BF16's) for
+# layers of 16-row programs too many for WIDE_QKV. Alone (bench/gemv.py, H200, call 123):
+# Phi-3-mini's gate_up 28.9 -> 23.9 us (floor 24.0 at the copy rate), qkv 17.9 -> 15.4 (13.5), LM
+# head 49.1 -> 45.3 (46.9); Gemma-3-12B's gate_up 59.6 -> 55.5 (56.2), LM head 441.6 -> 442.8.
+# Batch 1 (calls 123, 124): Phi-3-mini 2.466 / 2.459 / 2.449 -> 2.322 / 2.322 / 2.303 ms,
+# Gemma-3-12B 6.946 / 6.946 / 6.869 -> 6.797 / 6.797 / 6.738. Not as a rule: the same plan for
+# every such layer lost at Llama-3-8B (3.995 -> 4.054 ms), Qwen3-8B (4.168 -> 4.180) and, K under
+# 4,096 only, Qwen2.5-7B (3.767 -> 3.870), whose gate_up layers were at their floor alone either
+# way; Qwen3-30B-A3B's LM head unchanged (2.578).
+TUNED_ONE_ROW: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (9216, 3072): (8, 1024, 4, 3),  # Phi-3-mini qkv
+    (16384, 3072): (8, 1024, 4, 3),  # Phi-3-mini gate_up
+    (32064, 3072): (8, 1024, 4, 3),  # Phi-3-mini LM head
+    (30720, 3840): (8, 1024, 4, 3),  # Gemma-3-12B gate_up
+    (262144, 3840): (8, 1024, 4, 3),  # Gemma-3-12B LM head
+}
 
 
 def one_row_plan(
     n: int, k: int, weight_bytes: int, device: torch.device
 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the one-row GEMV over a weight [n, k]."""
+    if weight_bytes == 2 and (n, k) in TUNED_ONE_ROW:
+        return TUNED_ONE_ROW[n, k]
     block_n, block_k = gemv_tiles(n, k, weight_bytes)
     half = next_power_of_2(k) // 2
     if (PRELOAD_HALF and weight_bytes == 2 and block_n == 8 and block_k < half
@@ -504,8 +513,6 @@ def one_row_plan(
         return block_n, 2 * block_k, 4, 3
     if WIDE_BF16 and weight_bytes == 2 and block_n == 8:
         return block_n, min(2 * block_k, next_power_of_2(k)), 4, 3
-    if WIDE_BF16_MANY and weight_bytes == 2 and block_n == 16 and k < WIDE_MANY_BELOW_K:
-        return 8, min(4 * block_k, next_power_of_2(k)), 4, 3
     return block_n, block_k, 4, 3
 
 

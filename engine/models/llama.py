@@ -35,14 +35,6 @@ AttentionFactory = Callable[[ModelConfig], AttentionLayer]
 KV_CALIBRATION_RANGE = 224.0
 
 
-# Sandwich-norm layers (Gemma 2 / 3; whole sums in and out) leaving their input and
-# pre-feed-forward norms (residual add + RMSNorm) to the qkv and gate_up GEMVs after them, as
-# Llama's do; their attention's and MLP's output norms need the whole row and stay kernels.
-# Gemma-3-12B's batch-1 trace (H200, session 46): four norm kernels a layer, 1.4 us each on the
-# path. Off until measured (bench/next/call122.sh).
-SANDWICH_ROWS_IN_GEMV = False
-
-
 class LlamaAttention(nn.Module):
     kv_scales: torch.Tensor
 
@@ -216,12 +208,13 @@ class LlamaDecoderLayer(nn.Module):
                 self.post_attention_layernorm, after, hidden, residual, self.tp
             )
             return self.mlp(normed), residual
-        into = (qkv, after) if SANDWICH_ROWS_IN_GEMV else (None, None)
-        normed, residual = norm_for(self.input_layernorm, into[0], hidden, residual, None)
-        hidden = self.self_attn(positions, normed, kv_cache, metadata)
+        # (their input and pre-feed-forward norms made by the qkv and gate_up GEMVs lost:
+        # Gemma-3-12B batch 1 6.946 -> 6.961 ms, bench/RESULTS.md session 47)
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         hidden, _ = self.post_attention_layernorm(whole(hidden, self.tp))
-        normed, residual = norm_for(self.pre_feedforward_layernorm, into[1], hidden, residual, None)
-        hidden, _ = self.post_feedforward_layernorm(whole(self.mlp(normed), self.tp))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, _ = self.post_feedforward_layernorm(whole(self.mlp(hidden), self.tp))
         return hidden, residual
 
 

@@ -53,28 +53,6 @@ def test_logprobs_match_transformers(
     assert worst < TOLERANCE, f"after a prefix hit: max |logprob difference| {worst:.2e}"
 
 
-@pytest.mark.parametrize("family", ["gemma2-softcap-windows", "gemma3-local-global"])
-def test_sandwich_norms_handed_on_keep_transformers_output(
-    family: str,
-    hf_model_dir: Callable[[str], tuple[Any, Path]],
-    logprob_gap: Callable[..., float],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Gemma's layers with their input and pre-feed-forward norms handed to the layer after
-    (`llama.SANDWICH_ROWS_IN_GEMV`; on the CPU each norm still runs itself): transformers'
-    logprobs, as with it off."""
-    from kvfleet.engine.models import llama
-
-    monkeypatch.setattr(llama, "SANDWICH_ROWS_IN_GEMV", True)
-    hf_model, folder = hf_model_dir(family)
-    prompt = torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, block_size=8,
-              num_blocks=32, max_model_len=128)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=20, ignore_eos=True)
-    (output,) = llm.generate(prompt, params)
-    assert logprob_gap(hf_model, prompt, output.outputs[0]) < TOLERANCE
-
-
 @pytest.mark.parametrize(
     "family",
     ["mixtral-moe", "qwen3-moe-dense-layer", "gemma2-softcap-windows", "gemma3-local-global",

@@ -95,32 +95,27 @@ def test_wide_bf16_tiles_take_1024_inputs_where_a_layer_does_not_preload(
     assert triton_gemv.one_row_plan(600, 256, 2, cpu)[1] == 256  # (K's power of two)
 
 
-def test_wide_bf16_many_takes_8_x_1024_where_sixteen_row_programs_do_not_fit_four_an_sm(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`WIDE_BF16_MANY`: a bf16 layer of 16-row programs too many for four an SM and K under
-    4,096 (Gemma-3's gate_up, Phi-3's qkv at 132 SMs) takes 8 x 1,024 on 4 warps; one of K =
-    4,096 (Llama-3-8B's gate_up), one that fits (Llama-3-8B's qkv: WIDE_QKV) and e4m3 weights
-    keep their plans, and so does every layer with it off; the qkv GEMV's rotation follows the
+def test_tuned_shapes_take_their_measured_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TUNED_ONE_ROW`: Phi-3-mini's bf16 qkv and Gemma-3-12B's gate_up take 8 x 1,024 on 4
+    warps where the rules give 16 x 256; Llama-3-8B's gate_up (a shape not in the table) and
+    e4m3 weights of a tuned shape keep the rules' plans; the qkv GEMV's rotation follows the
     plan's rows (`takes_rotary`: 4 pairs a program)."""
     from kvfleet.engine.layers.triton_gemv import takes_rotary
 
     monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
-    shapes = [(30720, 3840, 2), (9216, 3072, 2), (28672, 4096, 2), (6144, 4096, 2),
-              (28672, 2048, 1)]  # fmt: skip
-    off = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
-    monkeypatch.setattr(triton_gemv, "WIDE_BF16_MANY", True)
-    on = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
-    assert off[(30720, 3840, 2)] == off[(9216, 3072, 2)] == (16, 256, 4, 3)
-    assert on[(30720, 3840, 2)] == on[(9216, 3072, 2)] == (8, 1024, 4, 3)
+    shapes = [(30720, 3840, 2), (9216, 3072, 2), (28672, 4096, 2), (9216, 3072, 1)]
+    tuned = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
+    monkeypatch.setattr(triton_gemv, "TUNED_ONE_ROW", {})
+    ruled = {shape: triton_gemv.one_row_plan(*shape, cpu) for shape in shapes}
+    assert ruled[(30720, 3840, 2)] == ruled[(9216, 3072, 2)] == (16, 256, 4, 3)
+    assert tuned[(30720, 3840, 2)] == tuned[(9216, 3072, 2)] == (8, 1024, 4, 3)
     for shape in shapes[2:]:
-        assert on[shape] == off[shape]
-    assert triton_gemv.one_row_plan(9216, 300, 2, cpu)[:2] == (8, 512)  # (K's power of two)
+        assert tuned[shape] == ruled[shape]
     phi3_qkv = torch.empty(9216, 3072, dtype=torch.bfloat16, device="meta")
-    assert takes_rotary(phi3_qkv, 4)  # (16-row programs: 8 pairs, 4 in a head would not do)
-    monkeypatch.setattr(triton_gemv, "WIDE_BF16_MANY", False)
-    assert not takes_rotary(phi3_qkv, 4)
+    assert not takes_rotary(phi3_qkv, 4)  # (16-row programs: 8 pairs)
+    monkeypatch.undo()
+    assert takes_rotary(phi3_qkv, 4)
 
 
 def test_scales_go_with_e4m3_weights_only() -> None:
