@@ -389,13 +389,15 @@ class _Plans(dict[tuple[int, int], tuple[int, int, int, int]]):
     __hash__ = object.__hash__  # type: ignore[assignment]
 
 
-@pytest.mark.parametrize("family", ["phi-3-mini", "gemma-3-12b"])
+@pytest.mark.parametrize(
+    ("family", "tuned_rows"), [("phi-3-mini", {9216, 16384, 32064}), ("gemma-3-12b", {30720})]
+)
 def test_tuned_one_row_plans_keep_batch_one_tokens_up_to_near_ties(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, tuned_rows: set[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batch-1 decode (two layers of the shipped shape) with the bf16 layers `TUNED_ONE_ROW`
     names (Phi-3's qkv, which rotates then in 8-row programs, gate_up and LM head; Gemma-3's
-    gate_up and LM head) at their 8 x 1,024 plans and at the rules' 16 x 256: sums in another
+    gate_up) at their 8 x 1,024 plans and at the rules' 16 x 256: sums in another
     order, bf16 rounding apart. Dummy weights give flat distributions (logprobs near -6),
     where such rounding can swap two near-tied tokens: as vLLM checks bf16 paths, each prompt's
     tokens equal until they first differ, and there each run's token among the other's top 2
@@ -414,8 +416,7 @@ def test_tuned_one_row_plans_keep_batch_one_tokens_up_to_near_ties(
     tuned, ruled = _Plans(triton_gemv.TUNED_ONE_ROW), _Plans()
     runs, _ = _batch_one_either_way(tmp_path, monkeypatch, (triton_gemv, "TUNED_ONE_ROW"),
                                     (tuned, ruled), 8)  # fmt: skip
-    taken = {n for n, plan in plans if plan == (8, 1024, 4, 3) and n > 8448}
-    assert len(taken) >= 2, plans  # (gate_up and the LM head at least)
+    assert {n for n, plan in plans if plan == (8, 1024, 4, 3) and n > 4096} == tuned_rows
     for mine, want in zip(runs[tuned], runs[ruled], strict=True):
         difference = first_difference(mine[2], want[2], top=2)
         at = len(want[0]) if difference is None else difference[0]
