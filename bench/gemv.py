@@ -50,7 +50,7 @@ SHAPES = {
     "phi3-lm-head": (32064, 3072),
     "qwen2.5-gate_up": (37888, 3584),
     "gemma3-gate_up": (30720, 3840),
-    "gemma3-lm-head": (262144, 3840),
+    "gemma3-lm-head": (262208, 3840),
 }
 COPIES = 20
 

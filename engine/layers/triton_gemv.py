@@ -480,8 +480,8 @@ WIDE_PROGRAMS_PER_SM = 4
 # as vLLM and SGLang ship tuned kernel configs by shape: 8 x 1,024 on 4 warps (WIDE_BF16's) for
 # layers of 16-row programs too many for WIDE_QKV. Alone (bench/gemv.py, H200, call 123):
 # Phi-3-mini's gate_up 28.9 -> 23.9 us (floor 24.0 at the copy rate), qkv 17.9 -> 15.4 (13.5), LM
-# head 49.1 -> 45.3 (46.9); Gemma-3-12B's gate_up 59.6 -> 55.5 (56.2; its LM head is not this
-# GEMV's).
+# head 49.1 -> 45.3 (46.9); Gemma-3-12B's gate_up 59.6 -> 55.5 (56.2), LM head (262,144 rows of
+# its 262,208) 441.6 -> 442.8.
 # Batch 1 (calls 123, 124): Phi-3-mini 2.466 / 2.459 / 2.449 -> 2.322 / 2.322 / 2.303 ms,
 # Gemma-3-12B 6.946 / 6.946 / 6.869 -> 6.797 / 6.797 / 6.738. Not as a rule: the same plan for
 # every such layer lost at Llama-3-8B (3.995 -> 4.054 ms), Qwen3-8B (4.168 -> 4.180) and, K under
@@ -492,6 +492,7 @@ TUNED_ONE_ROW: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (16384, 3072): (8, 1024, 4, 3),  # Phi-3-mini gate_up
     (32064, 3072): (8, 1024, 4, 3),  # Phi-3-mini LM head
     (30720, 3840): (8, 1024, 4, 3),  # Gemma-3-12B gate_up
+    (262208, 3840): (8, 1024, 4, 3),  # Gemma-3-12B LM head
 }
 
 

@@ -390,14 +390,14 @@ class _Plans(dict[tuple[int, int], tuple[int, int, int, int]]):
 
 
 @pytest.mark.parametrize(
-    ("family", "tuned_rows"), [("phi-3-mini", {9216, 16384, 32064}), ("gemma-3-12b", {30720})]
+    ("family", "tuned_rows"), [("phi-3-mini", {9216, 16384, 32064}), ("gemma-3-12b", {30720, 262208})]
 )
 def test_tuned_one_row_plans_keep_batch_one_tokens_up_to_near_ties(
     family: str, tuned_rows: set[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batch-1 decode (two layers of the shipped shape) with the bf16 layers `TUNED_ONE_ROW`
     names (Phi-3's qkv, which rotates then in 8-row programs, gate_up and LM head; Gemma-3's
-    gate_up) at their 8 x 1,024 plans and at the rules' 16 x 256: sums in another
+    gate_up and LM head) at their 8 x 1,024 plans and at the rules' 16 x 256: sums in another
     order, bf16 rounding apart. Dummy weights give flat distributions (logprobs near -6),
     where such rounding can swap two near-tied tokens: as vLLM checks bf16 paths, each prompt's
     tokens equal until they first differ, and there each run's token among the other's top 2
