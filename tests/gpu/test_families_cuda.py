@@ -390,7 +390,8 @@ class _Plans(dict[tuple[int, int], tuple[int, int, int, int]]):
 
 
 @pytest.mark.parametrize(
-    ("family", "tuned_rows"), [("phi-3-mini", {9216, 16384, 32064}), ("gemma-3-12b", {30720, 262208})]
+    ("family", "tuned_rows"),
+    [("phi-3-mini", {9216, 16384, 32064}), ("gemma-3-12b", {30720, 262208})],
 )
 def test_tuned_one_row_plans_keep_batch_one_tokens_up_to_near_ties(
     family: str, tuned_rows: set[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
