@@ -7,10 +7,16 @@ the weights come from HBM, not L2), beside the bytes floor; a few tilings of the
 agreement with the unfused path first; the tensor-core GEMV (`fp8_gemv_mma`) over tilings and
 the number of parts K is cut into.
 
-    bench/device_env.sh python3 bench/fp8_gemv.py
+    bench/device_env.sh python3 bench/fp8_gemv.py [--shapes o down] [--tiles 8,2048,4,3 ...]
+        [--mma 16,512,4 ...]
+
+(`--tiles`: the CUDA-core kernel's (BLOCK_N, BLOCK_K, warps, stages) instead of TILINGS;
+`--mma`: the tensor-core GEMV's (BLOCK_N, BLOCK_K, warps) instead of MMA_TILINGS.)
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +38,21 @@ TILINGS = [(8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (4, 1024, 4, 4), (1
            (8, 512, 8, 4), (4, 512, 2, 4), (32, 256, 8, 3)]  # fmt: skip
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--tiles", nargs="*", type=_ints, default=TILINGS)
+    parser.add_argument("--mma", nargs="*", type=_ints, default=MMA_TILINGS)
+    args = parser.parse_args()
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s; per call, us (median of 15 graph replays / {COPIES})")
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes:
+        n, k = SHAPES[name]
         weights = [quantize_rows(torch.randn(n, k, device=device) * 0.02) for _ in range(COPIES)]
         bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
         floor_us = n * k / (copy_gbps * 1e9) * 1e6
@@ -62,20 +78,24 @@ def main() -> None:
             for label, x_scale in (("shipped", None), ("static scale", static)):
                 replay = captured(lambda: [gemv(x, w, s, x_scale=x_scale) for w, s in weights])
                 line += f" | {label}: {replay_us(replay, COPIES):5.1f}"
-            for mma in MMA_TILINGS:
+            for mma in args.mma:
                 for split in MMA_SPLITS:
                     plan = fp8_mma_plan(n, k, device, mma, split)
                     if plan[3] != split:  # (K's tiles do not cut into that many parts)
                         continue
-                    got = fp8_gemv_mma(x, *weights[0], tiles=mma, split=split).float()
+                    label = "/".join(map(str, mma))
+                    try:  # (a tiling Triton cannot compile for this GPU is reported, not fatal)
+                        got = fp8_gemv_mma(x, *weights[0], tiles=mma, split=split).float()
+                    except Exception as error:
+                        line += f" | mma {label} split {split}: {type(error).__name__}"
+                        continue
                     err = ((got - want).abs().max() / want.abs().max()).item()
                     replay = captured(
                         lambda: [fp8_gemv_mma(x, w, s, tiles=mma, split=split) for w, s in weights]
                     )
-                    label = "/".join(map(str, mma))
                     us = replay_us(replay, COPIES)
                     line += f" | mma {label} split {split}: {us:5.1f} ({err:.0e})"
-            for bn, bk, warps, stages in TILINGS:
+            for bn, bk, warps, stages in args.tiles:
                 tiles = (bn, bk, warps, stages)
                 got = gemv(x, *weights[0], tiles=tiles).float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
