@@ -56,6 +56,21 @@ from kvfleet.engine.layers.triton_rope import (
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
+# e4m3 weights at one row times the row as it is, in the model dtype (W8A16, as FP8 Marlin
+# multiplies), on the CUDA cores with the bf16 GEMV's plans (`one_row_plan` at 2 bytes a weight),
+# instead of the row quantized to e4m3 first (W8A8): no largest magnitude found, no row quantized
+# a tile, and decode attention's splits merged as read (`SplitRows`) as for bf16 weights. The
+# products are exact in float32 either way (bf16 x e4m3: 8 + 4 significant bits).
+FP8_BF16_ROW = False
+# ... with BLOCK_K doubled: the bf16 plan's bytes a tile rather than its inputs
+FP8_ROW_WIDE = False
+# The one-row GEMV's accumulator: each 16 bytes of a weight row's products (a thread's vector
+# load: 8 bf16 or 16 e4m3 weights) summed before they are added in (`_grouped`), so that it holds
+# [BLOCK_N, BLOCK_K / 8 or 16] sums, not [BLOCK_N, BLOCK_K]. The same instructions (sm_90, Triton
+# 3.9, compiled here); registers a program: bf16 8 x 1,024 on 4 warps 117 -> 56, 16 x 1,024 241 ->
+# 96; e4m3 (FP8_BF16_ROW) 8 x 2,048 212 -> 64: more programs an SM resident, a layer's programs
+# resident (and preloading) while the layer before still runs.
+GROUPED_SUMS = False
 
 
 @triton.jit
@@ -105,11 +120,13 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr = False,
+    SCALED: tl.constexpr = False, GROUP: tl.constexpr = 1,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
     `quantize_rows` does (its largest magnitude found first: x is small and stays in L2; or the
-    static scale), times both scales (products of e4m3 values are exact in float32). NORM: the
+    static scale), times both scales (products of e4m3 values are exact in float32). SCALED:
+    e4m3 weights times the row as it is, times the weight's scales (`FP8_BF16_ROW`). NORM: the
     row multiplied is RMSNorm(x + residual) (`triton_layers.add_rms_norm`'s values, made here;
     the first program writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x
     HALF): q rotated into out, k rotated and v written into the KV cache
@@ -128,17 +145,21 @@ def _gemv_kernel(
                                   QUANTIZE and not STATIC, QUANTIZE and STATIC, NORM,
                                   HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
-    acc = _products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
-                    norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
-                    OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
+    acc = _grouped(_products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype,
+                             residual_ptr, norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE,
+                             NORM, HAS_RESIDUAL, OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER),
+                   GROUP)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
-        acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
-                         norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
-                         OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
+        acc += _grouped(_products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype,
+                                  residual_ptr, norm_w_ptr, inv_rms, lse_ptr, lse_stride,
+                                  QUANTIZE, NORM, HAS_RESIDUAL, OFFSET, SPLITS, SPLIT_HEAD_DIM,
+                                  EAGER), GROUP)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+    elif SCALED:
+        out = out * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if ROTARY:
@@ -405,6 +426,17 @@ def _launch_mma(
 
 
 @triton.jit
+def _grouped(products, GROUP: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // GROUP]: each GROUP neighbouring products of a row summed (GROUP 1:
+    the products as they are), so that the accumulator holds GROUP times fewer values."""
+    if GROUP == 1:
+        return products
+    rows: tl.constexpr = products.shape[0]
+    inputs: tl.constexpr = products.shape[1]
+    return tl.sum(tl.reshape(products, (rows, inputs // GROUP, GROUP)), axis=2)
+
+
+@triton.jit
 def _products(x_ptr, k0, offsets, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr,
               norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr,
               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
@@ -523,12 +555,23 @@ def takes_rotary(weight: torch.Tensor, half: int, qk_norm: bool = False) -> bool
     q/k norms, `half` a power of two (a head's last program normalizes it in one tile)."""
     if qk_norm and half != next_power_of_2(half):
         return False
-    n, k = weight.shape
-    if weight.dtype == FP8 and FP8_TENSOR_CORES:
+    if weight.dtype == FP8 and FP8_TENSOR_CORES and not FP8_BF16_ROW:
         block_n = MMA_ROWS  # (`fp8_mma_plan`'s)
     else:
-        block_n = one_row_plan(n, k, weight.element_size(), weight.device)[0]
+        block_n = _plan(weight)[0]
     return half % (block_n // 2) == 0
+
+
+def _plan(weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """`one_row_plan` of the CUDA-core GEMV over `weight`: e4m3 weights times a row as it is
+    (`FP8_BF16_ROW`) take the bf16 weights' plan (`FP8_ROW_WIDE`: its BLOCK_K doubled)."""
+    n, k = weight.shape
+    if weight.dtype == FP8 and FP8_BF16_ROW:
+        block_n, block_k, warps, stages = one_row_plan(n, k, 2, weight.device)
+        if FP8_ROW_WIDE:
+            block_k = min(2 * block_k, next_power_of_2(k))
+        return block_n, block_k, warps, stages
+    return one_row_plan(n, k, weight.element_size(), weight.device)
 
 
 def gemv(
@@ -561,14 +604,19 @@ def gemv(
     assert m == 1 or left is not None
     assert row.is_contiguous()
     assert weight.is_contiguous()
-    quantize = weight.dtype == FP8
-    assert quantize == (weight_scale is not None), "e4m3 weights, and only they, take scales"
-    assert left is None or not (quantize or rotary), "split rows into bf16/fp16 weights only"
-    if weight_scale is not None and tiles is None and FP8_TENSOR_CORES:
+    assert (weight.dtype == FP8) == (weight_scale is not None), (
+        "e4m3 weights, and only they, take scales"
+    )
+    scaled = weight.dtype == FP8 and FP8_BF16_ROW
+    quantize = weight.dtype == FP8 and not scaled
+    assert left is None or not (quantize or rotary), "split rows into bf16/fp16/e4m3-scaled only"
+    if quantize and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         assert not isinstance(x, SplitRows)
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
-    block_n, block_k, warps, stages = tiles or one_row_plan(n, k, weight.element_size(), row.device)
+    if scaled:
+        x_scale = None  # (W8A16: the row is not quantized)
+    block_n, block_k, warps, stages = tiles or _plan(weight)
     if left is not None:  # (`merged_values` takes whole heads a tile)
         block_k = max(block_k, left.head_dim)
         assert block_k % left.head_dim == 0, "heads of a power of two"
@@ -592,6 +640,8 @@ def gemv(
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
-        num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER, **limits,
+        num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER,
+        SCALED=scaled, GROUP=min(16 // weight.element_size(), block_k) if GROUPED_SUMS else 1,
+        **limits,
     )  # fmt: skip
     return out

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.linear import UnnormalizedRow, gemv_rotated
+from kvfleet.engine.layers.linear import SplitRows, UnnormalizedRow, gemv_rotated
 from kvfleet.engine.layers.quantization.linear import QuantizedLinear, Rows, expect_shape
 
 if TYPE_CHECKING:
@@ -203,19 +203,34 @@ class Fp8Linear(QuantizedLinear):
 
             reserve_fp8_gemv(self.out_features, self.in_features, self.weight.device)
 
+    def takes_split_rows(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether the one-row GEMV merges decode attention's unmerged splits of heads of
+        `head_dim` for this row x (`linear.takes_splits`): where it multiplies the row as it is
+        (`triton_gemv.FP8_BF16_ROW`), heads of a power of two."""
+        from kvfleet.engine.layers import triton_gemv
+
+        return (
+            triton_gemv.FP8_BF16_ROW
+            and x.is_cuda
+            and x.dtype == self.dtype
+            and head_dim & (head_dim - 1) == 0
+        )
+
     def forward(
-        self, x: torch.Tensor | QuantizedRows | UnnormalizedRow, with_bias: bool = True
+        self, x: torch.Tensor | QuantizedRows | UnnormalizedRow | SplitRows, with_bias: bool = True
     ) -> torch.Tensor:
         bias = self.bias if with_bias else None
         if isinstance(x, QuantizedRows):  # (quantized by the kernel that produced them)
             return self._scaled_mm(x.values, x.scales, bias, x.dtype)
         shape = x.shape
-        if isinstance(x, UnnormalizedRow) or (x.is_cuda and x.numel() == shape[-1]):
+        if isinstance(x, (UnnormalizedRow, SplitRows)) or (x.is_cuda and x.numel() == shape[-1]):
             # (decode of one sequence: one kernel quantizes the row, normalizing it first if
             # asked, and streams the weight)
             from kvfleet.engine.layers.triton_gemv import gemv
 
-            row = x if isinstance(x, UnnormalizedRow) else x.reshape(1, -1).contiguous()
+            row = (
+                x if isinstance(x, (UnnormalizedRow, SplitRows)) else x.reshape(1, -1).contiguous()
+            )
             out = gemv(row, self.weight, self.weight_scale, bias, self.input_scale)
             return out.reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1])

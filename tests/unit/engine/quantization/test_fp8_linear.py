@@ -324,3 +324,57 @@ def test_the_tensor_core_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_do
     assert torch.equal(out[:, :512], qkv[:, :512])
     assert torch.equal(cache, expected_cache)
     assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+def test_the_gemv_times_the_row_as_it_is_equals_the_dequantized_reference(
+    grouped: bool, static: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`triton_gemv.FP8_BF16_ROW` (W8A16 at one row): the row is not quantized (a static input
+    scale not applied either), the products exact, to float32's summation noise of the
+    dequantized reference; the row quantized first (W8A8) is further off than that."""
+    from kvfleet.engine.layers import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", True)
+    monkeypatch.setattr(triton_gemv, "GROUPED_SUMS", grouped)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 200, generator=generator)
+    weight, scale = quantize_rows(torch.randn(40, 200, generator=generator) * 0.1)
+    bias = torch.randn(40, generator=generator)
+    x_scale = torch.tensor(0.25) if static else None
+    out = triton_gemv.gemv(x, weight, scale, bias, x_scale, tiles=(16, 64, 4, 3))
+    want = x @ (weight.float() * scale).t() + bias
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    x_q, x_s = quantize_rows(x)
+    assert (x_q.float() * x_s @ (weight.float() * scale).t() + bias - want).abs().max() > 1e-3
+
+
+def test_the_e4m3_layer_merges_split_rows_as_read_where_it_takes_the_row_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode attention's splits (`SplitRows`) into the e4m3 layer's one-row GEMV: the layer
+    merged row's output, splits holding no keys out; only with FP8_BF16_ROW, whole heads of a
+    power of two, on CUDA."""
+    from kvfleet.engine.layers import triton_gemv
+    from kvfleet.engine.layers.linear import SplitRows
+
+    generator = torch.Generator().manual_seed(4)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(128, 48, bias=True))
+    parts = torch.randn(3, 128, generator=generator)
+    lse = torch.randn(4, 3, generator=generator) * 3
+    lse[1, 2] = lse[3, 0] = float("-inf")
+    rows = SplitRows(parts, lse)
+    weights = torch.softmax(lse, dim=1)  # [heads, splits]
+    merged = torch.einsum("hs,shd->hd", weights, parts.view(3, 4, 32)).reshape(1, 128)
+    monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", True)
+    want = merged @ (layer.weight.float() * layer.weight_scale).t() + layer.bias
+    torch.testing.assert_close(layer(rows), want, rtol=1e-5, atol=1e-5)
+    cuda_row = torch.empty(1, 128, device="meta")
+    assert not layer.takes_split_rows(merged, 32)  # (the CPU)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        assert layer.takes_split_rows(cuda_row, 32)
+        assert not layer.takes_split_rows(cuda_row, 96)
+        patch.setattr(triton_gemv, "FP8_BF16_ROW", False)
+        assert not layer.takes_split_rows(cuda_row, 32)
