@@ -8,12 +8,12 @@ agreement with the unfused path first; the tensor-core GEMV (`fp8_gemv_mma`) ove
 the number of parts K is cut into.
 
     bench/device_env.sh python3 bench/fp8_gemv.py [--shapes o down] [--tiles 8,2048,4,3 ...]
-        [--mma 16,512,4 ...] [--bf16-row] [--grouped]
+        [--mma 16,512,4 ...] [--bf16-row] [--wide]
 
 (`--tiles`: the CUDA-core kernel's (BLOCK_N, BLOCK_K, warps, stages) instead of TILINGS;
 `--mma`: the tensor-core GEMV's (BLOCK_N, BLOCK_K, warps) instead of MMA_TILINGS; `--bf16-row`:
-the CUDA-core tilings multiply the row as it is, W8A16, `triton_gemv.FP8_BF16_ROW`; `--grouped`:
-`triton_gemv.GROUPED_SUMS`.)
+the CUDA-core tilings multiply the row as it is, W8A16, `triton_gemv.FP8_BF16_ROW`; `--wide`:
+`triton_gemv.FP8_ROW_WIDE`, its products summed in pairs.)
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="*", type=_ints, default=TILINGS)
     parser.add_argument("--mma", nargs="*", type=_ints, default=MMA_TILINGS)
     parser.add_argument("--bf16-row", action="store_true", help="triton_gemv.FP8_BF16_ROW on")
-    parser.add_argument("--grouped", action="store_true", help="triton_gemv.GROUPED_SUMS on")
+    parser.add_argument("--wide", action="store_true", help="triton_gemv.FP8_ROW_WIDE on")
     args = parser.parse_args()
     triton_gemv.FP8_BF16_ROW = args.bf16_row
-    triton_gemv.GROUPED_SUMS = args.grouped
+    triton_gemv.FP8_ROW_WIDE = args.wide
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s; per call, us (median of 15 graph replays / {COPIES})")

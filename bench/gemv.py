@@ -7,10 +7,9 @@ heads (128k-152k words) stay with cuBLAS in the engine (`linear.TRITON_GEMV_MAX_
 are timed here to say whether they should not.
 
     bench/device_env.sh python3 bench/gemv.py [--shapes 8b-lm-head ...] [--methods triton]
-        [--tiles 8,512,4,3 ...] [--grouped]
+        [--tiles 8,512,4,3 ...]
 
-`--tiles BLOCK_N,BLOCK_K,warps,stages`: the Triton GEMV also at these tiles (`gemv(tiles=)`);
-`--grouped`: with `triton_gemv.GROUPED_SUMS` on.
+`--tiles BLOCK_N,BLOCK_K,warps,stages`: the Triton GEMV also at these tiles (`gemv(tiles=)`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.bench.ceilings import captured, measure_ceilings, median_seconds
-from kvfleet.engine.layers import triton_gemv
 from kvfleet.engine.layers.triton_gemv import gemv
 
 # name: (out_features, in_features) per rank
@@ -92,9 +90,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--tiles", nargs="*", default=[], type=_tiles)
-    parser.add_argument("--grouped", action="store_true", help="triton_gemv.GROUPED_SUMS on")
     args = parser.parse_args()
-    triton_gemv.GROUPED_SUMS = args.grouped
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s")

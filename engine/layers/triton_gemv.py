@@ -62,15 +62,13 @@ FP8_TENSOR_CORES = True
 # a tile, and decode attention's splits merged as read (`SplitRows`) as for bf16 weights. The
 # products are exact in float32 either way (bf16 x e4m3: 8 + 4 significant bits).
 FP8_BF16_ROW = False
-# ... with BLOCK_K doubled: the bf16 plan's bytes a tile rather than its inputs
+# ... with BLOCK_K doubled, each two neighbouring products summed before the accumulator
+# (`_grouped`): the bf16 plan's bytes a tile, its accumulator's size and so its registers (sm_90,
+# Triton 3.9, compiled here: 8 x 2,048 on 4 warps 128, as bf16's 8 x 1,024 117; 212 ungrouped).
+# (Each 16 bytes' products summed, for bf16 weights too: registers 117 -> 56 at bf16's 8 x 1,024,
+# more programs an SM; batch 1 lost, Llama-3-8B 3.994 -> 4.349 ms, Qwen3-30B-A3B 2.583 -> 2.605,
+# FP8 at e4m3 8 x 2,048 2.727 against 2.675 ungrouped at 8 x 1,024: bench/next/call128.sh.)
 FP8_ROW_WIDE = False
-# The one-row GEMV's accumulator: each 16 bytes of a weight row's products (a thread's vector
-# load: 8 bf16 or 16 e4m3 weights) summed before they are added in (`_grouped`), so that it holds
-# [BLOCK_N, BLOCK_K / 8 or 16] sums, not [BLOCK_N, BLOCK_K]. The same instructions (sm_90, Triton
-# 3.9, compiled here); registers a program: bf16 8 x 1,024 on 4 warps 117 -> 56, 16 x 1,024 241 ->
-# 96; e4m3 (FP8_BF16_ROW) 8 x 2,048 212 -> 64: more programs an SM resident, a layer's programs
-# resident (and preloading) while the layer before still runs.
-GROUPED_SUMS = False
 
 
 @triton.jit
@@ -641,7 +639,6 @@ def gemv(
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
         num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER,
-        SCALED=scaled, GROUP=min(16 // weight.element_size(), block_k) if GROUPED_SUMS else 1,
-        **limits,
+        SCALED=scaled, GROUP=2 if scaled and FP8_ROW_WIDE else 1, **limits,
     )  # fmt: skip
     return out

@@ -466,3 +466,27 @@ def test_the_token_made_in_decode_attention_keeps_batch_one_tokens(
     assert any(raw is not None for _, raw in seen[True]) == takes_it
     assert all(raw is None for _, raw in seen[False])
     _same_tokens(runs[True], runs[False], 1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama-3-8b", "qwen3-8b"])
+def test_fp8_rows_taken_as_they_are_keep_batch_one_tokens_up_to_near_ties(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 (online) batch-1 decode with the e4m3 one-row GEMVs multiplying the row as it is
+    (`triton_gemv.FP8_BF16_ROW`: W8A16, the splits of decode attention left to o) and with the
+    row quantized to e4m3 first (W8A8, the tensor-core GEMV): the products differ by the row's
+    e4m3 rounding (2^-4 of a value at most), so as vLLM compares two quantized paths, each
+    prompt's tokens equal until they first differ, there each run's token among the other's
+    top 2 within 0.1; logprobs before it within 0.1."""
+    from kvfleet.engine.layers import triton_gemv
+
+    _two_layers_of(family, tmp_path)
+    runs, seen = _batch_one_either_way(tmp_path, monkeypatch, (triton_gemv, "FP8_BF16_ROW"),
+                                       (True, False), 8, quantization="fp8")  # fmt: skip
+    assert any(leave for leave, _ in seen[True])
+    assert not any(leave for leave, _ in seen[False])
+    for mine, want in zip(runs[True], runs[False], strict=True):
+        difference = first_difference(mine[2], want[2], top=2)
+        at = len(want[0]) if difference is None else difference[0]
+        assert difference is None or difference[1] < 0.1, difference
+        assert max(abs(a - b) for a, b in zip(mine[1][:at], want[1][:at], strict=True)) < 0.1

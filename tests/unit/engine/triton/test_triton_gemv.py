@@ -21,13 +21,8 @@ from kvfleet.engine.layers.triton_gemv import gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [16, 8])
-@pytest.mark.parametrize("grouped", [False, True])
-def test_the_dense_gemv_equals_linear(
-    dtype: torch.dtype, with_bias: bool, rows: int, grouped: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over 4 tiles of inputs (the last partial), 16 or 8 rows a program; products summed
-    into the accumulator as they are, or 16 bytes of weights' worth first (GROUPED_SUMS)."""
-    monkeypatch.setattr(triton_gemv, "GROUPED_SUMS", grouped)
+def test_the_dense_gemv_equals_linear(dtype: torch.dtype, with_bias: bool, rows: int) -> None:
+    """Over 4 tiles of inputs (the last partial), 16 or 8 rows a program."""
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(40, 200, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(40, generator=generator).to(dtype) if with_bias else None
