@@ -605,10 +605,10 @@ def gemv(
     assert (weight.dtype == FP8) == (weight_scale is not None), (
         "e4m3 weights, and only they, take scales"
     )
-    scaled = weight.dtype == FP8 and FP8_BF16_ROW
-    quantize = weight.dtype == FP8 and not scaled
-    assert left is None or not (quantize or rotary), "split rows into bf16/fp16/e4m3-scaled only"
-    if quantize and tiles is None and FP8_TENSOR_CORES:
+    scaled = weight_scale is not None and FP8_BF16_ROW
+    quantize = weight_scale is not None and not scaled
+    assert left is None or not (quantize or rotary), "split rows: not quantized, not rotated"
+    if weight_scale is not None and quantize and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         assert not isinstance(x, SplitRows)
         return fp8_gemv_mma(x, weight, weight_scale, bias, x_scale, rotary=rotary)
