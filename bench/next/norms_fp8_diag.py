@@ -18,7 +18,8 @@ from kvfleet.engine.sampling_params import SamplingParams
 
 def runs(quantization: str | None) -> list[object]:
     llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
-              quantization=quantization, max_model_len=1024, num_blocks=256, max_num_seqs=4)  # fmt: skip
+              quantization=quantization, max_model_len=1024, num_blocks=256,
+              max_num_seqs=4)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     prompts = [[128000 + i, *range(1000 + 7 * i, 1040 + 9 * i)] for i in range(3)]
     out = [from_engine(llm.generate([p], params)[0]) for p in prompts]
