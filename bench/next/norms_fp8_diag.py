@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.bench.bf16_agreement import first_difference, from_engine
+from kvfleet.bench.bf16_agreement import Run, first_difference, from_engine
 from kvfleet.engine.layers import linear, triton_gemv
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 
 
-def runs(quantization: str | None) -> list[object]:
+def runs(quantization: str | None) -> list[Run]:
     llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
               quantization=quantization, max_model_len=1024, num_blocks=256,
               max_num_seqs=4)  # fmt: skip

@@ -69,6 +69,8 @@ FP8_BF16_ROW = False
 # more programs an SM; batch 1 lost, Llama-3-8B 3.994 -> 4.349 ms, Qwen3-30B-A3B 2.583 -> 2.605,
 # FP8 at e4m3 8 x 2,048 2.727 against 2.675 ungrouped at 8 x 1,024: bench/next/call128.sh.)
 FP8_ROW_WIDE = False
+# ... for the 16-row plans too (qkv, gate_up), not only the 8-row ones (o, down)
+FP8_ROW_WIDE_SIXTEEN = False
 
 
 @triton.jit
@@ -566,10 +568,16 @@ def _plan(weight: torch.Tensor) -> tuple[int, int, int, int]:
     n, k = weight.shape
     if weight.dtype == FP8 and FP8_BF16_ROW:
         block_n, block_k, warps, stages = one_row_plan(n, k, 2, weight.device)
-        if FP8_ROW_WIDE:
+        if _widened(block_n):
             block_k = min(2 * block_k, next_power_of_2(k))
         return block_n, block_k, warps, stages
     return one_row_plan(n, k, weight.element_size(), weight.device)
+
+
+def _widened(block_n: int) -> bool:
+    """Whether e4m3 weights times a row as it is take twice the bf16 plan's inputs a tile, each
+    two products summed before the accumulator (FP8_ROW_WIDE)."""
+    return FP8_ROW_WIDE and (block_n == 8 or FP8_ROW_WIDE_SIXTEEN)
 
 
 def gemv(
@@ -639,6 +647,6 @@ def gemv(
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
         num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER,
-        SCALED=scaled, GROUP=2 if scaled and FP8_ROW_WIDE else 1, **limits,
+        SCALED=scaled, GROUP=2 if scaled and _widened(block_n) else 1, **limits,
     )  # fmt: skip
     return out

@@ -480,30 +480,31 @@ def test_fp8_rows_taken_as_they_are_match_the_dequantized_weights_in_bf16(
 ) -> None:
     """FP8 (online) batch-1 decode with the e4m3 one-row GEMVs multiplying the row as it is
     (`triton_gemv.FP8_BF16_ROW`: W8A16, decode attention's splits left to o) against the same
-    model in bf16 whose quantized layers hold their weights dequantized (each e4m3 row times its
-    scale, rounded to bf16): the same products up to that rounding, float32 sums in another
-    order. As the bf16 paths' tests: each prompt's tokens equal until they first differ, there
-    each run's token among the other's top 2 within 0.05; logprobs before it within 0.05. (The
-    row quantized first, W8A8, moves each product by up to 2^-4: with dummy weights' flat
-    distributions its tokens part from these within a few steps.)"""
+    model in bf16 whose quantized layers hold the FP8 run's weights dequantized (each e4m3 row
+    times its scale, rounded to bf16): the same products up to that rounding, float32 sums in
+    another order. As the bf16 paths' tests: each prompt's tokens equal until they first
+    differ, there each run's token among the other's top 2 within 0.05; logprobs before it
+    within 0.05. (The row quantized first, W8A8, moves each product by up to 2^-4: with dummy
+    weights' flat distributions its tokens part from these within a few steps.)"""
     from kvfleet.engine.layers import triton_gemv
-    from kvfleet.engine.layers.quantization.fp8 import Fp8Linear, quantize_rows
+    from kvfleet.engine.layers.quantization.fp8 import Fp8Linear
 
     _two_layers_of(family, tmp_path)
     monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", True)
-    quantized: list[str] = []
+    quantized: dict[str, torch.Tensor] = {}
 
     def prepare(value: object, llm: LLM) -> None:
         model = llm.engine.runner.model
         if value == "fp8":
-            quantized.extend(n for n, m in model.named_modules() if isinstance(m, Fp8Linear))
+            for name, module in model.named_modules():
+                if isinstance(module, Fp8Linear):
+                    quantized[name] = (module.weight.float() * module.weight_scale).cpu()
             return
         modules = dict(model.named_modules())
         with torch.no_grad():
-            for name in quantized:
+            for name, dequantized in quantized.items():
                 weight = modules[name].weight
-                values, scales = quantize_rows(weight.float())
-                weight.copy_((values.float() * scales).to(weight.dtype))
+                weight.copy_(dequantized.to(weight.device, weight.dtype))
 
     runs, seen = {}, {}
     for quantization in ("fp8", None):

@@ -5,6 +5,7 @@ reference. (The Triton interpreter mis-rounds e4m3 on the CPU: this is checked h
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from kvfleet.bench.bf16_agreement import first_difference, from_engine  # noqa: E402
 from kvfleet.engine.layers import triton_gemv  # noqa: E402
 from kvfleet.engine.layers.quantization.fp8 import (  # noqa: E402
     Fp8Linear,
@@ -112,19 +114,24 @@ def _llama_1b_outputs(
     batches: list[list[list[int]]],
     params: SamplingParams,
     quantization: str | None,
+    top: bool = False,
     **settings: int,
-) -> list[tuple[list[int], list[float]]]:
+) -> list[Any]:
     """(tokens, logprobs) of each prompt of Llama-3.2-1B's shape (random weights, seeded, bf16)
-    given in `batches` (each one `generate` call); the engine closed after."""
+    given in `batches` (each one `generate` call), or with `top` its `bf16_agreement.Run`
+    (each step's top logprobs); the engine closed after."""
     from kvfleet.engine.llm import LLM
 
     llm = LLM("llama-3.2-1b", load_format="dummy", device="cuda", dtype="bfloat16",
               quantization=quantization, max_model_len=1024, **settings)  # fmt: skip
-    outputs = [o.outputs[0] for batch in batches for o in llm.generate(batch, params)]
+    outputs = [o for batch in batches for o in llm.generate(batch, params)]
     llm.engine.close()
     del llm
     torch.cuda.empty_cache()
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outputs]
+    if top:
+        return [from_engine(o) for o in outputs]
+    completions = [o.outputs[0] for o in outputs]
+    return [(c.token_ids, [lp.logprob for lp in c.logprobs or []]) for c in completions]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +259,12 @@ def test_batch_1_decode_keeps_its_tokens_with_the_norms_in_the_gemvs(
 ) -> None:
     """One sequence's decode with each residual add + RMSNorm made by the GEMV after it (qkv,
     gate_up; `linear.NORM_IN_GEMV`) and with the norm kernels: the same tokens, logprobs
-    within the rounding of the row's sum of squares (summed in another order)."""
+    within the rounding of the row's sum of squares (summed in another order). FP8 layers at
+    one row multiply the row as it is (`triton_gemv.FP8_BF16_ROW`), where that rounding is not
+    absorbed by the row's e4m3 rounding as it was with the row quantized (W8A8): there, as the
+    bf16 paths are compared, the tokens equal until they first differ and there each run's
+    token among the other's top 2 within 0.05 (measured: the first prompt's 21st token, 0.0098
+    apart; bench/next/norms_fp8_diag.py), the logprobs before it within 0.05."""
     from kvfleet.engine.layers import linear, torch_layers
 
     taken = []
@@ -263,16 +275,21 @@ def test_batch_1_decode_keeps_its_tokens_with_the_norms_in_the_gemvs(
         return taken[-1]
 
     monkeypatch.setattr(torch_layers, "takes_norm", spy)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = [[128000 + i, *range(1000 + 7 * i, 1040 + 9 * i)] for i in range(3)]
     runs = []
     for in_gemv in (True, False):
         monkeypatch.setattr(linear, "NORM_IN_GEMV", in_gemv)
         batches = [[prompt] for prompt in prompts]  # (one sequence a step)
-        runs.append(_llama_1b_outputs(batches, params, quantization, num_blocks=256,
+        runs.append(_llama_1b_outputs(batches, params, quantization, top=True, num_blocks=256,
                                       max_num_seqs=4))  # fmt: skip
         assert any(taken) == in_gemv
         taken.clear()
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*runs, strict=True):
-        assert tokens == want_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 0.05
+    near_ties = quantization == "fp8" and triton_gemv.FP8_BF16_ROW
+    for mine, want in zip(*runs, strict=True):
+        difference = first_difference(mine, want, top=2)
+        assert difference is None or (near_ties and difference[1] < 0.05), difference
+        at = len(want.token_ids) if difference is None else difference[0]
+        mine_lp = [top[token] for top, token in zip(mine.tops, mine.token_ids, strict=True)]
+        want_lp = [top[token] for top, token in zip(want.tops, want.token_ids, strict=True)]
+        assert max(abs(a - b) for a, b in zip(mine_lp[:at], want_lp[:at], strict=True)) < 0.05
