@@ -8,12 +8,11 @@ agreement with the unfused path first; the tensor-core GEMV (`fp8_gemv_mma`) ove
 the number of parts K is cut into.
 
     bench/device_env.sh python3 bench/fp8_gemv.py [--shapes o down] [--tiles 8,2048,4,3 ...]
-        [--mma 16,512,4 ...] [--bf16-row] [--wide]
+        [--mma 16,512,4 ...] [--w8a8]
 
 (`--tiles`: the CUDA-core kernel's (BLOCK_N, BLOCK_K, warps, stages) instead of TILINGS;
-`--mma`: the tensor-core GEMV's (BLOCK_N, BLOCK_K, warps) instead of MMA_TILINGS; `--bf16-row`:
-the CUDA-core tilings multiply the row as it is, W8A16, `triton_gemv.FP8_BF16_ROW`; `--wide`:
-`triton_gemv.FP8_ROW_WIDE`, its products summed in pairs.)
+`--mma`: the tensor-core GEMV's (BLOCK_N, BLOCK_K, warps) instead of MMA_TILINGS; `--w8a8`: the
+shipped GEMV and the CUDA-core tilings quantize the row first, `triton_gemv.FP8_BF16_ROW` off.)
 """
 
 from __future__ import annotations
@@ -50,11 +49,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--tiles", nargs="*", type=_ints, default=TILINGS)
     parser.add_argument("--mma", nargs="*", type=_ints, default=MMA_TILINGS)
-    parser.add_argument("--bf16-row", action="store_true", help="triton_gemv.FP8_BF16_ROW on")
-    parser.add_argument("--wide", action="store_true", help="triton_gemv.FP8_ROW_WIDE on")
+    parser.add_argument("--w8a8", action="store_true", help="triton_gemv.FP8_BF16_ROW off")
     args = parser.parse_args()
-    triton_gemv.FP8_BF16_ROW = args.bf16_row
-    triton_gemv.FP8_ROW_WIDE = args.wide
+    triton_gemv.FP8_BF16_ROW = not args.w8a8
     device = torch.device("cuda")
     copy_gbps = measure_ceilings(device, torch.bfloat16).copy_gbps
     print(f"copy {copy_gbps:.0f} GB/s; per call, us (median of 15 graph replays / {COPIES})")

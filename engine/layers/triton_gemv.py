@@ -1,5 +1,6 @@
 """One-row GEMVs in Triton: decode of one sequence through a linear layer in one kernel, over
-e4m3 weights (the row quantized to e4m3 inside, both scales applied) or bf16/fp16 weights.
+e4m3 weights (the row taken as it is, W8A16, `FP8_BF16_ROW`; or quantized to e4m3 inside, both
+scales applied) or bf16/fp16 weights.
 
 Each program takes BLOCK_N output rows of the weight over the whole of K, streaming them once
 and multiplying on the CUDA cores into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at
@@ -58,19 +59,19 @@ from kvfleet.engine.layers.triton_rope import (
 FP8_TENSOR_CORES = True
 # e4m3 weights at one row times the row as it is, in the model dtype (W8A16, as FP8 Marlin
 # multiplies), on the CUDA cores with the bf16 GEMV's plans (`one_row_plan` at 2 bytes a weight),
-# instead of the row quantized to e4m3 first (W8A8): no largest magnitude found, no row quantized
-# a tile, and decode attention's splits merged as read (`SplitRows`) as for bf16 weights. The
-# products are exact in float32 either way (bf16 x e4m3: 8 + 4 significant bits).
-FP8_BF16_ROW = False
-# ... with BLOCK_K doubled, each two neighbouring products summed before the accumulator
-# (`_grouped`): the bf16 plan's bytes a tile, its accumulator's size and so its registers (sm_90,
-# Triton 3.9, compiled here: 8 x 2,048 on 4 warps 128, as bf16's 8 x 1,024 117; 212 ungrouped).
-# (Each 16 bytes' products summed, for bf16 weights too: registers 117 -> 56 at bf16's 8 x 1,024,
-# more programs an SM; batch 1 lost, Llama-3-8B 3.994 -> 4.349 ms, Qwen3-30B-A3B 2.583 -> 2.605,
-# FP8 at e4m3 8 x 2,048 2.727 against 2.675 ungrouped at 8 x 1,024: bench/next/call128.sh.)
-FP8_ROW_WIDE = False
-# ... for the 16-row plans too (qkv, gate_up), not only the 8-row ones (o, down)
-FP8_ROW_WIDE_SIXTEEN = False
+# instead of the row quantized to e4m3 first (W8A8, `fp8_gemv_mma`): no largest magnitude found,
+# no row quantized a tile, and decode attention's splits merged as read (`SplitRows`) as for
+# bf16 weights. The products are exact in float32 either way (bf16 x e4m3: 8 + 4 significant
+# bits); the row's e4m3 rounding (2^-4 of a value) is gone. FP8 batch 1 (H200, calls 128-131):
+# Llama-3-8B 2.861 / 2.858 / 2.857 / 2.845 / 2.846 -> 2.675 / 2.680 / 2.674 / 2.660 / 2.663 ms,
+# Qwen3-8B 3.163 / 3.144 -> 2.912 / 2.897; a layer on the path (call 130's traces): gate_up 36.1
+# -> 33.0 us, decode attention 7.8 -> 4.6 (its splits left to o), qkv 11.6 -> 11.4, o and down
+# 12.2 -> 11.9. Twice the bf16 plan's inputs a tile with products summed in pairs (its bytes and
+# registers: 128 at e4m3 8 x 2,048, sm_90) lost at Llama-3-8B: for o and down 2.699 / 2.698, for
+# every layer 2.740 / 2.737, though faster alone (o 7.0 -> 5.6 us, down 20.3 -> 15.7) and at
+# Qwen3-8B for every layer (2.800 against 2.897); each 16 bytes' products summed (registers 117
+# -> 56 at bf16's 8 x 1,024) lost for bf16 too (Llama-3-8B 3.994 -> 4.349 ms): removed.
+FP8_BF16_ROW = True
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr = False,
-    SCALED: tl.constexpr = False, GROUP: tl.constexpr = 1,
+    SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
@@ -145,16 +146,14 @@ def _gemv_kernel(
                                   QUANTIZE and not STATIC, QUANTIZE and STATIC, NORM,
                                   HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
-    acc = _grouped(_products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype,
-                             residual_ptr, norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE,
-                             NORM, HAS_RESIDUAL, OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER),
-                   GROUP)  # fmt: skip
+    acc = _products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
+                    norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
+                    OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
-        acc += _grouped(_products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype,
-                                  residual_ptr, norm_w_ptr, inv_rms, lse_ptr, lse_stride,
-                                  QUANTIZE, NORM, HAS_RESIDUAL, OFFSET, SPLITS, SPLIT_HEAD_DIM,
-                                  EAGER), GROUP)  # fmt: skip
+        acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
+                         norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
+                         OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -426,17 +425,6 @@ def _launch_mma(
 
 
 @triton.jit
-def _grouped(products, GROUP: tl.constexpr):
-    """[BLOCK_N, BLOCK_K // GROUP]: each GROUP neighbouring products of a row summed (GROUP 1:
-    the products as they are), so that the accumulator holds GROUP times fewer values."""
-    if GROUP == 1:
-        return products
-    rows: tl.constexpr = products.shape[0]
-    inputs: tl.constexpr = products.shape[1]
-    return tl.sum(tl.reshape(products, (rows, inputs // GROUP, GROUP)), axis=2)
-
-
-@triton.jit
 def _products(x_ptr, k0, offsets, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr,
               norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr,
               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
@@ -564,20 +552,11 @@ def takes_rotary(weight: torch.Tensor, half: int, qk_norm: bool = False) -> bool
 
 def _plan(weight: torch.Tensor) -> tuple[int, int, int, int]:
     """`one_row_plan` of the CUDA-core GEMV over `weight`: e4m3 weights times a row as it is
-    (`FP8_BF16_ROW`) take the bf16 weights' plan (`FP8_ROW_WIDE`: its BLOCK_K doubled)."""
+    (`FP8_BF16_ROW`) take the bf16 weights' plan."""
     n, k = weight.shape
     if weight.dtype == FP8 and FP8_BF16_ROW:
-        block_n, block_k, warps, stages = one_row_plan(n, k, 2, weight.device)
-        if _widened(block_n):
-            block_k = min(2 * block_k, next_power_of_2(k))
-        return block_n, block_k, warps, stages
+        return one_row_plan(n, k, 2, weight.device)
     return one_row_plan(n, k, weight.element_size(), weight.device)
-
-
-def _widened(block_n: int) -> bool:
-    """Whether e4m3 weights times a row as it is take twice the bf16 plan's inputs a tile, each
-    two products summed before the accumulator (FP8_ROW_WIDE)."""
-    return FP8_ROW_WIDE and (block_n == 8 or FP8_ROW_WIDE_SIXTEEN)
 
 
 def gemv(
@@ -647,6 +626,6 @@ def gemv(
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
         num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER,
-        SCALED=scaled, GROUP=2 if scaled and _widened(block_n) else 1, **limits,
+        SCALED=scaled, **limits,
     )  # fmt: skip
     return out

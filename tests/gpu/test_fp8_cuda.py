@@ -184,8 +184,14 @@ def test_fp8_decode_graphs_give_the_eager_tokens_on_smollm2(smollm2: Path) -> No
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_the_fused_gemv_matches_the_scaled_gemm(n: int, k: int) -> None:
+def test_the_fused_gemv_matches_the_scaled_gemm(
+    n: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-row GEMV quantizing its row (W8A8, `triton_gemv.FP8_BF16_ROW` off: the
+    tensor-core form) against cuBLASLt's scaled GEMM; the row as it is: the layer's test."""
     from kvfleet.engine.layers.triton_gemv import gemv
+
+    monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", False)
 
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)

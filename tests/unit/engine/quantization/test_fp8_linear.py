@@ -108,12 +108,17 @@ def test_block_layer_equals_its_reference_and_stays_near_the_unquantized_one() -
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_the_fused_gemv_equals_the_reference_in_the_interpreter(static: bool) -> None:
-    """Triton's interpreter rounds e4m3 casts its own way, so the activations are chosen on
-    e4m3's grid (their row maximum, in the third of four tiles, at 448 times the scale): the
-    kernel's quantization then rounds nothing, and what is checked is the rest of it, to
-    float32's summation noise."""
+def test_the_fused_gemv_equals_the_reference_in_the_interpreter(
+    static: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row quantized inside (W8A8, `triton_gemv.FP8_BF16_ROW` off). Triton's interpreter
+    rounds e4m3 casts its own way, so the activations are chosen on e4m3's grid (their row
+    maximum, in the third of four tiles, at 448 times the scale): the kernel's quantization
+    then rounds nothing, and what is checked is the rest of it, to float32's summation noise."""
+    from kvfleet.engine.layers import triton_gemv
     from kvfleet.engine.layers.triton_gemv import gemv
+
+    monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", False)
 
     generator = torch.Generator().manual_seed(1)
     grid = (torch.randn(1, 200, generator=generator) * 60).clamp(-440, 440)
@@ -328,19 +333,16 @@ def test_the_tensor_core_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_do
     assert not shared_workspace(torch.device("cpu"), 0, 0).counters.any()
 
 
-@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("static", [False, True])
 def test_the_gemv_times_the_row_as_it_is_equals_the_dequantized_reference(
-    wide: bool, static: bool, monkeypatch: pytest.MonkeyPatch
+    static: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`triton_gemv.FP8_BF16_ROW` (W8A16 at one row): the row is not quantized (a static input
     scale not applied either), the products exact, to float32's summation noise of the
-    dequantized reference (FP8_ROW_WIDE: products summed in pairs first); the row quantized
-    first (W8A8) is further off than that."""
+    dequantized reference; the row quantized first (W8A8) is further off than that."""
     from kvfleet.engine.layers import triton_gemv
 
     monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", True)
-    monkeypatch.setattr(triton_gemv, "FP8_ROW_WIDE", wide)
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(1, 200, generator=generator)
     weight, scale = quantize_rows(torch.randn(40, 200, generator=generator) * 0.1)
@@ -383,19 +385,16 @@ def test_the_e4m3_layer_merges_split_rows_as_read_where_it_takes_the_row_as_it_i
         assert not layer.takes_split_rows(cuda_row, 32)
 
 
-@pytest.mark.parametrize("wide", [False, True])
 def test_e4m3_rows_as_they_are_take_the_bf16_plans(
-    wide: bool, monkeypatch: pytest.MonkeyPatch, kernel_launches: Any
+    monkeypatch: pytest.MonkeyPatch, kernel_launches: Any
 ) -> None:
     """With FP8_BF16_ROW the e4m3 layer's one-row GEMV runs the bf16 weights' plan for its
-    shape (FP8_ROW_WIDE: twice its inputs a tile, products summed in pairs, its bytes and
-    accumulator), where the row quantized first runs the e4m3 plan; qkv layers rotate in its
-    row blocks."""
+    shape, where the row quantized first runs the e4m3 plan (the CUDA-core kernel's, here); qkv
+    layers rotate in its row blocks."""
     from kvfleet.engine.layers import triton_gemv
 
     monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
     monkeypatch.setattr(triton_gemv, "FP8_TENSOR_CORES", False)
-    monkeypatch.setattr(triton_gemv, "FP8_ROW_WIDE", wide)
     launches = kernel_launches(triton_gemv, "_gemv_kernel")
     weight, scale = quantize_rows(torch.randn(64, 4096) * 0.1)
     x = torch.randn(1, 4096)
@@ -405,10 +404,9 @@ def test_e4m3_rows_as_they_are_take_the_bf16_plans(
         triton_gemv.gemv(x, weight, scale)
     (_, quantized), (_, scaled) = launches
     assert quantized["BLOCK_K"] == triton_gemv.one_row_plan(64, 4096, 1, x.device)[1]
-    assert (quantized["QUANTIZE"], quantized["SCALED"], quantized["GROUP"]) == (True, False, 1)
-    assert scaled["BLOCK_N"] == bf16_plan[0]
-    assert scaled["BLOCK_K"] == bf16_plan[1] * (2 if wide else 1)
-    assert (scaled["QUANTIZE"], scaled["SCALED"], scaled["GROUP"]) == (False, True, 1 + wide)
+    assert (quantized["QUANTIZE"], quantized["SCALED"]) == (True, False)
+    assert (scaled["BLOCK_N"], scaled["BLOCK_K"], scaled["num_warps"]) == bf16_plan[:3]
+    assert (scaled["QUANTIZE"], scaled["SCALED"]) == (False, True)
     e4m3 = torch.empty(6144, 4096, dtype=FP8, device="meta")
     assert triton_gemv.takes_rotary(e4m3, 8)
     assert not triton_gemv.takes_rotary(e4m3, 4)

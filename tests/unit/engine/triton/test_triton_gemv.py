@@ -255,7 +255,7 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
 
 def test_a_qkv_layer_takes_the_rotary_gemv_where_its_programs_stay_in_one_head() -> None:
     """`takes_rotary`: each program's BLOCK_N / 2 pairs in one head (Llama-3-8B's qkv: 16-row
-    bf16 blocks, 8 pairs; 64-row e4m3 ones, 32 pairs); a `Linear` given a row tensor its GEMV
+    bf16 blocks, 8 pairs; the W8A8 plans' 64-row e4m3 ones, 32 pairs); a `Linear` given a row tensor its GEMV
     does not take (here, on the CPU) leaves it to the unfused path: None."""
     from kvfleet.engine.layers.quantization.fp8 import FP8
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
@@ -267,7 +267,10 @@ def test_a_qkv_layer_takes_the_rotary_gemv_where_its_programs_stay_in_one_head()
     assert [takes_rotary(bf16, half) for half in (64, 8, 4, 48)] == [True, True, False, True]
     assert not takes_rotary(bf16, 48, qk_norm=True)  # (a head normalized in one tile: 2^n)
     assert takes_rotary(bf16, 64, qk_norm=True)
-    assert [takes_rotary(e4m3, half) for half in (64, 32, 16)] == [True, True, False]
+    if triton_gemv.FP8_BF16_ROW:  # e4m3 rows taken as they are: the bf16 plans
+        assert [takes_rotary(e4m3, half) for half in (64, 8, 4)] == [True, True, False]
+    else:  # the W8A8 plans' 64-row blocks
+        assert [takes_rotary(e4m3, half) for half in (64, 32, 16)] == [True, True, False]
     layer = Linear(200, 8 * 32, bias=False)
     cos, sin = RotaryEmbedding(32, 256, 10000.0).caches(torch.device("cpu"))
     cache = torch.zeros(2, 6, 4, 2, 32)
