@@ -255,8 +255,8 @@ def test_the_qkv_gemv_rotates_and_writes_the_cache_as_the_rope_kernel_does(
 
 def test_a_qkv_layer_takes_the_rotary_gemv_where_its_programs_stay_in_one_head() -> None:
     """`takes_rotary`: each program's BLOCK_N / 2 pairs in one head (Llama-3-8B's qkv: 16-row
-    bf16 blocks, 8 pairs; the W8A8 plans' 64-row e4m3 ones, 32 pairs); a `Linear` given a row tensor its GEMV
-    does not take (here, on the CPU) leaves it to the unfused path: None."""
+    bf16 blocks, 8 pairs; the W8A8 plans' 64-row e4m3 ones, 32 pairs); a `Linear` given a row
+    tensor its GEMV does not take (here, on the CPU) leaves it to the unfused path: None."""
     from kvfleet.engine.layers.quantization.fp8 import FP8
     from kvfleet.engine.layers.torch_layers import RotaryEmbedding
     from kvfleet.engine.layers.triton_gemv import takes_rotary
