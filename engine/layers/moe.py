@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from torch.nn import functional as F
 
 from kvfleet.engine.layers.linear import Linear, UnnormalizedRow
 from kvfleet.engine.layers.quantization.linear import expect_shape
+
+if TYPE_CHECKING:
+    from kvfleet.engine.layers.triton_route import Choices
 
 # One token's experts through `triton_moe_gemv` (two GEMVs; False: the grouped kernels, as
 # before, for A/B runs)
@@ -150,10 +154,14 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor | UnnormalizedRow) -> torch.Tensor:
         one_token = self.fused and x.shape[0] == 1 and ONE_TOKEN_GEMVS
         if isinstance(x, UnnormalizedRow) or (one_token and x.is_cuda):
-            from kvfleet.engine.layers.triton_moe_gemv import one_token_moe
+            from kvfleet.engine.layers import triton_moe_gemv
 
-            logits = self.gate(x)  # (an `UnnormalizedRow`'s GEMV writes x + residual)
-            return one_token_moe(x, logits, self.w13, self.w2, self.top_k, self.renormalize)
+            # (an `UnnormalizedRow`'s router GEMV writes x + residual)
+            ranked = self._ranked(x)
+            return triton_moe_gemv.one_token_moe(
+                x, ranked if ranked is not None else self.gate(x), self.w13, self.w2,
+                self.top_k, self.renormalize,
+            )  # fmt: skip
         if self.fused and x.is_cuda:
             from kvfleet.engine.layers.triton_moe import fused_moe
 
@@ -162,6 +170,24 @@ class SparseMoeBlock(nn.Module):
             )
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return experts_reference(x, self.w13, self.w2, weights, ids)
+
+    def _ranked(self, x: torch.Tensor | UnnormalizedRow) -> Choices | None:
+        """The token's top k ranked by the router's one-row GEMV as it writes the logits
+        (`triton_moe_gemv.RANKED_BY_ROUTER`), or None where that is off or the router's
+        GEMV is not the Triton one."""
+        from kvfleet.engine.layers import triton_moe_gemv
+        from kvfleet.engine.layers.triton_gemv import gemv
+        from kvfleet.engine.layers.triton_route import Choices
+
+        if not triton_moe_gemv.RANKED_BY_ROUTER or type(self.gate) is not Linear:
+            return None
+        if not isinstance(x, UnnormalizedRow) and not self.gate.uses_triton_gemv(x):
+            return None
+        row = x if isinstance(x, UnnormalizedRow) else x.contiguous()
+        device = row.x.device if isinstance(row, UnnormalizedRow) else row.device
+        choices = Choices.empty(self.top_k, self.renormalize, device)
+        gemv(row, self.gate.weight, bias=self.gate.bias, choices=choices)
+        return choices
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor, name: str) -> None:
         """Fill expert `expert`'s `part` (gate, up or down) from checkpoint tensor `name`."""

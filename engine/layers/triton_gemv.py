@@ -54,6 +54,7 @@ from kvfleet.engine.layers.triton_rope import (
     rotary_arguments,
     rotary_write_pairs,
 )
+from kvfleet.engine.layers.triton_route import Choices, route_rows
 
 # e4m3 weights through `fp8_gemv_mma` (False: the CUDA-core kernel, as before; for A/B runs)
 FP8_TENSOR_CORES = True
@@ -113,7 +114,9 @@ def _gemv_kernel(
     cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
     kv_scales_ptr, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
     stride_vcd, num_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, count_ptr,
-    qk_eps,  # (ROTARY: `triton_rope.RotaryWrite`)
+    qk_eps,  # (ROTARY: `triton_rope.RotaryWrite`; count_ptr [1] for TOP_K too)
+    choice_weights_ptr,  # [TOP_K] float32 out (TOP_K: `triton_route.Choices`)
+    choice_ids_ptr,  # [TOP_K] int64 out (TOP_K)
     N, K, fp8_max, min_scale, eps,
     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
@@ -121,7 +124,8 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_CACHE: tl.constexpr,
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr = False,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr = False, TOP_K: tl.constexpr = 0, K_PAD: tl.constexpr = 1,
+    E_PAD: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
@@ -132,7 +136,8 @@ def _gemv_kernel(
     the first program writes x + residual). ROTARY: out is one token's q | k | v (heads of 2 x
     HALF): q rotated into out, k rotated and v written into the KV cache
     (`triton_rope.rotary_write_pairs`), k and v left out of out. EAGER: the splits' rows
-    loaded with their lse (`merged_values`)."""
+    loaded with their lse (`merged_values`). TOP_K: out is a router's logits; the last program
+    to store its rows ranks them all into the choices (`moe.route`'s top k, RENORMALIZE)."""
     pid_n = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,6 +175,25 @@ def _gemv_kernel(
                            QK_OFFSET)  # fmt: skip
     else:
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if TOP_K:
+        _rank_when_last(out_ptr, count_ptr, choice_weights_ptr, choice_ids_ptr, N, TOP_K, K_PAD,
+                        E_PAD, RENORMALIZE)  # fmt: skip
+
+
+@triton.jit
+def _rank_when_last(
+    logits_ptr, count_ptr, weights_ptr, ids_ptr, N,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """The last program of the grid to store its logits (counted in at `count_ptr`, then
+    reset) ranks all N of them, read as stored (L2), into the top k's weights and ids."""
+    tl.debug_barrier()  # (every thread's logits written before the count says so)
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        token = tl.arange(0, 1)
+        route_rows(logits_ptr, weights_ptr, ids_ptr, token, token >= 0, N, 0, TOP_K, K_PAD,
+                    E_PAD, RENORMALIZE, ".cg")  # fmt: skip
+        tl.atomic_xchg(count_ptr, 0)
 
 
 # The e4m3 GEMV on the tensor cores takes 64 weight rows a program (one warpgroup's wgmma M)
@@ -568,6 +592,7 @@ def gemv(
     tiles: tuple[int, int, int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     rotary: RotaryWrite | None = None,
+    choices: Choices | None = None,
 ) -> torch.Tensor:
     """One row x [1, K] times weight [N, K] (contiguous) (+ bias): [1, N] in x's dtype (or
     `out_dtype`: float32 for logits, out of the float32 sums as they are). An
@@ -577,7 +602,9 @@ def gemv(
     x + residual written to its `residual_out` (one kernel fewer). `rotary`: the weight is a
     qkv projection's, [q | k | v] heads; q comes out rotated and k, v go into the cache as
     `rotary_and_write_kv` would put them (its columns of the output are left unwritten). A
-    `SplitRows` (bf16/fp16 weights): the row is decode attention's splits, merged as read."""
+    `SplitRows` (bf16/fp16 weights): the row is decode attention's splits, merged as read.
+    `choices`: the weight is a router's (bf16/fp16/float32), its N logits ranked into them
+    (`moe.route`'s top k) by the kernel's last program."""
     if isinstance(x, SplitRows):
         left: SplitRows | None = x
         row, norm = x.parts, None
@@ -595,6 +622,7 @@ def gemv(
     scaled = weight_scale is not None and FP8_BF16_ROW
     quantize = weight_scale is not None and not scaled
     assert left is None or not (quantize or rotary), "split rows: not quantized, not rotated"
+    assert choices is None or not (weight_scale is not None or rotary or left), "a router's"
     if weight_scale is not None and quantize and tiles is None and FP8_TENSOR_CORES:
         assert out_dtype is None, "the tensor-core GEMV writes x's dtype"
         assert not isinstance(x, SplitRows)
@@ -609,7 +637,9 @@ def gemv(
     pdl = dependent_launch_args(row.device)
     placeholder = weight_scale if weight_scale is not None else out
     whole_row = norm is not None or (quantize and x_scale is None)
-    counters = shared_workspace(row.device, 0, rotary.heads).counters if rotary else out
+    counters = out
+    if rotary or choices:
+        counters = shared_workspace(row.device, 0, rotary.heads if rotary else 1).counters
     rotary_args, rotary_constants = rotary_arguments(rotary, n, block_n, counters)
     lse = left.lse if left is not None else placeholder
     limits = {"maxnreg": PRELOAD_REGISTERS} if left is not None and warps == 8 else {}
@@ -617,7 +647,7 @@ def gemv(
         row, lse, lse.stride(0), weight, placeholder,
         x_scale if x_scale is not None else placeholder,
         bias if bias is not None else placeholder, out, *norm_args(norm, row),
-        *rotary_args, n, k, FP8_MAX,
+        *rotary_args, *_choice_args(choices, placeholder), n, k, FP8_MAX,
         _MIN_SCALE, norm.eps if norm is not None else 0.0, QUANTIZE=quantize,
         STATIC=x_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_BLOCK=next_power_of_2(k) if whole_row else 1,
@@ -626,6 +656,21 @@ def gemv(
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
         num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER,
-        SCALED=scaled, **limits,
+        SCALED=scaled, **_choice_constants(choices, n), **limits,
     )  # fmt: skip
     return out
+
+
+def _choice_args(choices: Choices | None, placeholder: torch.Tensor) -> list[torch.Tensor]:
+    """`_gemv_kernel`'s choice_weights_ptr, choice_ids_ptr."""
+    if choices is None:
+        return [placeholder, placeholder]
+    return [choices.weights, choices.ids]
+
+
+def _choice_constants(choices: Choices | None, n: int) -> dict[str, int | bool]:
+    """`_gemv_kernel`'s TOP_K, K_PAD, E_PAD, RENORMALIZE."""
+    if choices is None:
+        return {}
+    return {"TOP_K": choices.top_k, "K_PAD": next_power_of_2(choices.top_k),
+            "E_PAD": next_power_of_2(n), "RENORMALIZE": choices.renormalize}  # fmt: skip

@@ -38,7 +38,7 @@ from kvfleet.engine.layers.linear import UnnormalizedRow
 from kvfleet.engine.layers.quantization.triton_packed import shared_workspace, split_k_store
 from kvfleet.engine.layers.triton_gemv_rows import norm_args, row_and_norm, row_values
 from kvfleet.engine.layers.triton_layers import inverse_rms, summed_row
-from kvfleet.engine.layers.triton_route import top_k_rows
+from kvfleet.engine.layers.triton_route import Choices, top_k_rows
 
 # (BLOCK_N, BLOCK_K, warps) of the gate_up and the down GEMV, bf16/fp16 weights (a float32
 # weight halves BLOCK_K: a tile holds the same bytes), and whether down takes all k experts in
@@ -52,6 +52,13 @@ from kvfleet.engine.layers.triton_route import top_k_rows
 # (4, 512, 4) both. Since the one-token prologue and loop order (session 40): A3B 34.1 us a
 # layer (main before: 39.3), Mixtral 174.1 (187.0); the other tiles no faster.
 MANY_EXPERTS = ((8, 256, 4), (8, 256, 4), False)
+# The token's top k ranked once, by the router's GEMV's last program (`triton_gemv.gemv(choices=
+# ...)`), instead of by each gate_up program after its wait; gate_up's programs let down start
+# only after their own wait (the router complete), so that down's programs, split over the k,
+# read their expert and load its first tile while gate_up finishes (its weights' loads can
+# start before its wait). Off: for an A/B run (bench/next/README.md: session 45's lead; down
+# ranking the logits itself in each of its programs lost, A3B 2.637 -> 2.826 ms, call 86).
+RANKED_BY_ROUTER = False
 FEW_EXPERTS = ((4, 512, 4), (4, 512, 4), True)
 
 
@@ -82,21 +89,29 @@ def _gate_up_gemv_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    RANKED: tl.constexpr = False,
 ):  # fmt: skip
     """NORM: the token's row is RMSNorm(x + residual), made here as the router's GEMV made it
-    (`triton_gemv_rows.row_values`)."""
+    (`triton_gemv_rows.row_values`). RANKED: the router's GEMV wrote the choices (weights_ptr,
+    ids_ptr are inputs); the kernel after may start only once this one's programs have waited
+    (the router then complete: the choices there for it to read before its own wait)."""
     choice = tl.program_id(0)
     pid_n = tl.program_id(1)
-    let_next_start(PDL)
+    if not RANKED:
+        let_next_start(PDL)
     wait_for_previous(PDL)  # (the logits: which expert, hence which weights)
     # The expert first, then its first tiles' loads, and the row's norm while they come in.
-    token = tl.arange(0, 1)
-    weights, ids = top_k_rows(
-        logits_ptr, token, token >= 0, num_experts, 0, TOP_K, K_PAD, E_PAD, RENORMALIZE
-    )
     slots = tl.arange(0, K_PAD)[None, :]
     mine = slots == choice
-    expert = tl.sum(tl.sum(tl.where(mine, ids, 0), 1), 0)
+    if RANKED:
+        let_next_start(PDL)
+        expert = tl.load(ids_ptr + choice, cache_modifier=".cg")
+    else:
+        token = tl.arange(0, 1)
+        weights, ids = top_k_rows(
+            logits_ptr, token, token >= 0, num_experts, 0, TOP_K, K_PAD, E_PAD, RENORMALIZE
+        )
+        expert = tl.sum(tl.sum(tl.where(mine, ids, 0), 1), 0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < inner
     offsets = tl.arange(0, BLOCK_K)
@@ -108,7 +123,7 @@ def _gate_up_gemv_kernel(
         row = tl.arange(0, ROW_BLOCK)
         inv_rms = inverse_rms(summed_row(x_ptr, residual_ptr, row, row < hidden, HAS_RESIDUAL),
                               hidden, eps)  # fmt: skip
-    if pid_n == 0:
+    if pid_n == 0 and not RANKED:
         tl.store(weights_ptr + slots, weights, mask=mine)
         tl.store(ids_ptr + slots, ids, mask=mine)
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -127,6 +142,12 @@ def _gate_up_gemv_kernel(
 
 
 @triton.jit
+def _down_tile(w_ptrs, ks, row_ok, inner):
+    """An expert's down rows [BLOCK_N, BLOCK_K] at inputs ks (0 past inner)."""
+    return tl.load(w_ptrs + ks[None, :], mask=row_ok[:, None] & (ks < inner)[None, :], other=0.0)
+
+
+@triton.jit
 def _down_gemv_kernel(
     h_ptr,  # [TOP_K, inner]
     w2_ptr,  # [E, hidden, inner]
@@ -137,25 +158,36 @@ def _down_gemv_kernel(
     out_ptr,  # [hidden]
     hidden, inner, stride_we,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    RANKED: tl.constexpr = False,
 ):  # fmt: skip
     """Program (block of hidden rows, choice): that expert's rows times its h, scaled by its
-    router weight; the last of the TOP_K programs of a row block adds them in order."""
+    router weight; the last of the TOP_K programs of a row block adds them in order. RANKED:
+    the choices are the router's (complete when this kernel starts: `_gate_up_gemv_kernel`),
+    read with the first tile's weights before the wait."""
     pid_n = tl.program_id(0)
     choice = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
     offsets = tl.arange(0, BLOCK_K)
     let_next_start(PDL)
-    wait_for_previous(PDL)  # (the experts and h, from the gate_up GEMV)
-    expert = tl.load(ids_ptr + choice)
-    weight = tl.load(weights_ptr + choice)
+    if RANKED:  # (the router complete: its choices read as it left them, in L2)
+        expert = tl.load(ids_ptr + choice, cache_modifier=".cg")
+        weight = tl.load(weights_ptr + choice, cache_modifier=".cg")
+    else:
+        wait_for_previous(PDL)  # (the experts and h, from the gate_up GEMV)
+        expert = tl.load(ids_ptr + choice)
+        weight = tl.load(weights_ptr + choice)
     w_ptrs = w2_ptr + expert * stride_we + rows[:, None] * inner
+    if RANKED:
+        w = _down_tile(w_ptrs, offsets, row_ok, inner)
+        wait_for_previous(PDL)  # (h, from the gate_up GEMV)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, inner, BLOCK_K):
         ks = k + offsets
         k_ok = ks < inner
         # (the weights' load first: h's waits on a layout exchange through shared memory)
-        w = tl.load(w_ptrs + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if not RANKED or k > 0:  # (RANKED: the first tile is loaded above)
+            w = _down_tile(w_ptrs, ks, row_ok, inner)
         h = tl.load(h_ptr + choice * inner + ks, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * h[None, :]
     part = tl.sum(acc, 1) * weight
@@ -201,7 +233,7 @@ def _down_all_gemv_kernel(
 
 def one_token_moe(
     x: torch.Tensor | UnnormalizedRow,  # [1, hidden]
-    router_logits: torch.Tensor,  # [1, E]
+    router_logits: torch.Tensor | Choices,  # [1, E], or the top k the router's GEMV ranked
     w13: torch.Tensor,  # [E, 2 * inner, hidden]
     w2: torch.Tensor,  # [E, hidden, inner]
     top_k: int,
@@ -212,19 +244,28 @@ def one_token_moe(
     """`moe.route` then `moe.experts_reference` for one token, in two kernels; `tiles`
     (gate_up, down) and `down_all` other than `shipped_tiles` (bench/moe_layer.py). An
     `UnnormalizedRow`: the token is its RMSNorm, made by the gate_up GEMV as by the router's
-    (which wrote x + residual: `router_logits` must come from it)."""
+    (which wrote x + residual: `router_logits` must come from it). `Choices`: the router's GEMV
+    ranked its logits (`RANKED_BY_ROUTER`): no program here ranks them, and down's programs
+    (split over the k) read their expert and its first tile before their wait."""
     x, norm = row_and_norm(x)
     num_experts, hidden, inner = w2.shape
     assert x.shape == (1, hidden)
-    assert router_logits.shape == (1, num_experts)
     assert x.is_contiguous()
-    assert router_logits.is_contiguous()
+    ranked = isinstance(router_logits, Choices)
+    if isinstance(router_logits, Choices):
+        assert (router_logits.top_k, router_logits.renormalize) == (top_k, renormalize)
+        weights, ids = router_logits.weights, router_logits.ids
+        logits = weights  # (not read)
+    else:
+        assert router_logits.shape == (1, num_experts)
+        assert router_logits.is_contiguous()
+        logits = router_logits
+        weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(top_k, dtype=torch.int64, device=x.device)
     assert w13.stride()[1:] == (hidden, 1), "each expert's rows contiguous"
     assert w2.stride()[1:] == (inner, 1), "each expert's rows contiguous"
     device = x.device
     h = x.new_empty(top_k, inner)
-    weights = torch.empty(top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(top_k, dtype=torch.int64, device=device)
     pdl = dependent_launch_args(device)
     wide = 2 if x.element_size() > 2 else 1  # (float32: half the inputs a tile)
     shipped_gate_up, shipped_down, shipped_all = shipped_tiles(top_k)
@@ -233,13 +274,13 @@ def one_token_moe(
     block_n, block_k, warps = gate_up_tiles
     residual, norm_weight, _ = norm_args(norm, x)
     _gate_up_gemv_kernel[(top_k, cdiv(inner, block_n))](
-        x, router_logits, w13, h, weights, ids, residual, norm_weight, num_experts, inner, hidden,
+        x, logits, w13, h, weights, ids, residual, norm_weight, num_experts, inner, hidden,
         w13.stride(0), norm.eps if norm is not None else 0.0, TOP_K=top_k,
         K_PAD=next_power_of_2(top_k), E_PAD=next_power_of_2(num_experts),
         RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k // wide,
         ROW_BLOCK=next_power_of_2(hidden) if norm is not None else 1, NORM=norm is not None,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps,
+        OFFSET=norm is not None and norm.offset, **pdl, num_warps=warps, RANKED=ranked,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, warps = down_tiles
@@ -253,5 +294,6 @@ def one_token_moe(
     _down_gemv_kernel[(cdiv(hidden, block_n), top_k)](
         h, w2, weights, ids, space.partials, space.counters, out, hidden, inner, w2.stride(0),
         TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k // wide, **pdl, num_warps=warps,
+        RANKED=ranked,
     )  # fmt: skip
     return out

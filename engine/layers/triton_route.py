@@ -9,6 +9,8 @@ References (torch, moe.py): `route`, `align_rows` (a stable sort).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -23,19 +25,40 @@ from kvfleet.engine.layers.moe import max_padded_rows
 
 
 @triton.jit
-def _route_rows(
+def route_rows(
     logits_ptr, weights_ptr, ids_ptr, tokens, token_ok, num_experts, stride_l,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+    CACHE: tl.constexpr = "",
 ):  # fmt: skip
-    """`moe.route` for the tokens [T] (each row one token), the weights and ids stored."""
-    weights, ids = top_k_rows(
-        logits_ptr, tokens, token_ok, num_experts, stride_l, TOP_K, K_PAD, E_PAD, RENORMALIZE
-    )
+    """`moe.route` for the tokens [T] (each row one token), the weights and ids stored
+    (CACHE: the logits' loads' cache modifier)."""
+    weights, ids = top_k_rows(logits_ptr, tokens, token_ok, num_experts, stride_l, TOP_K, K_PAD,
+                              E_PAD, RENORMALIZE, CACHE)  # fmt: skip
     slots = tl.arange(0, K_PAD)[None, :]
     at = tokens[:, None] * TOP_K + slots
     ok = token_ok[:, None] & (slots < TOP_K)
     tl.store(weights_ptr + at, weights, mask=ok)
     tl.store(ids_ptr + at, ids, mask=ok)
+
+
+@dataclass(frozen=True)
+class Choices:
+    """One token's top k as the router's one-row GEMV leaves them when it ranks its own logits
+    (`triton_gemv.gemv(choices=...)`, `triton_moe_gemv.RANKED_BY_ROUTER`): `moe.route`'s
+    weights [top_k] float32 and ids [top_k] int64."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    renormalize: bool
+
+    @classmethod
+    def empty(cls, top_k: int, renormalize: bool, device: torch.device) -> Choices:
+        weights = torch.empty(top_k, dtype=torch.float32, device=device)
+        return cls(weights, torch.empty(top_k, dtype=torch.int64, device=device), renormalize)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.weights.shape[0])
 
 
 # Experts a step of the one-token ranking (`top_k_rows`) compares each logit with
@@ -46,9 +69,11 @@ RANK_CHUNK = tl.constexpr(32)
 def top_k_rows(
     logits_ptr, tokens, token_ok, num_experts, stride_l,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+    CACHE: tl.constexpr = "",
 ):  # fmt: skip
     """`moe.route` for the tokens [T]: softmax in float32, the top k (highest first), rescaled:
-    (weights [T, K_PAD] float32, ids [T, K_PAD] int64; slots past TOP_K 0).
+    (weights [T, K_PAD] float32, ids [T, K_PAD] int64; slots past TOP_K 0). CACHE: the
+    logits' loads' cache modifier (".cg": written by other programs of the same kernel).
 
     One token (a program a token, the one-token MoE GEMV): each expert's rank among the
     token's, how many logits are higher or equal at a lower index (the softmax keeps their
@@ -63,10 +88,11 @@ def top_k_rows(
         logits_ptr + tokens[:, None] * stride_l + offs,
         mask=token_ok[:, None] & (offs < num_experts),
         other=float("-inf"),
+        cache_modifier=CACHE,
     ).to(tl.float32)
     if logits.shape[0] == 1:  # (ranked before the masking below: moved after it, the
         # sm_90 gate_up takes 80 registers, not the measured 72)
-        rank = _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs)
+        rank = _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs, CACHE)
     logits = tl.where(token_ok[:, None], logits, 0.0)  # (no -inf rows: no NaNs, not stored)
     probs = tl.exp(logits - tl.max(logits, 1)[:, None])
     probs = probs / tl.sum(probs, 1)[:, None]
@@ -92,7 +118,8 @@ def top_k_rows(
 
 
 @triton.jit
-def _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs):
+def _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs,
+           CACHE: tl.constexpr):  # fmt: skip
     """Each expert's place among its token's logits [T, E_PAD] (0 the highest; equal ones by
     index), from RANK_CHUNK of them loaded at a time."""
     rank = tl.zeros(logits.shape, dtype=tl.int32)
@@ -101,7 +128,7 @@ def _ranks(logits, logits_ptr, tokens, token_ok, num_experts, stride_l, offs):
         js = c + chunk
         other = tl.load(logits_ptr + tokens[:, None, None] * stride_l + js,
                         mask=token_ok[:, None, None] & (js < num_experts),
-                        other=float("-inf")).to(tl.float32)  # fmt: skip
+                        other=float("-inf"), cache_modifier=CACHE).to(tl.float32)  # fmt: skip
         mine = logits[:, :, None]
         above = (other > mine) | ((other == mine) & (js < offs[:, :, None]))
         rank += tl.sum(above.to(tl.int32), 2)
@@ -125,7 +152,7 @@ def _route_kernel(
     token = tl.program_id(0) + tl.arange(0, 1)
     let_next_start(PDL)
     wait_for_previous(PDL)
-    _route_rows(
+    route_rows(
         logits_ptr, weights_ptr, ids_ptr, token, token >= 0, num_experts, stride_l,
         TOP_K, K_PAD, E_PAD, RENORMALIZE,
     )  # fmt: skip
@@ -189,7 +216,7 @@ def _align_kernel(
     wait_for_previous(PDL)
     if ROUTE:
         tokens = tl.arange(0, T_PAD)
-        _route_rows(
+        route_rows(
             logits_ptr, weights_ptr, ids_ptr, tokens, tokens < num_tokens, num_experts,
             stride_l, TOP_K, K_PAD, E_PAD, RENORMALIZE,
         )  # fmt: skip

@@ -383,6 +383,44 @@ def test_attention_splits_merged_by_the_o_gemv_keep_batch_one_tokens(
     _same_tokens(runs[4], runs[0], 0.1)
 
 
+@pytest.mark.parametrize("family", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_top_k_ranked_by_the_routers_gemv_keeps_batch_one_tokens(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch-1 decode (two layers of the shipped shape, CUDA graphs, launched dependent) with
+    each layer's top k ranked by its router's GEMV (`triton_moe_gemv.RANKED_BY_ROUTER`: down's
+    programs read their expert and first tile before their wait) and by each gate_up program:
+    the same sums in the same order, so the same tokens and logprobs exactly; and at the
+    real shape, the layer given the router's choices is the layer given its logits."""
+    from kvfleet.engine.layers import triton_moe_gemv
+    from kvfleet.engine.layers.triton_gemv import gemv
+    from kvfleet.engine.layers.triton_route import Choices
+
+    experts, top_k, hidden, _ = MOE_SHAPES[family]
+    x, w13, w2, _ = _moe_layer(family, 1, seed=3)
+    gate = torch.randn(experts, hidden, device="cuda").bfloat16() * hidden**-0.5
+    for down_all in (True, False):
+        choices = Choices.empty(top_k, True, x.device)
+        logits = gemv(x, gate, choices=choices)
+        want = one_token_moe(x, logits, w13, w2, top_k, True, down_all=down_all)
+        assert torch.equal(one_token_moe(x, choices, w13, w2, top_k, True, down_all=down_all),
+                           want)  # fmt: skip
+    handed: list[tuple[bool, bool]] = []  # (the flag, whether the layer was given choices)
+    layer = triton_moe_gemv.one_token_moe
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        handed.append((triton_moe_gemv.RANKED_BY_ROUTER, isinstance(args[1], Choices)))
+        return layer(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe_gemv, "one_token_moe", spy)
+    _two_layers_of(family, tmp_path)
+    flag = (triton_moe_gemv, "RANKED_BY_ROUTER")
+    runs, _ = _batch_one_either_way(tmp_path, monkeypatch, flag, (True, False), 7)
+    assert {on for on, ranked in handed if ranked} == {True}
+    assert all(on == ranked for on, ranked in handed)
+    _same_tokens(runs[True], runs[False], 1e-9)
+
+
 class _Plans(dict[tuple[int, int], tuple[int, int, int, int]]):
     """A `TUNED_ONE_ROW` table that can key `_batch_one_either_way`'s runs."""
 

@@ -6,6 +6,8 @@ once, to the model dtype, as the reference does).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -255,3 +257,99 @@ def test_one_tokens_gemvs_normalize_the_row_as_the_norm_kernel_does(
     assert torch.equal(logits, gemv(normed, gate))
     assert torch.equal(one_token_moe(row, logits, w13, w2, top_k, True), want)
     assert torch.equal(row.residual_out, residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "tiles"),
+    [
+        (128, 8, (16, 64, 4, 1)),  # Qwen3-MoE's routing over 8 programs: the last one ranks
+        (8, 2, None),  # Mixtral's, one program
+        (6, 6, (4, 32, 1, 1)),  # every expert chosen, a part-filled last program
+    ],
+)
+def test_the_routers_gemv_ranks_its_logits_into_the_choices(
+    dtype: torch.dtype, num_experts: int, top_k: int, tiles: tuple[int, int, int, int] | None
+) -> None:
+    """`gemv(choices=...)`: the logits as without, and the last of its programs to store its
+    rows ranks them all into `moe.route`'s top k (renormalized or not), its counter back at 0."""
+    from kvfleet.engine.layers.quantization.triton_packed import shared_workspace
+    from kvfleet.engine.layers.triton_gemv import gemv
+    from kvfleet.engine.layers.triton_route import Choices
+
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    gate = (torch.randn(num_experts, 96, generator=gen) * 0.3).to(dtype)
+    for renormalize in (False, True, False):  # (each a row of its own: a program ranking
+        # before the others stored theirs would find the last row's logits)
+        x = torch.randn(1, 96, generator=gen).to(dtype)
+        choices = Choices.empty(top_k, renormalize, x.device)
+        logits = gemv(x, gate, tiles=tiles, choices=choices)
+        assert torch.equal(logits, gemv(x, gate, tiles=tiles))
+        weights, ids = route(logits, top_k, renormalize)
+        assert torch.equal(choices.ids, ids[0])
+        torch.testing.assert_close(choices.weights, weights[0], rtol=1e-6, atol=1e-7)
+        assert not shared_workspace(x.device, 0, 0).counters.any()
+
+
+@pytest.mark.parametrize("down_all", [True, False])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "hidden", "inner"), [(128, 8, 64, 24), (8, 2, 272, 84)]
+)
+def test_one_tokens_layer_takes_the_choices_the_routers_gemv_ranked(
+    num_experts: int, top_k: int, hidden: int, inner: int, down_all: bool
+) -> None:
+    """`one_token_moe` given the router GEMV's `Choices` (`RANKED_BY_ROUTER`: down's split
+    programs read their expert and first tile before their wait): bit for bit the layer
+    that ranks the logits in gate_up, within 2e-3 of the reference."""
+    from kvfleet.engine.layers.triton_gemv import gemv
+    from kvfleet.engine.layers.triton_route import Choices
+
+    gen = torch.Generator().manual_seed(hidden + top_k)
+    x = torch.randn(1, hidden, generator=gen).to(torch.float16)
+    gate = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(torch.float16)
+    w13 = (torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5).half()
+    w2 = (torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5).half()
+    for renormalize in (False, True):
+        choices = Choices.empty(top_k, renormalize, x.device)
+        logits = gemv(x, gate, choices=choices)
+        want = one_token_moe(x, logits, w13, w2, top_k, renormalize, down_all=down_all)
+        out = one_token_moe(x, choices, w13, w2, top_k, renormalize, down_all=down_all)
+        assert torch.equal(out, want)
+        weights, ids = route(logits, top_k, renormalize)
+        expected = experts_reference(x, w13, w2, weights, ids)
+        assert (out.float() - expected.float()).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("ranked", [False, True])
+def test_the_moe_blocks_one_token_path_ranks_in_the_router_where_asked(
+    ranked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`SparseMoeBlock` given an `UnnormalizedRow` (one token, fused): with
+    `RANKED_BY_ROUTER` on, its router's GEMV ranks (the block hands `Choices` on), and the
+    output and x + residual are those of the layer ranking in gate_up, bit for bit."""
+    from kvfleet.engine.layers import triton_moe_gemv
+    from kvfleet.engine.layers.moe import SparseMoeBlock
+    from kvfleet.engine.layers.triton_route import Choices
+    from tests.unit.engine.triton.test_triton_gemv import _unnormalized_row
+
+    block = SparseMoeBlock(16, 200, 24, 4, True, fused=True)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in (block.gate.weight, block.w13, block.w2):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    runs = []
+    handed: list[object] = []  # (the router's output each layer call was given)
+    real = triton_moe_gemv.one_token_moe
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        handed.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe_gemv, "one_token_moe", spy)
+    for on in (False, ranked):
+        monkeypatch.setattr(triton_moe_gemv, "RANKED_BY_ROUTER", on)
+        row = _unnormalized_row(torch.float32, True, False, seed=5)
+        runs.append((block(row), row.residual_out))
+        assert isinstance(handed[-1], Choices) == on
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
