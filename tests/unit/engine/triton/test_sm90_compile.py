@@ -36,7 +36,9 @@ NORM_TYPES = {"residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr"
 
 
 def compile_for_sm90(kernel, types, constants, warps, stages):
-    # (returns the kernel's PTX)
+    # (returns the kernel's PTX; constexprs not given take their defaults, as a launch does)
+    constants = {param.name: param.default for param in kernel.params
+                 if param.is_constexpr and param.has_default} | constants
     signature = {name: "constexpr" if name in constants else types.get(name, "i32")
                  for name in kernel.arg_names}
     source = ASTSource(
@@ -215,6 +217,17 @@ def dependent_launch():
                              "w2_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                              "partial_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16"},
                              dict(TOP_K=8, BLOCK_N=8, BLOCK_K=256), 0),
+        # (ranked by the router's GEMV: gate_up lets down start only after its wait, the router
+        # then complete, whose choices down reads before its own, with its first weights)
+        "one token's gate_up, ranked": (triton_moe_gemv._gate_up_gemv_kernel, moe_gemv_types,
+                                        dict(TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True,
+                                             BLOCK_N=8, BLOCK_K=256, ROW_BLOCK=2048,
+                                             RANKED=True) | norm, 0, "after"),
+        "one token's down, ranked": (triton_moe_gemv._down_gemv_kernel, {"h_ptr": "*bf16",
+                                     "w2_ptr": "*bf16", "weights_ptr": "*fp32",
+                                     "ids_ptr": "*i64", "partial_ptr": "*fp32",
+                                     "count_ptr": "*i32", "out_ptr": "*bf16"},
+                                     dict(TOP_K=8, BLOCK_N=8, BLOCK_K=256, RANKED=True), 1),
         "one token's down, all experts": (triton_moe_gemv._down_all_gemv_kernel,
                                           {"h_ptr": "*bf16", "w2_ptr": "*bf16",
                                            "weights_ptr": "*fp32", "ids_ptr": "*i64",
@@ -275,6 +288,12 @@ def dependent_launch():
                             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                                  BLOCK_K=256, ROW_BLOCK=4096)
                             | norm | no_rotary | no_splits, 1),
+        "bf16 gemv, norm, ranking a router's logits": (
+            triton_gemv._gemv_kernel, bf16_gemv_types | {"count_ptr": "*i32",
+            "choice_weights_ptr": "*fp32", "choice_ids_ptr": "*i64"},
+            dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
+                 ROW_BLOCK=2048, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True)
+            | norm | no_rotary | no_splits, 1),
         "bf16 gemv, norm, rotary into an FP8 cache": (
             triton_gemv._gemv_kernel, rotary_types,
             dict(QUANTIZE=False, STATIC=False, HAS_BIAS=False, BLOCK_N=16, BLOCK_K=256,
@@ -294,11 +313,13 @@ def dependent_launch():
             triton_packed_rows._packed_gemv_tile_kernel, packed_types,
             rows | dict(BLOCK_N=512, CHUNK=8), 1),
     }
-    for name, (kernel, types, constants, loads_first) in kernels.items():
+    for name, (kernel, types, constants, loads_first, *lets_start) in kernels.items():
         ptx = compile_for_sm90(kernel, types, constants | {"PDL": True}, 4, 3)
-        before, wait, _ = ptx.partition("griddepcontrol.wait")
+        before, wait, after = ptx.partition("griddepcontrol.wait")
         assert wait, f"{name}: no griddepcontrol.wait"
-        assert "griddepcontrol.launch_dependents" in before, f"{name}: successor not let start"
+        lets = after if lets_start == ["after"] else before
+        assert "griddepcontrol.launch_dependents" in lets, f"{name}: successor not let start"
+        assert "griddepcontrol.launch_dependents" not in (before if lets is after else after)
         assert ("ld.global" in before) == bool(loads_first), f"{name}: loads before the wait"
         assert "st.global" not in before, f"{name}: stores before the wait"
         plain = compile_for_sm90(kernel, types, constants | {"PDL": False}, 4, 3)
