@@ -73,6 +73,12 @@ FP8_TENSOR_CORES = True
 # Qwen3-8B for every layer (2.800 against 2.897); each 16 bytes' products summed (registers 117
 # -> 56 at bf16's 8 x 1,024) lost for bf16 too (Llama-3-8B 3.994 -> 4.349 ms): removed.
 FP8_BF16_ROW = True
+# e4m3 weights [N, K] whose one-row GEMV under FP8_BF16_ROW takes twice the bf16 plan's inputs a
+# tile, each two neighbouring products summed before the accumulator (`_grouped`: the bf16
+# plan's bytes a tile and accumulator). At every layer (FP8_ROW_WIDE, removed) it lost at
+# Llama-3-8B (2.663 -> 2.737 ms) and won at Qwen3-8B (2.897 -> 2.800, one round; call 131):
+# empty until bench/next/call134.sh names the layers (Qwen3-8B's differ in gate_up and down).
+PAIRED_E4M3_ROWS: frozenset[tuple[int, int]] = frozenset()
 
 
 @triton.jit
@@ -125,7 +131,7 @@ def _gemv_kernel(
     QK_NORM: tl.constexpr, QK_OFFSET: tl.constexpr, SPLITS: tl.constexpr,
     SPLIT_HEAD_DIM: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr = False,
     SCALED: tl.constexpr = False, TOP_K: tl.constexpr = 0, K_PAD: tl.constexpr = 1,
-    E_PAD: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False,
+    E_PAD: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False, GROUP: tl.constexpr = 1,
 ):  # fmt: skip
     """out [N] = x . w^T (+ bias). SPLITS: x is decode attention's unmerged splits, merged head
     by head as they are read (`merged_values`). QUANTIZE: x quantized to e4m3 as
@@ -151,14 +157,16 @@ def _gemv_kernel(
                                   QUANTIZE and not STATIC, QUANTIZE and STATIC, NORM,
                                   HAS_RESIDUAL, OFFSET)  # fmt: skip
     w_dtype = w_ptr.dtype.element_ty
-    acc = _products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype, residual_ptr,
-                    norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
-                    OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
+    acc = _grouped(_products(x_ptr, 0, offsets, K, x_scale, fp8_max, w_first, w_dtype,
+                             residual_ptr, norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE,
+                             NORM, HAS_RESIDUAL, OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER),
+                   GROUP)  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         w = weight_tile(w_ptr, cols, col_ok, k + offsets, K)
-        acc += _products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype, residual_ptr,
-                         norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE, NORM, HAS_RESIDUAL,
-                         OFFSET, SPLITS, SPLIT_HEAD_DIM, EAGER)  # fmt: skip
+        acc += _grouped(_products(x_ptr, k, offsets, K, x_scale, fp8_max, w, w_dtype,
+                                  residual_ptr, norm_w_ptr, inv_rms, lse_ptr, lse_stride,
+                                  QUANTIZE, NORM, HAS_RESIDUAL, OFFSET, SPLITS, SPLIT_HEAD_DIM,
+                                  EAGER), GROUP)  # fmt: skip
     out = tl.sum(acc, axis=1)
     if QUANTIZE:
         out = out * x_scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -449,6 +457,17 @@ def _launch_mma(
 
 
 @triton.jit
+def _grouped(products, GROUP: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // GROUP]: each GROUP neighbouring products of a row summed (GROUP 1:
+    the products as they are), so that the accumulator holds GROUP times fewer values."""
+    if GROUP == 1:
+        return products
+    rows: tl.constexpr = products.shape[0]
+    inputs: tl.constexpr = products.shape[1]
+    return tl.sum(tl.reshape(products, (rows, inputs // GROUP, GROUP)), axis=2)
+
+
+@triton.jit
 def _products(x_ptr, k0, offsets, K, x_scale, fp8_max, w, w_dtype: tl.constexpr, residual_ptr,
               norm_w_ptr, inv_rms, lse_ptr, lse_stride, QUANTIZE: tl.constexpr,
               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr,
@@ -576,11 +595,20 @@ def takes_rotary(weight: torch.Tensor, half: int, qk_norm: bool = False) -> bool
 
 def _plan(weight: torch.Tensor) -> tuple[int, int, int, int]:
     """`one_row_plan` of the CUDA-core GEMV over `weight`: e4m3 weights times a row as it is
-    (`FP8_BF16_ROW`) take the bf16 weights' plan."""
+    (`FP8_BF16_ROW`) take the bf16 weights' plan (`PAIRED_E4M3_ROWS`: its BLOCK_K doubled)."""
     n, k = weight.shape
     if weight.dtype == FP8 and FP8_BF16_ROW:
-        return one_row_plan(n, k, 2, weight.device)
+        block_n, block_k, warps, stages = one_row_plan(n, k, 2, weight.device)
+        if (n, k) in PAIRED_E4M3_ROWS:
+            block_k = min(2 * block_k, next_power_of_2(k))
+        return block_n, block_k, warps, stages
     return one_row_plan(n, k, weight.element_size(), weight.device)
+
+
+def _group(weight: torch.Tensor, scaled: bool) -> int:
+    """`_gemv_kernel`'s GROUP over `weight`: 2 for e4m3 rows times a row as it is that
+    `PAIRED_E4M3_ROWS` names, else 1."""
+    return 2 if scaled and tuple(weight.shape) in PAIRED_E4M3_ROWS else 1
 
 
 def gemv(
@@ -656,7 +684,7 @@ def gemv(
         OFFSET=norm is not None and norm.offset, **rotary_constants,
         SPLITS=m if left is not None else 0, SPLIT_HEAD_DIM=left.head_dim if left else 1, **pdl,
         num_warps=warps, num_stages=stages, EAGER=left is not None and SPLITS_EAGER,
-        SCALED=scaled, **_choice_constants(choices, n), **limits,
+        SCALED=scaled, GROUP=_group(weight, scaled), **_choice_constants(choices, n), **limits,
     )  # fmt: skip
     return out
 

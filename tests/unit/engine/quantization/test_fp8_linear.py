@@ -410,3 +410,30 @@ def test_e4m3_rows_as_they_are_take_the_bf16_plans(
     e4m3 = torch.empty(6144, 4096, dtype=FP8, device="meta")
     assert triton_gemv.takes_rotary(e4m3, 8)
     assert not triton_gemv.takes_rotary(e4m3, 4)
+
+
+def test_paired_e4m3_rows_sum_products_in_pairs_over_twice_the_inputs(
+    monkeypatch: pytest.MonkeyPatch, kernel_launches: Any
+) -> None:
+    """A shape `PAIRED_E4M3_ROWS` names: the bf16 plan with BLOCK_K doubled, each two products
+    summed before the accumulator (GROUP 2), to float32's summation noise of the dequantized
+    reference, as the unpaired GEMV is; other shapes as before."""
+    from kvfleet.engine.layers import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_gemv, "FP8_BF16_ROW", True)
+    launches = kernel_launches(triton_gemv, "_gemv_kernel")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4096, generator=generator)
+    weight, scale = quantize_rows(torch.randn(64, 4096, generator=generator) * 0.1)
+    want = x @ (weight.float() * scale).t()
+    outs = []
+    for paired in (frozenset(), frozenset({(64, 4096)})):
+        monkeypatch.setattr(triton_gemv, "PAIRED_E4M3_ROWS", paired)
+        outs.append(triton_gemv.gemv(x, weight, scale))
+        torch.testing.assert_close(outs[-1], want, rtol=1e-5, atol=1e-5)
+    (_, plain), (_, paired_launch) = launches
+    assert (plain["GROUP"], paired_launch["GROUP"]) == (1, 2)
+    block_k = triton_gemv.one_row_plan(64, 4096, 2, x.device)[1]
+    assert (plain["BLOCK_K"], paired_launch["BLOCK_K"]) == (block_k, min(2 * block_k, 4096))
+    assert paired_launch["BLOCK_K"] > plain["BLOCK_K"]

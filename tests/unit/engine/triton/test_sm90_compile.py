@@ -249,6 +249,16 @@ def dependent_launch():
                      dict(QUANTIZE=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
                           BLOCK_K=512, ROW_BLOCK=16384)
                      | no_norm | no_rotary | no_splits, 1),
+        "fp8 gemv, the row as it is, norm": (
+            triton_gemv._gemv_kernel, bf16_gemv_types | {"w_ptr": "*fp8e4nv",
+                                                         "w_scale_ptr": "*fp32"},
+            dict(QUANTIZE=False, SCALED=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
+                 BLOCK_K=256, ROW_BLOCK=4096) | norm | no_rotary | no_splits, 1),
+        "fp8 gemv, the row as it is, products in pairs": (
+            triton_gemv._gemv_kernel, bf16_gemv_types | {"w_ptr": "*fp8e4nv",
+                                                         "w_scale_ptr": "*fp32"},
+            dict(QUANTIZE=False, SCALED=True, STATIC=False, HAS_BIAS=False, BLOCK_N=16,
+                 BLOCK_K=512, ROW_BLOCK=1, GROUP=2) | no_norm | no_rotary | no_splits, 1),
         "fp8 gemv, tensor cores": (triton_gemv._fp8_gemv_mma_kernel, mma_types,
                                    dict(STATIC=False, HAS_BIAS=False, SPLIT=4, STEPS=4,
                                         BLOCK_N=64, BLOCK_K=256, ROW_BLOCK=4096,
