@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Device call 135 (session 49's build): the vocabulary race drawing four columns' noise from one
-# Philox evaluation (engine/sample/gumbel_race.py; sm_90 compiled here: 3,080 SASS instructions a
-# thread against 4,064 on 4 warps). `bash bench/next/stage.sh a43d82e` first (the race before).
-# The sampler's GPU tests, then bench/race.py under the race before and this tree (~3 min).
+# Device call 135 (session 49's build, on branch gpu-next34): the vocabulary race drawing four
+# columns' noise from one Philox evaluation (engine/sample/gumbel_race.py; sm_90 compiled here:
+# 3,080 SASS instructions a thread against 4,064 on 4 warps). `bash bench/next/stage.sh main`
+# first (the race before), then run on the branch: the sampler's GPU tests, then bench/race.py
+# under main's race and the branch's (~3 min).
 set -uo pipefail
 OUT=${OUT:?}
 . bench/next/batch1.sh

@@ -64,9 +64,9 @@ def test_shards_raced_apart_agree_with_the_whole() -> None:
 
 
 def test_shards_on_odd_columns_draw_the_whole_rows_noise() -> None:
-    """A column's noise is its stream offset's (base + global index: lane offset % 4 of Philox at
-    offset // 4), wherever its program's block starts: shards at odd first columns and rows at
-    odd bases (blocks not on a multiple of 4) race as the whole row does."""
+    """A column's noise is its stream offset's (base + global index), wherever its program's
+    block starts: shards at odd first columns and rows at odd bases (blocks not on a multiple
+    of 4) race as the whole row does."""
     logits = torch.randn(4, 700, generator=torch.Generator().manual_seed(4))
     temperatures, keys, bases = [1.0, 0.8, 1.0, 1.5], [21, 22, 22, 23], [0, 3, 701, 1402]
     whole = run(logits, temperatures, keys, bases)
